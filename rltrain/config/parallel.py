@@ -1,0 +1,83 @@
+"""Model-parallel layout of one Megatron role (actor, critic or reference).
+
+The data-parallel size is not configured: it is derived from the devices the role is given
+(``world_size // (tensor * pipeline * context)``), so a recipe cannot state two contradicting numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel (TP) size: attention heads and MLP columns are split over this many ranks."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel (PP) size: the layers are split into this many consecutive stages."""
+
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Interleaved-schedule model chunks per pipeline stage (VPP); null disables interleaving."""
+
+    context_parallel_size: int = 1
+    """Context-parallel (CP) size: each sequence is split over this many ranks."""
+
+    expert_model_parallel_size: int = 1
+    """Expert-parallel (EP) size for MoE models: the experts are divided over this many ranks."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Tensor-parallel size inside each expert; null means the same as ``tensor_model_parallel_size``."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (shards LayerNorm/dropout activations over TP); needs TP > 1."""
+
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one full copy of the model: TP × PP × CP."""
+        return (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size for ``world_size`` ranks; the caller validates divisibility first."""
+        return world_size // self.model_parallel_size()
+
+    def validate(self, prefix: str, world_size: int | None = None) -> list[str]:
+        """Return the problems of this layout, each naming its key under ``prefix``."""
+        problems: list[str] = []
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                problems.append(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
+            problems.append(
+                f"{prefix}.virtual_pipeline_model_parallel_size={vpp} needs "
+                f"pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size}) and a value >= 1"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            problems.append(f"{prefix}.sequence_parallel=true needs tensor_model_parallel_size > 1")
+        if world_size is not None and not problems:
+            mp = self.model_parallel_size()
+            if world_size % mp:
+                problems.append(
+                    f"{prefix}: TP×PP×CP = {self.tensor_model_parallel_size}×"
+                    f"{self.pipeline_model_parallel_size}×{self.context_parallel_size} = {mp} "
+                    f"does not divide the {world_size} devices given to the role"
+                )
+            else:
+                dp = world_size // mp
+                etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+                # Megatron lays experts over (EP × expert-TP) ranks carved out of DP × CP × TP.
+                expert_span = self.expert_model_parallel_size * etp
+                dense_span = dp * self.context_parallel_size * self.tensor_model_parallel_size
+                if dense_span % expert_span:
+                    problems.append(
+                        f"{prefix}: expert_model_parallel_size × expert_tensor_parallel_size = "
+                        f"{self.expert_model_parallel_size}×{etp} does not divide DP×CP×TP = {dense_span}"
+                    )
+        return problems

@@ -1,0 +1,197 @@
+"""Tiny random Hugging Face models and a small BPE tokenizer, built locally (no model hub).
+
+Tests, the CPU quickstart and benchmarks use these. Everything is deterministic for a given seed:
+the tokenizer is trained on a fixed corpus, the weights come from ``torch.manual_seed(seed)``.
+
+The default shapes are the smallest that every backend accepts: vLLM's CPU attention needs a head
+size of 32 or more, Megatron tensor parallelism at TP=2 needs heads and KV heads divisible by 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+# ChatML, the format of Qwen2 and SmolLM2; `add_generation_prompt` opens the assistant turn.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_TINY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "mixtral": dict(
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.01,
+        tie_word_embeddings=False,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def default_corpus() -> list[str]:
+    """A fixed corpus covering digits, arithmetic, chat roles and plain English words."""
+    lines = [
+        "You are a helpful assistant. Answer with the number only.",
+        "What is 12 + 7? The answer is 19.",
+        "Compute 3 * 4 - 5 and give the result. #### 7",
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+        "system user assistant question answer think step by step",
+    ]
+    for a in range(0, 100, 7):
+        for b in range(0, 100, 11):
+            lines.append(f"{a} + {b} = {a + b}. {a} - {b} = {a - b}. {a} * {b} = {a * b}.")
+    return lines
+
+
+def build_tiny_tokenizer(*, vocab_size: int = 512, corpus: list[str] | None = None):
+    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it as a transformers fast tokenizer.
+
+    Single digits are never merged (``individual_digits``), which keeps arithmetic learnable.
+    Returns a ``PreTrainedTokenizerFast`` with a ChatML chat template, ``<|endoftext|>`` as EOS
+    and ``<|pad|>`` as padding.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus or default_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def tiny_hf_config(model_type: str, *, vocab_size: int, **overrides: Any):
+    """An HF ``PretrainedConfig`` of a tiny model of ``model_type`` (llama, qwen2, mixtral, qwen2_moe, qwen3)."""
+    from transformers import AutoConfig
+
+    if model_type not in _TINY_DEFAULTS:
+        raise ValueError(f"no tiny preset for model_type={model_type!r}; known: {sorted(_TINY_DEFAULTS)}")
+    kwargs = {**_TINY_DEFAULTS[model_type], **overrides}
+    kwargs.setdefault("torch_dtype", "float32")
+    return AutoConfig.for_model(model_type, vocab_size=vocab_size, **kwargs)
+
+
+def build_tiny_model(
+    model_type: str = "llama",
+    *,
+    tokenizer=None,
+    seed: int = 0,
+    init_std: float = 0.02,
+    **overrides: Any,
+):
+    """Return ``(model, tokenizer)``: a randomly initialised fp32 HF causal LM and its tokenizer.
+
+    Token ids of the tokenizer's special tokens are written into the model config so that
+    generation stops at ``<|endoftext|>`` or ``<|im_end|>``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    config = tiny_hf_config(model_type, vocab_size=len(tokenizer), initializer_range=init_std, **overrides)
+    config.eos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = None
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.eval()
+    return model, tokenizer
+
+
+def save_tiny_model(
+    out_dir: str | Path, model_type: str = "llama", *, seed: int = 0, **overrides: Any
+) -> Path:
+    """Build a tiny model and save it with its tokenizer as an HF directory (safetensors); returns the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = build_tiny_model(model_type, seed=seed, **overrides)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    generation_config = {"eos_token_id": eos_ids, "pad_token_id": tokenizer.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    return out
