@@ -1,0 +1,75 @@
+"""Pure tensor math of the RL algorithms: advantages, KL, losses, and the registries that name them.
+
+Nothing here imports Megatron, Ray or vLLM, and nothing runs a collective: callers pass global
+denominators (``LossAgg``) so results do not depend on how a batch was split.
+"""
+
+from rltrain.algo.advantages import (
+    ADV_ESTIMATORS,
+    AdvantageInputs,
+    AdvantageOutput,
+    AdvantageParams,
+    compute_advantages,
+)
+from rltrain.algo.kl import (
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    KLInRewardMetrics,
+    apply_kl_in_reward,
+    build_kl_controller,
+    kl_penalty,
+)
+from rltrain.algo.losses import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    LossAgg,
+    PolicyLossInputs,
+    PolicyLossOutput,
+    PolicyLossParams,
+    ValueLossOutput,
+    agg_loss,
+    compute_entropy_loss,
+    compute_kl_loss,
+    compute_policy_loss,
+    compute_value_loss,
+)
+from rltrain.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rltrain.algo.registry import Registry, UnknownNameError
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "AGG_MODES",
+    "KL_CONTROLLERS",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageInputs",
+    "AdvantageOutput",
+    "AdvantageParams",
+    "FixedKLController",
+    "KLController",
+    "KLInRewardMetrics",
+    "LossAgg",
+    "PolicyLossInputs",
+    "PolicyLossOutput",
+    "PolicyLossParams",
+    "Registry",
+    "UnknownNameError",
+    "ValueLossOutput",
+    "agg_loss",
+    "apply_kl_in_reward",
+    "build_kl_controller",
+    "compute_advantages",
+    "compute_entropy_loss",
+    "compute_kl_loss",
+    "compute_policy_loss",
+    "compute_value_loss",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]

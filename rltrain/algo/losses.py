@@ -1,0 +1,361 @@
+"""Losses of the PPO family: aggregation, policy (clipped surrogate), value, entropy, KL.
+
+Contract: every loss turns a per-token matrix ``[batch, response_len]`` into a scalar with
+``agg_loss`` (verl's ``loss_agg_mode``). Given global denominators (valid tokens / valid sequences
+of the whole mini-batch, over all micro-batches and data-parallel ranks), ``agg_loss`` returns this
+micro-batch's share of the global value: summing it over micro-batches and ranks gives exactly the
+loss of the full mini-batch, however it was split. Without them it uses local counts (a plain mean
+over this micro-batch). A caller whose gradient reduction averages over data-parallel ranks
+multiplies by the data-parallel size (verl's ``* dp_size``); this module stays collective-free.
+
+Modes (``m`` the mask, ``L`` the loss matrix, ``N_tok``/``N_seq`` the token / sequence counts):
+
+- ``token-mean``: ``Σ_{i,t} m L / N_tok``.
+- ``seq-mean-token-sum``: ``Σ_i (Σ_t m L) / N_seq``.
+- ``seq-mean-token-mean``: ``Σ_i (Σ_t m L / Σ_t m) / N_seq``.
+- ``seq-mean-token-sum-norm`` (Dr. GRPO): ``Σ_i (Σ_t m L / C) / N_seq`` with ``C =
+  loss_scale_factor`` (default: ``response_len`` of the tensor; pass a constant such as the
+  configured max response length for split invariance).
+
+Sequences with no valid token are not counted in the local ``N_seq``. This follows current verl;
+older verl omitted the ``/ N_seq`` in ``seq-mean-token-sum-norm``.
+
+Policy losses are registered in ``POLICY_LOSSES`` (verl's ``policy_loss.loss_mode``); ``vanilla`` is
+PPO's clipped surrogate (Schulman et al. 2017) with asymmetric clip ranges (DAPO's
+``clip_ratio_low/high``), dual-clip for negative advantages (Ye et al. 2020, ``clip_ratio_c``) and an
+optional truncated importance-sampling correction (TIS, Yao et al. 2025) for the gap between the
+rollout engine's and the trainer's log-probs. Metrics are detached 0-dim tensors (no host sync),
+averaged over valid tokens with the same token denominator as ``token-mean``: with
+``global_num_tokens`` they too add up over micro-batches to the mini-batch mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rltrain.algo.kl import kl_penalty
+from rltrain.algo.masked import masked_mean, masked_sum
+from rltrain.algo.registry import Registry
+
+AggFn = Callable[[torch.Tensor, torch.Tensor, "LossAgg"], torch.Tensor]
+
+AGG_MODES: Registry[AggFn] = Registry("loss_agg_mode")
+
+
+@dataclass(frozen=True)
+class LossAgg:
+    """How a per-token loss becomes a scalar: the mode and the global denominators."""
+
+    mode: str = "token-mean"
+    """A name in ``AGG_MODES``: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or
+    ``seq-mean-token-sum-norm``."""
+
+    global_num_tokens: float | torch.Tensor | None = None
+    """Valid tokens in the whole mini-batch (all micro-batches, all ranks); ``token-mean`` and the
+    metrics divide by it. ``None``: this micro-batch's count."""
+
+    global_num_seqs: float | torch.Tensor | None = None
+    """Sequences with at least one valid token in the whole mini-batch; the ``seq-mean-*`` modes
+    divide by it. ``None``: this micro-batch's count."""
+
+    loss_scale_factor: float | None = None
+    """The constant ``C`` of ``seq-mean-token-sum-norm`` (ignored by the other modes); ``None``:
+    ``response_len`` of the tensor."""
+
+    def __post_init__(self) -> None:
+        AGG_MODES.get(self.mode)  # fail at construction on a misspelled mode
+        if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
+            raise ValueError(f"loss_scale_factor must be > 0, got {self.loss_scale_factor}")
+
+    def __call__(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Aggregate ``loss_mat`` ``[batch, response_len]`` under ``mask`` to a scalar."""
+        return AGG_MODES.get(self.mode)(loss_mat, mask, self)
+
+    def token_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean over valid tokens with this aggregation's token denominator (for metrics)."""
+        return masked_mean(values, mask, denominator=self.global_num_tokens)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    global_num_tokens: float | torch.Tensor | None = None,
+    global_num_seqs: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss to a scalar (verl's ``agg_loss``), see the module docstring.
+
+    Args:
+        loss_mat: ``[batch, response_len]`` per-token loss.
+        mask: ``[batch, response_len]`` 0/1 valid tokens.
+        mode: a name in ``AGG_MODES``.
+        global_num_tokens, global_num_seqs, loss_scale_factor: see ``LossAgg``.
+
+    Returns:
+        A 0-dim tensor, differentiable w.r.t. ``loss_mat``.
+    """
+    agg = LossAgg(
+        mode=mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return agg(loss_mat, mask)
+
+
+@AGG_MODES.register("token-mean")
+def _token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    return masked_mean(loss_mat, mask, denominator=agg.global_num_tokens)
+
+
+def _seq_mean(seq_losses: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    """Mean of ``[batch]`` per-sequence losses over sequences with a valid token."""
+    has_tokens = mask.sum(dim=-1) > 0
+    if agg.global_num_seqs is None:
+        return masked_mean(seq_losses, has_tokens)
+    return masked_sum(seq_losses, has_tokens) / agg.global_num_seqs
+
+
+@AGG_MODES.register("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    return _seq_mean(masked_sum(loss_mat, mask, dim=-1), mask, agg)
+
+
+@AGG_MODES.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    return _seq_mean(masked_mean(loss_mat, mask, dim=-1), mask, agg)
+
+
+@AGG_MODES.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    scale = agg.loss_scale_factor if agg.loss_scale_factor is not None else loss_mat.shape[-1]
+    return _seq_mean(masked_sum(loss_mat, mask, dim=-1) / scale, mask, agg)
+
+
+@dataclass
+class PolicyLossInputs:
+    """Per-token tensors of one micro-batch for the policy loss."""
+
+    old_logprobs: torch.Tensor
+    """``[batch, response_len]`` log-probs of the policy that sampled the data, as recomputed by the
+    trainer before the update (no gradient)."""
+
+    logprobs: torch.Tensor
+    """``[batch, response_len]`` log-probs of the current policy (carries the gradient)."""
+
+    advantages: torch.Tensor
+    """``[batch, response_len]`` advantages (no gradient)."""
+
+    response_mask: torch.Tensor
+    """``[batch, response_len]`` 0/1 valid tokens."""
+
+    rollout_logprobs: torch.Tensor | None = None
+    """``[batch, response_len]`` log-probs reported by the rollout engine; used by TIS."""
+
+
+@dataclass(frozen=True)
+class PolicyLossParams:
+    """Clip ranges and corrections of the policy loss (verl's ``actor.*`` names)."""
+
+    clip_ratio: float = 0.2
+    """ε of PPO: the ratio is clipped to ``[1 - ε, 1 + ε]``."""
+
+    clip_ratio_low: float | None = None
+    """Lower ε; ``None``: ``clip_ratio``."""
+
+    clip_ratio_high: float | None = None
+    """Upper ε (DAPO's clip-higher); ``None``: ``clip_ratio``."""
+
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound (> 1): for negative advantages the per-token loss is at most
+    ``clip_ratio_c · |A|``."""
+
+    tis_cap: float | None = None
+    """Truncated importance sampling: with ``rollout_logprobs`` each token's loss is weighted by
+    ``min(exp(old_logprobs - rollout_logprobs), tis_cap)``; ``None`` disables it."""
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {self.clip_ratio_c}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+
+    @property
+    def low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+@dataclass
+class PolicyLossOutput:
+    """The aggregated policy loss and its metrics (metrics detached, 0-dim)."""
+
+    loss: torch.Tensor
+    """0-dim, differentiable w.r.t. ``logprobs``."""
+
+    clipfrac: torch.Tensor
+    """Fraction of valid tokens where the clipped surrogate was active (verl ``pg_clipfrac``)."""
+
+    clipfrac_lower: torch.Tensor
+    """Fraction of valid tokens where the dual clip was active (negative advantage, verl
+    ``pg_clipfrac_lower``)."""
+
+    ppo_kl: torch.Tensor
+    """Mean of ``old_logprobs - logprobs`` over valid tokens (clamped log-ratio)."""
+
+    tis_weight_mean: torch.Tensor | None = None
+    """Mean TIS weight over valid tokens; ``None`` when TIS is off."""
+
+
+PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams, LossAgg], PolicyLossOutput]
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+_MAX_LOG_RATIO = 20.0
+"""Log-ratios are clamped to ±this before ``exp`` so a diverged token cannot overflow."""
+
+
+def compute_policy_loss(
+    name: str, inputs: PolicyLossInputs, *, params: PolicyLossParams, agg: LossAgg
+) -> PolicyLossOutput:
+    """Run the policy loss registered as ``name`` (e.g. ``"vanilla"``) on one micro-batch.
+
+    Args:
+        name: a name in ``POLICY_LOSSES``.
+        inputs: log-probs, advantages and mask, each ``[batch, response_len]``.
+        params: clip ranges, dual clip and TIS cap.
+        agg: aggregation mode and global denominators.
+
+    Returns:
+        The scalar loss and its metrics.
+    """
+    return POLICY_LOSSES.get(name)(inputs, params, agg)
+
+
+def tis_weight(inputs: PolicyLossInputs, params: PolicyLossParams) -> torch.Tensor | None:
+    """Detached ``[batch, response_len]`` TIS weights, or ``None`` when TIS is off.
+
+    TIS is on when ``params.tis_cap`` is set; it then needs ``inputs.rollout_logprobs``.
+    """
+    if params.tis_cap is None:
+        return None
+    if inputs.rollout_logprobs is None:
+        raise ValueError("tis_cap is set but PolicyLossInputs.rollout_logprobs is None")
+    log_ratio = (inputs.old_logprobs - inputs.rollout_logprobs).detach()
+    return torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO)).clamp(max=params.tis_cap)
+
+
+@POLICY_LOSSES.register("vanilla")
+def vanilla_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: LossAgg) -> PolicyLossOutput:
+    """PPO clipped surrogate with dual clip and optional TIS.
+
+    Per token, with ``r = exp(logprobs - old_logprobs)``:
+    ``max(-A r, -A clip(r, 1 - low, 1 + high))``, and for ``A < 0`` additionally capped at
+    ``-A · clip_ratio_c``; multiplied by the TIS weight when on, then aggregated by ``agg``.
+
+    Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
+    """
+    advantages, mask = inputs.advantages, inputs.response_mask
+    log_ratio = (inputs.logprobs - inputs.old_logprobs).clamp(min=-_MAX_LOG_RATIO, max=_MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - params.low, 1.0 + params.high)
+    surrogate = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * params.clip_ratio_c
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(surrogate, dual_bound), surrogate)
+
+    weight = tis_weight(inputs, params)
+    if weight is not None:
+        per_token = per_token * weight
+
+    with torch.no_grad():
+        clipfrac = agg.token_mean((clipped > unclipped).to(ratio.dtype), mask)
+        clipfrac_lower = agg.token_mean(((surrogate > dual_bound) & negative).to(ratio.dtype), mask)
+        ppo_kl = agg.token_mean(-log_ratio, mask)
+        tis_weight_mean = None if weight is None else agg.token_mean(weight, mask)
+    return PolicyLossOutput(
+        loss=agg(per_token, mask),
+        clipfrac=clipfrac,
+        clipfrac_lower=clipfrac_lower,
+        ppo_kl=ppo_kl,
+        tis_weight_mean=tis_weight_mean,
+    )
+
+
+@dataclass
+class ValueLossOutput:
+    """The aggregated value loss and its clip fraction."""
+
+    loss: torch.Tensor
+    """0-dim, differentiable w.r.t. ``vpreds``."""
+
+    vf_clipfrac: torch.Tensor
+    """Detached fraction of valid tokens where the clipped error was the larger one."""
+
+
+def compute_value_loss(
+    *,
+    vpreds: torch.Tensor,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    agg: LossAgg,
+) -> ValueLossOutput:
+    """Clipped value loss: ``0.5 · agg(max((v - R)^2, (clip(v, V_old ± c) - R)^2))``.
+
+    Args:
+        vpreds: ``[batch, response_len]`` current critic predictions (carry the gradient).
+        values: ``[batch, response_len]`` critic values at rollout time (the clip centre).
+        returns: ``[batch, response_len]`` value targets.
+        response_mask: ``[batch, response_len]`` 0/1 valid tokens.
+        cliprange_value: ``c``, verl's ``critic.cliprange_value``.
+        agg: aggregation mode and global denominators.
+
+    Returns:
+        The scalar loss and ``vf_clipfrac``.
+    """
+    vpreds_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+    unclipped = (vpreds - returns) ** 2
+    clipped = (vpreds_clipped - returns) ** 2
+    loss = 0.5 * agg(torch.maximum(unclipped, clipped), response_mask)
+    with torch.no_grad():
+        vf_clipfrac = agg.token_mean((clipped > unclipped).to(vpreds.dtype), response_mask)
+    return ValueLossOutput(loss=loss, vf_clipfrac=vf_clipfrac)
+
+
+def compute_entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    """Aggregated entropy ``[batch, response_len]`` -> 0-dim (the caller applies ``-entropy_coeff``)."""
+    return agg(entropy, response_mask)
+
+
+def compute_kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    kind: str,
+    agg: LossAgg,
+) -> torch.Tensor:
+    """KL loss for ``use_kl_loss``: ``agg(kl_penalty(logprobs, ref_logprobs, kind))``.
+
+    Args:
+        logprobs: ``[batch, response_len]`` current policy (carries the gradient).
+        ref_logprobs: ``[batch, response_len]`` reference policy.
+        response_mask: ``[batch, response_len]`` 0/1 valid tokens.
+        kind: KL estimator name (verl's ``kl_loss_type``, usually ``low_var_kl``).
+        agg: aggregation mode and global denominators.
+
+    Returns:
+        0-dim tensor; the caller multiplies by ``kl_loss_coef``.
+    """
+    return agg(kl_penalty(logprobs, ref_logprobs, kind), response_mask)
