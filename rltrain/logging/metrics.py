@@ -1,0 +1,117 @@
+"""Metric names of one training step and small helpers that compute summary statistics.
+
+A step's metrics are a flat ``dict[str, float]``; keys are slash-namespaced ``group/name`` (or
+``group/quantity/statistic``) so TensorBoard groups them into sections, as verl does:
+
+==================  ==========================================================================
+group               keys (all per training step)
+==================  ==========================================================================
+``reward/``         ``score/{mean,std,min,max}`` rule score per sequence before any KL penalty;
+                    ``accuracy`` fraction of correct answers; ``answered`` fraction with an
+                    extractable answer; ``format/mean`` format-reward rate (if configured);
+                    ``by_source/<data_source>/{score_mean,accuracy,count}``
+``response/``       ``length/{mean,min,max}`` response tokens; ``clip_ratio`` fraction that hit
+                    ``max_response_length``
+``prompt/``         ``length/{mean,min,max}`` prompt tokens
+``actor/``          ``pg_loss``, ``entropy``, ``pg_clipfrac``, ``ppo_kl`` (old vs new policy),
+                    ``kl`` (policy vs reference, per token), ``kl_coef`` (β), ``kl_loss``,
+                    ``grad_norm``, ``lr``
+``critic/``         ``vf_loss``, ``vf_clipfrac``, ``grad_norm``, ``lr``, ``values/mean``,
+                    ``advantages/{mean,std}``, ``returns/mean``
+``rollout/``        ``logprob_diff_mean``, ``logprob_diff_max`` |rollout - trainer| logprob gap
+                    per response token (``Principles 6`` in DESIGN.md)
+``timing_s/``       seconds per stage, one key per name in :data:`STAGES`, plus ``step``
+``perf/``           ``tokens_per_s`` (prompt + response tokens of the step / step seconds),
+                    ``num_tokens``
+``data/``           ``epoch``, ``num_filtered_prompts``
+==================  ==========================================================================
+
+Statistics are population statistics (``std`` with ddof=0) over the sequences of the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+REWARD_MEAN = "reward/score/mean"
+REWARD_STD = "reward/score/std"
+REWARD_ACCURACY = "reward/accuracy"
+REWARD_ANSWERED = "reward/answered"
+REWARD_FORMAT_MEAN = "reward/format/mean"
+RESPONSE_LENGTH_MEAN = "response/length/mean"
+RESPONSE_CLIP_RATIO = "response/clip_ratio"
+PROMPT_LENGTH_MEAN = "prompt/length/mean"
+ACTOR_PG_LOSS = "actor/pg_loss"
+ACTOR_ENTROPY = "actor/entropy"
+ACTOR_PG_CLIPFRAC = "actor/pg_clipfrac"
+ACTOR_PPO_KL = "actor/ppo_kl"
+ACTOR_KL = "actor/kl"
+ACTOR_KL_COEF = "actor/kl_coef"
+ACTOR_KL_LOSS = "actor/kl_loss"
+ACTOR_GRAD_NORM = "actor/grad_norm"
+ACTOR_LR = "actor/lr"
+CRITIC_VF_LOSS = "critic/vf_loss"
+CRITIC_VF_CLIPFRAC = "critic/vf_clipfrac"
+CRITIC_GRAD_NORM = "critic/grad_norm"
+CRITIC_LR = "critic/lr"
+ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"
+ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
+PERF_TOKENS_PER_S = "perf/tokens_per_s"
+PERF_NUM_TOKENS = "perf/num_tokens"
+DATA_EPOCH = "data/epoch"
+DATA_NUM_FILTERED = "data/num_filtered_prompts"
+
+TIMING_PREFIX = "timing_s/"
+STAGES = (
+    "generate",
+    "reward",
+    "old_logprob",
+    "ref",
+    "values",
+    "advantages",
+    "update_actor",
+    "update_critic",
+    "weight_sync",
+)
+"""The stages of one PPO step, in order; ``timing_s/step`` covers the whole step."""
+TIMING_STEP = TIMING_PREFIX + "step"
+
+
+def timing_key(stage: str) -> str:
+    """``timing_s/<stage>``."""
+    return TIMING_PREFIX + stage
+
+
+def summary_stats(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    """``{prefix/mean, prefix/std, prefix/min, prefix/max}`` of ``values`` (population std)."""
+    if not values:
+        raise ValueError(f"cannot summarize {prefix!r}: no values")
+    mean = math.fsum(values) / len(values)
+    var = math.fsum((v - mean) ** 2 for v in values) / len(values)
+    return {
+        f"{prefix}/mean": mean,
+        f"{prefix}/std": math.sqrt(var),
+        f"{prefix}/min": float(min(values)),
+        f"{prefix}/max": float(max(values)),
+    }
+
+
+def length_metrics(
+    prompt_lengths: Sequence[int], response_lengths: Sequence[int], *, max_response_length: int
+) -> dict[str, float]:
+    """Prompt and response length statistics plus the fraction of responses cut at the limit."""
+    metrics = summary_stats("prompt/length", prompt_lengths) | summary_stats(
+        "response/length", response_lengths
+    )
+    metrics = {key: value for key, value in metrics.items() if not key.endswith("/std")}
+    clipped = sum(1 for n in response_lengths if n >= max_response_length)
+    metrics[RESPONSE_CLIP_RATIO] = clipped / len(response_lengths)
+    return metrics
+
+
+def throughput_metrics(*, num_tokens: int, step_seconds: float) -> dict[str, float]:
+    """``perf/num_tokens`` and ``perf/tokens_per_s`` of one step."""
+    if step_seconds <= 0:
+        raise ValueError(f"step_seconds must be > 0, got {step_seconds}")
+    return {PERF_NUM_TOKENS: float(num_tokens), PERF_TOKENS_PER_S: num_tokens / step_seconds}

@@ -1,0 +1,74 @@
+"""Registry of rule-based reward functions, keyed by a row's ``data_source``.
+
+Contract: a reward function takes the decoded response text and the ground-truth string of one
+sequence, plus keyword-only parameters (``correct_score``, ``method``, ...), and returns a
+:class:`RewardResult`. It is pure: no model, no I/O, no randomness, so the same response always
+gets the same score. Functions are registered under one or more data_source names with
+:func:`register_reward`; :func:`get_reward_fn` fails for an unknown name and lists the registered
+ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """The score of one response."""
+
+    score: float
+    """Scalar reward of the whole sequence (the algorithm places it on the last response token)."""
+
+    correct: bool
+    """Whether the extracted answer equals the ground truth (drives the ``reward/accuracy`` metric)."""
+
+    answer: str | None
+    """The answer extracted from the response, normalized; ``None`` when none could be found."""
+
+
+class RewardFn(Protocol):
+    def __call__(self, response: str, ground_truth: str, **kwargs: object) -> RewardResult: ...
+
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+class UnknownDataSourceError(KeyError):
+    """A row's data_source has no registered reward function."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message and show the quotes
+        return str(self.args[0])
+
+
+def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under each of ``data_sources``."""
+    if not data_sources:
+        raise ValueError("register_reward needs at least one data_source name")
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        for name in data_sources:
+            if name in _REGISTRY and _REGISTRY[name] is not fn:
+                raise ValueError(f"data_source {name!r} already has a reward function: {_REGISTRY[name]}")
+            _REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward_fn(data_source: str) -> RewardFn:
+    """The reward function registered for ``data_source``; a clear error names the known ones."""
+    try:
+        return _REGISTRY[data_source]
+    except KeyError:
+        raise UnknownDataSourceError(
+            f"no reward function registered for data_source {data_source!r}; "
+            f"registered: {registered_data_sources()}"
+        ) from None
+
+
+def registered_data_sources() -> list[str]:
+    """Sorted names of all registered data sources."""
+    return sorted(_REGISTRY)
