@@ -164,8 +164,8 @@ def _group_mean_std_size(
     Mean and unbiased std of the scores in the sample's group and the group size; a group of one
     gets mean 0 and std 1 (verl's convention).
     """
-    _, group_index = torch.unique(group_ids, return_inverse=True)
-    num_groups = int(group_index.max().item()) + 1
+    unique_ids, group_index = torch.unique(group_ids, return_inverse=True)
+    num_groups = unique_ids.numel()
     sizes = torch.bincount(group_index, minlength=num_groups).to(scores.dtype)
     means = scores.new_zeros(num_groups).index_add_(0, group_index, scores) / sizes
     squared = (scores - means[group_index]) ** 2

@@ -100,9 +100,11 @@ class FixedKLController:
         """No-op: a fixed coefficient ignores the measured KL."""
 
     def state_dict(self) -> dict[str, float]:
+        """``{"value": β}`` as a plain float, for the checkpoint."""
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore β from ``state_dict()``; the other settings come from the config."""
         self.value = float(state["value"])
 
 
@@ -130,9 +132,11 @@ class AdaptiveKLController:
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, float]:
+        """``{"value": β}`` as a plain float, for the checkpoint."""
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore β from ``state_dict()``; the other settings come from the config."""
         self.value = float(state["value"])
 
 
@@ -143,11 +147,13 @@ KL_CONTROLLERS: Registry[KLControllerFactory] = Registry("KL controller")
 
 @KL_CONTROLLERS.register("fixed")
 def _build_fixed(*, kl_coef: float, target_kl: float | None, horizon: float | None) -> KLController:
+    """``FixedKLController(kl_coef)``; ``target_kl`` and ``horizon`` are ignored."""
     return FixedKLController(kl_coef)
 
 
 @KL_CONTROLLERS.register("adaptive")
 def _build_adaptive(*, kl_coef: float, target_kl: float | None, horizon: float | None) -> KLController:
+    """``AdaptiveKLController`` starting at ``kl_coef``; needs ``target_kl`` and ``horizon``."""
     if target_kl is None or horizon is None:
         raise ValueError(
             f"kl_ctrl.type='adaptive' needs kl_ctrl.target_kl and kl_ctrl.horizon, "

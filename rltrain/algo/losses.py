@@ -110,6 +110,7 @@ def agg_loss(
 
 @AGG_MODES.register("token-mean")
 def _token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    """``[batch, response_len]`` -> 0-dim: sum over valid tokens / token count."""
     return masked_mean(loss_mat, mask, denominator=agg.global_num_tokens)
 
 
@@ -123,16 +124,19 @@ def _seq_mean(seq_losses: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> tor
 
 @AGG_MODES.register("seq-mean-token-sum")
 def _seq_mean_token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    """``[batch, response_len]`` -> 0-dim: mean over sequences of each sequence's token sum."""
     return _seq_mean(masked_sum(loss_mat, mask, dim=-1), mask, agg)
 
 
 @AGG_MODES.register("seq-mean-token-mean")
 def _seq_mean_token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    """``[batch, response_len]`` -> 0-dim: mean over sequences of each sequence's token mean."""
     return _seq_mean(masked_mean(loss_mat, mask, dim=-1), mask, agg)
 
 
 @AGG_MODES.register("seq-mean-token-sum-norm")
 def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    """``[batch, response_len]`` -> 0-dim: mean over sequences of token sum / ``loss_scale_factor``."""
     scale = agg.loss_scale_factor if agg.loss_scale_factor is not None else loss_mat.shape[-1]
     return _seq_mean(masked_sum(loss_mat, mask, dim=-1) / scale, mask, agg)
 
@@ -187,10 +191,12 @@ class PolicyLossParams:
 
     @property
     def low(self) -> float:
+        """Effective lower clip ε."""
         return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
 
     @property
     def high(self) -> float:
+        """Effective upper clip ε."""
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
