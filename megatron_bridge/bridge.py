@@ -1,0 +1,164 @@
+"""A family table bound to one model's dimensions: the full list of tensor units, both ways.
+
+Contract:
+- ``Bridge.units`` lists every unit of the model (layer-major order); each unit names its canonical
+  Megatron tensors and its HF tensors. ``hf_names()`` is exactly the tensor set of an HF checkpoint
+  of the model; ``megatron_names()`` the canonical parameters of a TP=PP=EP=1 model.
+- ``to_megatron``/``to_hf`` convert one unit of full tensors; errors name the unit's tensors.
+- ``hf_to_megatron``/``megatron_to_hf`` convert whole state dicts (small models, tests) and fail on
+  missing or unexpected names, naming them.
+- Tied embeddings: the output layer unit reads ``embed_tokens`` and is never exported; it exists
+  only on pipeline stages that hold a separate copy of the output weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_bridge.dims import ModelDims
+from megatron_bridge.mappings import AnyMapping, GroupedExperts
+from megatron_bridge.naming import num_wildcards
+from megatron_bridge.registry import FamilyTable, get_family
+
+_OUTPUT = "output_layer.weight"
+_EMBED_HF = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One conversion unit: Megatron tensors ``megatron_names`` ↔ HF tensors ``hf_names``."""
+
+    mapping: AnyMapping
+    megatron_names: tuple[str, ...]
+    hf_names: tuple[str, ...]
+    tied: bool = False
+    """The tied output layer: loaded from the embedding, not part of the HF checkpoint."""
+
+    @property
+    def is_expert(self) -> bool:
+        return self.mapping.is_expert
+
+
+class Bridge:
+    """Mappings of ``family`` resolved for a model of shape ``dims``."""
+
+    def __init__(self, family: FamilyTable, dims: ModelDims) -> None:
+        self.family = family
+        self.dims = dims
+        self.units = self._build_units()
+        self._by_megatron = {n: (u, i) for u in self.units for i, n in enumerate(u.megatron_names)}
+        self._by_hf = {n: u for u in self.units if not u.tied for n in u.hf_names}
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Any, *, tp_size: int = 1, make_vocab_size_divisible_by: int = 128
+    ) -> Bridge:
+        dims = ModelDims.from_hf_config(
+            config, tp_size=tp_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+        )
+        return cls(get_family(dims.model_type), dims)
+
+    def _values(self, mapping: AnyMapping) -> list[tuple[int, ...]]:
+        """Wildcard values of the mapping's units: (), (layer,) or (layer, expert)."""
+        grouped = isinstance(mapping, GroupedExperts)
+        n = num_wildcards(mapping.megatron) - (1 if grouped else 0)
+        layers = range(self.dims.num_layers)
+        per_expert = mapping.is_expert and not grouped
+        if n == 0 and not per_expert:
+            return [()]
+        if n == 1 and not per_expert:
+            return [(layer,) for layer in layers]
+        if n == 2 and per_expert:
+            return [(layer, e) for layer in layers for e in range(self.dims.num_experts)]
+        raise ValueError(f"mapping {mapping.megatron!r}: {n} wildcards do not fit a {type(mapping).__name__}")
+
+    def _build_units(self) -> list[Unit]:
+        units: list[tuple[float, int, Unit]] = []
+        for order, mapping in enumerate(self.family.mappings):
+            if mapping.is_expert and self.dims.num_experts == 0:
+                raise ValueError(
+                    f"{self.family.name}: expert row {mapping.megatron!r} but the config has no experts"
+                )
+            for values in self._values(mapping):
+                megatron = tuple(mapping.megatron_names(values, self.dims))
+                hf = tuple(mapping.hf_names(values))
+                tied = megatron == (_OUTPUT,) and self.dims.tie_word_embeddings
+                if tied:
+                    hf = (_EMBED_HF,)
+                if values:
+                    key = float(values[0])
+                else:
+                    key = -1.0 if megatron[0].startswith("embedding.") else float("inf")
+                units.append((key, order, Unit(mapping, megatron, hf, tied=tied)))
+        units.sort(key=lambda item: (item[0], item[1]))
+        return [u for _, _, u in units]
+
+    # ---- lookups -------------------------------------------------------------------------
+    def hf_names(self) -> list[str]:
+        return [n for u in self.units if not u.tied for n in u.hf_names]
+
+    def megatron_names(self, *, include_tied_output: bool = False) -> list[str]:
+        return [n for u in self.units if include_tied_output or not u.tied for n in u.megatron_names]
+
+    def unit_of_megatron(self, name: str) -> tuple[Unit, int]:
+        """The unit holding canonical Megatron tensor ``name`` and its position in the unit."""
+        if name not in self._by_megatron:
+            raise KeyError(f"Megatron parameter {name!r} has no mapping in the {self.family.name} bridge")
+        return self._by_megatron[name]
+
+    def unit_of_hf(self, name: str) -> Unit:
+        if name not in self._by_hf:
+            raise KeyError(f"HF tensor {name!r} has no mapping in the {self.family.name} bridge")
+        return self._by_hf[name]
+
+    def mapping_for_megatron(self, name: str) -> AnyMapping:
+        return self.unit_of_megatron(name)[0].mapping
+
+    # ---- conversion ----------------------------------------------------------------------
+    def to_megatron(self, unit: Unit, hf: list[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            return unit.mapping.to_megatron(hf, self.dims)
+        except (RuntimeError, ValueError) as err:
+            shapes = [tuple(t.shape) for t in hf]
+            raise ValueError(f"cannot convert HF {list(unit.hf_names)} (shapes {shapes}): {err}") from err
+
+    def to_hf(self, unit: Unit, megatron: list[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            return unit.mapping.to_hf(megatron, self.dims)
+        except (RuntimeError, ValueError) as err:
+            shapes = [tuple(t.shape) for t in megatron]
+            raise ValueError(
+                f"cannot convert Megatron {list(unit.megatron_names)} (shapes {shapes}): {err}"
+            ) from err
+
+    def iter_hf_to_megatron(self, hf: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Canonical ``(megatron_name, full tensor)`` pairs from an HF state dict (exact name set)."""
+        check_names("HF checkpoint", present=hf.keys(), expected=self.hf_names())
+        for unit in self.units:
+            if unit.tied:
+                continue
+            yield from zip(unit.megatron_names, self.to_megatron(unit, [hf[n] for n in unit.hf_names]))
+
+    def hf_to_megatron(self, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(self.iter_hf_to_megatron(hf))
+
+    def megatron_to_hf(self, megatron: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF state dict from canonical full Megatron tensors (exact name set, tied output excluded)."""
+        check_names("Megatron state", present=megatron.keys(), expected=self.megatron_names())
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            if not unit.tied:
+                out.update(zip(unit.hf_names, self.to_hf(unit, [megatron[n] for n in unit.megatron_names])))
+        return out
+
+
+def check_names(what: str, *, present: Any, expected: Any) -> None:
+    """Raise naming the missing and unexpected tensors of ``what``."""
+    present, expected = set(present), set(expected)
+    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    if missing or unexpected:
+        raise KeyError(f"{what}: missing tensors {missing[:20]}; unexpected tensors {unexpected[:20]}")

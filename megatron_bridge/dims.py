@@ -1,0 +1,68 @@
+"""Model dimensions the mappings need, read from an HF config.
+
+Contract: ``ModelDims.from_hf_config`` reads only standard HF config attributes (it works on a
+``PretrainedConfig`` or on the dict of ``config.json``) and raises naming the key for layouts the
+bridge does not support (e.g. MoE models that mix dense and MoE layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int = 1) -> int:
+    """Megatron's padded vocabulary: a multiple of ``divisible_by * tp_size`` (Megatron-LM's rule)."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes of one model. ``num_query_groups`` is the number of KV heads (GQA groups)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tie_word_embeddings: bool
+    num_experts: int = 0
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Any, *, make_vocab_size_divisible_by: int = 128, tp_size: int = 1
+    ) -> ModelDims:
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        model_type = get("model_type")
+        heads = get("num_attention_heads")
+        hidden = get("hidden_size")
+        num_experts = get("num_local_experts") or get("num_experts") or 0
+        if num_experts and (get("mlp_only_layers") or (get("decoder_sparse_step") or 1) != 1):
+            raise NotImplementedError(
+                f"{model_type}: mlp_only_layers={get('mlp_only_layers')!r} / decoder_sparse_step="
+                f"{get('decoder_sparse_step')!r} mix dense and MoE layers; the bridge supports all-MoE decoders"
+            )
+        vocab = get("vocab_size")
+        return cls(
+            model_type=model_type,
+            num_layers=get("num_hidden_layers"),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or hidden // heads,
+            vocab_size=vocab,
+            padded_vocab_size=padded_vocab_size(
+                vocab, divisible_by=make_vocab_size_divisible_by, tp_size=tp_size
+            ),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            num_experts=int(num_experts),
+        )
+
+    def with_padded_vocab(self, padded: int) -> ModelDims:
+        if padded < self.vocab_size:
+            raise ValueError(f"padded vocab {padded} is smaller than vocab_size {self.vocab_size}")
+        return replace(self, padded_vocab_size=padded)
