@@ -1,0 +1,284 @@
+"""Prompt datasets from JSONL and Parquet files, rendered with a chat template and tokenized.
+
+Row layouts (both may appear in one file):
+
+* verl's layout (what ``examples/data_preprocess/gsm8k.py`` writes)::
+
+    {"data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],
+     "reward_model": {"style": "rule", "ground_truth": "72"},
+     "extra_info": {"split": "train", "index": 0}}
+
+* a flat layout: ``{"prompt": "...", "answer": "72", "data_source": "gsm8k"}``, the ground
+  truth under ``answer`` or ``ground_truth``.
+
+The prompt (key ``prompt_key``) is a string or a list of chat messages ``{"role", "content"}``.
+The ground truth is looked up at ``answer_key`` (a dotted path) or, by default, at
+``reward_model.ground_truth``, then ``ground_truth``, then ``answer``; integers are turned into
+strings. ``data_source`` comes from the row or ``default_data_source``; ``extra_info`` is an
+optional object, kept as is.
+
+Tokenization: with ``apply_chat_template`` (the default) the messages are rendered with the
+tokenizer's chat template and ``add_generation_prompt=True`` (a plain-string prompt becomes one
+user message), then encoded without extra special tokens, which gives the same ids as
+``apply_chat_template(tokenize=True)``. Without it, a string prompt is encoded as raw text with the
+tokenizer's special tokens (BOS where it has one); a message list is then an error. Prompts longer
+than ``max_prompt_length`` tokens are dropped and counted (a warning names the count; all rows
+dropped is an error).
+
+Errors name the place: ``data/train.jsonl:17: missing key 'prompt'`` (JSONL lines count from
+1), ``data/train.parquet: row 16: ...`` (Parquet rows count from 0, as pandas shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ANSWER_KEYS = ("reward_model.ground_truth", "ground_truth", "answer")
+"""Where the ground truth is searched when no ``answer_key`` is set, in order."""
+
+
+class DataRowError(ValueError):
+    """A malformed row in a prompt file; the message starts with ``file:line`` or ``file: row N``."""
+
+
+@dataclass(frozen=True)
+class PromptFields:
+    """Which keys of a row hold what (verl's ``data.prompt_key`` and friends)."""
+
+    prompt_key: str = "prompt"
+    """Key of the prompt: a string or a list of ``{"role", "content"}`` messages."""
+
+    answer_key: str | None = None
+    """Dotted path of the ground truth (``"reward_model.ground_truth"``); ``None`` tries :data:`ANSWER_KEYS`."""
+
+    data_source_key: str = "data_source"
+    """Key naming the reward function of the row."""
+
+    default_data_source: str | None = None
+    """data_source of rows without ``data_source_key``; ``None`` makes that key required."""
+
+
+@dataclass
+class PromptExample:
+    """One prompt with its reference answer."""
+
+    index: int
+    """Position of the row among all rows read, over all files, counted before filtering."""
+
+    prompt: str | list[dict[str, str]]
+    """The raw prompt: text, or chat messages ``[{"role": ..., "content": ...}]``."""
+
+    ground_truth: str
+    """Reference answer handed to the reward function."""
+
+    data_source: str
+    """Selects the reward function (``gsm8k``, ``arithmetic``, ...)."""
+
+    extra_info: dict[str, Any]
+    """Free-form metadata of the row (verl's ``extra_info``)."""
+
+    origin: str
+    """Where the row came from: ``file:line`` (JSONL) or ``file: row N`` (Parquet)."""
+
+    prompt_text: str = ""
+    """The prompt after the chat template, as the rollout engine sees it (set by tokenization)."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    """[prompt_len] token ids of ``prompt_text`` (set by tokenization)."""
+
+
+def _lookup(row: dict[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(dotted)
+        value = value[part]
+    return value
+
+
+def _parse_prompt(value: Any, origin: str, key: str) -> str | list[dict[str, str]]:
+    if isinstance(value, str):
+        if not value.strip():
+            raise DataRowError(f"{origin}: empty prompt under key {key!r}")
+        return value
+    if not isinstance(value, list) or not value:
+        raise DataRowError(
+            f"{origin}: key {key!r} must be a string or a non-empty list of chat messages, "
+            f"got {type(value).__name__}"
+        )
+    for i, message in enumerate(value):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise DataRowError(
+                f"{origin}: {key}[{i}] must be a message with string 'role' and 'content', got {message!r}"
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _parse_ground_truth(row: dict[str, Any], origin: str, fields: PromptFields) -> str:
+    candidates = (fields.answer_key,) if fields.answer_key else ANSWER_KEYS
+    for key in candidates:
+        try:
+            value = _lookup(row, key)
+        except KeyError:
+            continue
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise DataRowError(f"{origin}: ground truth {key!r} must be a string or a number, got {value!r}")
+        return str(value)
+    raise DataRowError(f"{origin}: missing ground truth; looked for keys {list(candidates)}")
+
+
+def parse_row(row: Any, *, origin: str, index: int, fields: PromptFields) -> PromptExample:
+    """Validate one decoded row and turn it into a :class:`PromptExample`."""
+    if not isinstance(row, dict):
+        raise DataRowError(f"{origin}: a row must be a JSON object, got {type(row).__name__}")
+    if fields.prompt_key not in row:
+        raise DataRowError(f"{origin}: missing key {fields.prompt_key!r}")
+    prompt = _parse_prompt(row[fields.prompt_key], origin, fields.prompt_key)
+    data_source = row.get(fields.data_source_key, fields.default_data_source)
+    if data_source is None:
+        raise DataRowError(f"{origin}: missing key {fields.data_source_key!r} (and no default_data_source)")
+    if not isinstance(data_source, str) or not data_source:
+        raise DataRowError(
+            f"{origin}: {fields.data_source_key!r} must be a non-empty string, got {data_source!r}"
+        )
+    extra_info = row.get("extra_info") or {}
+    if not isinstance(extra_info, dict):
+        raise DataRowError(f"{origin}: 'extra_info' must be an object, got {type(extra_info).__name__}")
+    return PromptExample(
+        index=index,
+        prompt=prompt,
+        ground_truth=_parse_ground_truth(row, origin, fields),
+        data_source=data_source,
+        extra_info=extra_info,
+        origin=origin,
+    )
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            origin = f"{path}:{lineno}"
+            try:
+                yield origin, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataRowError(f"{origin}: invalid JSON: {err}") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    for i, row in enumerate(pq.read_table(path).to_pylist()):
+        yield f"{path}: row {i}", row
+
+
+def read_prompt_file(
+    path: str | Path, *, fields: PromptFields = PromptFields(), start_index: int = 0
+) -> list[PromptExample]:
+    """Read every row of a ``.jsonl`` or ``.parquet`` file; indices count up from ``start_index``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    readers = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
+    if path.suffix not in readers:
+        raise ValueError(f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl or .parquet")
+    examples = [
+        parse_row(row, origin=origin, index=start_index + i, fields=fields)
+        for i, (origin, row) in enumerate(readers[path.suffix](path))
+    ]
+    if not examples:
+        raise DataRowError(f"{path}: no rows")
+    return examples
+
+
+def render_prompt(example: PromptExample, tokenizer: Any, *, apply_chat_template: bool) -> str:
+    """The prompt text the model sees (see the module docstring for the rules)."""
+    if not apply_chat_template:
+        if not isinstance(example.prompt, str):
+            raise DataRowError(
+                f"{example.origin}: prompt is a chat message list but apply_chat_template is off"
+            )
+        return example.prompt
+    messages = example.prompt
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def tokenize_prompts(
+    examples: Sequence[PromptExample],
+    tokenizer: Any,
+    *,
+    max_prompt_length: int,
+    apply_chat_template: bool = True,
+) -> tuple[list[PromptExample], int]:
+    """Fill ``prompt_text``/``prompt_ids``; return the examples that fit and the number dropped."""
+    texts = [render_prompt(ex, tokenizer, apply_chat_template=apply_chat_template) for ex in examples]
+    encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
+    kept = []
+    for example, text, ids in zip(examples, texts, encoded):
+        if len(ids) <= max_prompt_length:
+            example.prompt_text, example.prompt_ids = text, list(ids)
+            kept.append(example)
+    return kept, len(examples) - len(kept)
+
+
+class PromptDataset(Sequence[PromptExample]):
+    """Tokenized prompts of one split, over-long ones removed and counted in ``num_filtered``."""
+
+    def __init__(self, examples: list[PromptExample], *, num_filtered: int, name: str) -> None:
+        self.examples = examples
+        self.num_filtered = num_filtered
+        self.name = name
+
+    @classmethod
+    def load(
+        cls,
+        paths: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        *,
+        max_prompt_length: int,
+        apply_chat_template: bool = True,
+        fields: PromptFields = PromptFields(),
+    ) -> PromptDataset:
+        """Read, tokenize and filter the rows of ``paths`` (one file or several, concatenated)."""
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
+        path_list = [paths] if isinstance(paths, str | Path) else list(paths)
+        rows: list[PromptExample] = []
+        for path in path_list:
+            rows += read_prompt_file(path, fields=fields, start_index=len(rows))
+        name = ",".join(str(p) for p in path_list)
+        kept, num_filtered = tokenize_prompts(
+            rows, tokenizer, max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template
+        )
+        if not kept:
+            raise ValueError(f"{name}: all {len(rows)} prompts exceed max_prompt_length={max_prompt_length}")
+        if num_filtered:
+            logger.warning(
+                "%s: filtered %d of %d prompts longer than max_prompt_length=%d tokens",
+                name,
+                num_filtered,
+                len(rows),
+                max_prompt_length,
+            )
+        return cls(kept, num_filtered=num_filtered, name=name)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> PromptExample:  # type: ignore[override]
+        return self.examples[i]
