@@ -1,0 +1,94 @@
+"""``rltrain`` command line: thin entry points, no logic.
+
+rltrain train RECIPE [key=value ...]     run a recipe (``--dry-run``: validate and print it)
+rltrain config RECIPE [key=value ...]    print the resolved config
+rltrain doctor                           check installed packages against this release
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="YAML recipe (see recipes/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rltrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run a recipe")
+    _add_recipe_args(train)
+    train.add_argument(
+        "--dry-run", action="store_true", help="validate, write and print the resolved config only"
+    )
+    train.add_argument(
+        "--skip-env-check", action="store_true", help="do not stop on package version mismatches"
+    )
+    train.set_defaults(func=_train)
+
+    config = sub.add_parser("config", help="print the resolved config of a recipe")
+    _add_recipe_args(config)
+    config.set_defaults(func=_config)
+
+    doctor = sub.add_parser("doctor", help="check installed packages against this release")
+    doctor.add_argument(
+        "--profile", choices=["cpu", "gpu"], help="check for this profile instead of detecting it"
+    )
+    doctor.set_defaults(func=_doctor)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from rltrain.config import dump_yaml, load_config, write_resolved
+    from rltrain.doctor import require_environment
+
+    if not args.skip_env_check:
+        require_environment()
+    config = load_config(args.recipe, args.overrides)
+    path = write_resolved(config, config.run_dir(), source=args.recipe)
+    if args.dry_run:
+        print(dump_yaml(config))
+        print(f"resolved config written to {path}")
+        return 0
+    print(
+        "rltrain train: the training loop is not in this release yet (issue #6); use --dry-run",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _config(args: argparse.Namespace) -> int:
+    from rltrain.config import dump_yaml, load_config
+
+    print(dump_yaml(load_config(args.recipe, args.overrides)), end="")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from rltrain.doctor import main as doctor_main
+
+    return doctor_main(args.profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    from rltrain.config import ConfigError
+    from rltrain.doctor import EnvironmentMismatch
+
+    try:
+        return args.func(args)
+    except (ConfigError, EnvironmentMismatch) as err:
+        print(f"rltrain {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

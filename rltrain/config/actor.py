@@ -1,0 +1,175 @@
+"""Actor (policy), reference and critic roles: PPO update sizes, losses, parallel layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rltrain.config.optim import OptimConfig
+from rltrain.config.parallel import ParallelConfig
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 64
+    """Prompts per optimizer step (× ``rollout.n`` samples), as in verl."""
+
+    ppo_micro_batch_size_per_gpu: int | None = 4
+    """Samples per forward/backward on one rank; null requires ``use_dynamic_bsz``."""
+
+    ppo_epochs: int = 1
+    """Passes over the step's samples."""
+
+    shuffle: bool = True
+    """Shuffle samples between mini-batches in each epoch."""
+
+    clip_ratio: float = 0.2
+    """PPO clip ε; used for both sides unless ``clip_ratio_low``/``clip_ratio_high`` are set."""
+
+    clip_ratio_low: float | None = None
+    """Lower clip ε (ratio ≥ 1 − low); null means ``clip_ratio``."""
+
+    clip_ratio_high: float | None = None
+    """Upper clip ε (ratio ≤ 1 + high); null means ``clip_ratio`` (DAPO's clip-higher sets it larger)."""
+
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (Ye et al. 2020); must be > 1."""
+
+    policy_loss: str = "vanilla"
+    """Registered policy loss (see rltrain/algo/losses.py)."""
+
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token losses become one number."""
+
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+
+    use_kl_loss: bool = False
+    """Add β·KL(π‖π_ref) to the actor loss (GRPO style) instead of, or besides, KL in the reward."""
+
+    kl_loss_coef: float = 0.001
+    """β of the KL loss."""
+
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    """KL estimator of the KL loss (k1, |k1|, k2, k3)."""
+
+    tis_imp_ratio_cap: float | None = None
+    """Truncated importance sampling: weight tokens by min(π_old/π_rollout, cap); null disables."""
+
+    use_dynamic_bsz: bool = False
+    """Fill micro-batches up to ``ppo_max_token_len_per_gpu`` tokens instead of a fixed sample count."""
+
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch with ``use_dynamic_bsz``."""
+
+    use_remove_padding: bool = True
+    """Pack sequences without padding (cumulative lengths) in forward and backward."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Samples per forward when only computing log-probs; null means ``ppo_micro_batch_size_per_gpu``."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallel layout of the actor."""
+
+    recompute_activations: bool = False
+    """Full activation recomputation (saves memory, costs a second forward)."""
+
+    param_offload: bool = False
+    """Keep parameters in host memory while the role is idle (GPU only; no effect on CPU)."""
+
+    optimizer_offload: bool = False
+    """Keep optimizer state in host memory while the role is idle (GPU only; no effect on CPU)."""
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = [*self.optim.validate(f"{prefix}.optim")]
+        problems += _check_batching(self, prefix)
+        if self.clip_ratio_c <= 1.0:
+            problems.append(f"{prefix}.clip_ratio_c must be > 1 (dual-clip bound), got {self.clip_ratio_c}")
+        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < 10:
+                problems.append(f"{prefix}.{key} must lie in (0, 10), got {value}")
+        if self.tis_imp_ratio_cap is not None and self.tis_imp_ratio_cap < 1.0:
+            problems.append(f"{prefix}.tis_imp_ratio_cap must be >= 1, got {self.tis_imp_ratio_cap}")
+        return problems
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Samples per forward of the reference model."""
+
+    parallel: ParallelConfig | None = None
+    """Parallel layout of the reference; null means the actor's."""
+
+    colocate_with_actor: bool = True
+    """Host the reference in the actor's worker group (shares devices, no extra placement)."""
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None
+    """Train a critic; null means: only when ``algorithm.adv_estimator`` is ``gae``."""
+
+    model_path: str | None = None
+    """HF directory to initialise the critic from; null means the actor's model (value head new)."""
+
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic optimizer step; null means the actor's."""
+
+    ppo_micro_batch_size_per_gpu: int | None = 4
+    """Samples per critic forward/backward on one rank."""
+
+    ppo_epochs: int | None = None
+    """Critic passes over the step's samples; null means the actor's."""
+
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How per-token value losses become one number."""
+
+    use_dynamic_bsz: bool = False
+    """Fill micro-batches up to ``ppo_max_token_len_per_gpu`` tokens."""
+
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one critic micro-batch (verl suggests 2× the actor's)."""
+
+    warmup_steps: int = 0
+    """PPO steps that train only the critic before the actor starts updating (verl: critic_warmup)."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule of the critic."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallel layout of the critic."""
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = [*self.optim.validate(f"{prefix}.optim")]
+        if self.cliprange_value <= 0:
+            problems.append(f"{prefix}.cliprange_value must be > 0, got {self.cliprange_value}")
+        if self.warmup_steps < 0:
+            problems.append(f"{prefix}.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.ppo_micro_batch_size_per_gpu is None and not self.use_dynamic_bsz:
+            problems.append(
+                f"{prefix}.ppo_micro_batch_size_per_gpu is null: set it or {prefix}.use_dynamic_bsz=true"
+            )
+        return problems
+
+
+def _check_batching(role: ActorConfig, prefix: str) -> list[str]:
+    problems = []
+    if role.ppo_mini_batch_size < 1:
+        problems.append(f"{prefix}.ppo_mini_batch_size must be >= 1, got {role.ppo_mini_batch_size}")
+    if role.ppo_epochs < 1:
+        problems.append(f"{prefix}.ppo_epochs must be >= 1, got {role.ppo_epochs}")
+    if role.ppo_micro_batch_size_per_gpu is None and not role.use_dynamic_bsz:
+        problems.append(
+            f"{prefix}.ppo_micro_batch_size_per_gpu is null: set it or {prefix}.use_dynamic_bsz=true"
+        )
+    return problems

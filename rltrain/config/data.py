@@ -1,0 +1,78 @@
+"""Prompt data: files or a generated task, batch size, prompt length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class GeneratedTaskConfig:
+    name: Literal["arithmetic"] = "arithmetic"
+    """Built-in verifiable task generated at start-up (no files needed)."""
+
+    num_train: int = 1024
+    """Training prompts to generate."""
+
+    num_val: int = 64
+    """Held-out prompts to generate for evaluation."""
+
+    max_operand: int = 20
+    """Operands are drawn from [0, max_operand]."""
+
+    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    """Operators to draw from."""
+
+    seed: int = 1234
+    """Seed of the generator (train and val are disjoint draws of one stream)."""
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """JSONL or Parquet prompt files for training (verl layout or flat; see rltrain/data/dataset.py)."""
+
+    val_files: list[str] = field(default_factory=list)
+    """Held-out prompt files for evaluation every ``trainer.test_freq`` steps."""
+
+    generated: GeneratedTaskConfig | None = None
+    """Generate the prompts instead of reading files (mutually exclusive with ``train_files``)."""
+
+    prompt_key: str = "prompt"
+    """Row key holding the prompt: a string, or a list of chat messages."""
+
+    answer_key: str = "reward_model.ground_truth"
+    """Dotted row key holding the ground-truth answer."""
+
+    train_batch_size: int = 256
+    """Prompts per PPO step (each is sampled ``rollout.n`` times)."""
+
+    val_batch_size: int | None = None
+    """Prompts per evaluation batch; null evaluates the whole validation set at once."""
+
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens (after the chat template) are dropped and counted."""
+
+    apply_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template (with the generation prompt)."""
+
+    shuffle: bool = True
+    """Shuffle the prompts each epoch with a permutation derived from ``seed`` and the epoch."""
+
+    seed: int = 1
+    """Seed of the shuffling."""
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.generated is None and not self.train_files:
+            problems.append(f"set {prefix}.train_files or {prefix}.generated")
+        if self.generated is not None and self.train_files:
+            problems.append(f"{prefix}.train_files and {prefix}.generated are mutually exclusive")
+        if self.train_batch_size < 1:
+            problems.append(f"{prefix}.train_batch_size must be >= 1, got {self.train_batch_size}")
+        if self.max_prompt_length < 1:
+            problems.append(f"{prefix}.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        for path in [*self.train_files, *self.val_files]:
+            if not path.endswith((".jsonl", ".json", ".parquet")):
+                problems.append(f"{prefix}: data file {path!r} is neither .jsonl nor .parquet")
+        return problems

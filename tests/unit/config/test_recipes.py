@@ -1,0 +1,53 @@
+"""Every shipped recipe loads and validates; bases type-check on their own."""
+
+from pathlib import Path
+
+import pytest
+
+from rltrain.config import RLConfig, dump_yaml, load_config
+from rltrain.config.loader import build_dataclass, read_recipe
+
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+ALL = sorted(RECIPES.rglob("*.yaml"))
+BASES = [p for p in ALL if p.stem.endswith("_base")]
+RUNNABLE = [p for p in ALL if p not in BASES]
+
+
+def test_recipes_exist():
+    names = {p.name for p in RUNNABLE}
+    assert {"quickstart_cpu.yaml", "smollm2_135m_arith_cpu.yaml"} <= names
+    assert len(RUNNABLE) >= 5
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: str(p.relative_to(RECIPES)))
+def test_recipe_loads_validates_and_round_trips(path, tmp_path):
+    config = load_config(path)
+    assert config.validate() == []
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(dump_yaml(config))
+    assert load_config(dumped) == config
+
+
+@pytest.mark.parametrize("path", BASES, ids=lambda p: str(p.relative_to(RECIPES)))
+def test_base_recipe_keys_are_valid_and_used(path):
+    build_dataclass(RLConfig, read_recipe(path))  # strict keys and types, no cross-field checks
+    users = [p for p in RUNNABLE if f"base: {path.name}" in p.read_text()]
+    assert users, f"{path.name} is not the base of any recipe"
+
+
+def test_quickstart_is_cpu_sized():
+    config = load_config(RECIPES / "quickstart_cpu.yaml")
+    assert config.model.tiny is not None and config.model.dtype == "float32"
+    assert config.cluster.world_size() == 1 and config.cluster.backend == "gloo"
+    assert config.algorithm.use_kl_in_reward and config.critic_enabled()
+
+
+def test_gpu_recipes_use_verl_published_sizes():
+    small = load_config(RECIPES / "gpu" / "qwen2.5_0.5b_gsm8k_ppo.yaml")
+    big = load_config(RECIPES / "gpu" / "qwen2.5_7b_gsm8k_ppo.yaml")
+    assert (small.data.train_batch_size, small.actor.ppo_mini_batch_size) == (256, 64)
+    assert (big.data.train_batch_size, big.actor.ppo_mini_batch_size) == (512, 128)
+    for c in (small, big):
+        assert (c.actor.optim.lr, c.critic.optim.lr, c.algorithm.kl_ctrl.kl_coef) == (1e-6, 1e-5, 0.001)
+    moe = load_config(RECIPES / "gpu" / "qwen1.5_moe_a2.7b_gsm8k_grpo_ep.yaml")
+    assert moe.actor.parallel.expert_model_parallel_size == 4
