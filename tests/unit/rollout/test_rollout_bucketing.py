@@ -1,0 +1,60 @@
+"""Bucketing: group-aligned cuts, sizes, and bit-exact pack/unpack."""
+
+import pytest
+import torch
+
+from rltrain.rollout.bucketing import fused_group, iter_buckets, pack_bucket, unpack_bucket
+
+
+def _layer(i: int) -> list[tuple[str, torch.Tensor]]:
+    p = f"model.layers.{i}."
+    shapes = {
+        "input_layernorm.weight": (8,),
+        "self_attn.q_proj.weight": (8, 8),
+        "self_attn.k_proj.weight": (4, 8),
+        "self_attn.v_proj.weight": (4, 8),
+        "self_attn.o_proj.weight": (8, 8),
+        "mlp.gate_proj.weight": (16, 8),
+        "mlp.up_proj.weight": (16, 8),
+        "mlp.down_proj.weight": (8, 16),
+    }
+    return [(p + k, torch.randn(s)) for k, s in shapes.items()]
+
+
+def test_fused_group_names():
+    assert fused_group("model.layers.3.self_attn.k_proj.weight") == "model.layers.3.self_attn.qkv_proj"
+    assert fused_group("model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.gate_up_proj"
+    assert fused_group("model.layers.3.mlp.down_proj.weight") == "model.layers.3.mlp.down_proj"
+    assert fused_group("model.layers.1.mlp.experts.7.down_proj.weight") == "model.layers.1.mlp.experts"
+    assert fused_group("lm_head.weight") == "lm_head"
+
+
+def test_buckets_never_split_a_fused_group_and_keep_order():
+    stream = _layer(0) + _layer(1)
+    # q,k,v of one layer = (64 + 32 + 32) * 4 = 512 bytes; a 300-byte bucket must still hold them together
+    buckets = list(iter_buckets(stream, 300))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in stream]
+    for b in buckets:
+        groups = {fused_group(n) for n, _ in b}
+        for g in groups:
+            members = [n for n, _ in stream if fused_group(n) == g]
+            assert all(m in {n for n, _ in b} for m in members), g
+    sizes = [sum(t.numel() * 4 for _, t in b) for b in buckets]
+    # gate+up (1024 B) and qkv (512 B) are oversize groups; every other bucket stays within 300 B
+    assert all(s <= 300 or len({fused_group(n) for n, _ in b}) == 1 for s, b in zip(sizes, buckets))
+    assert len(list(iter_buckets(stream, 1 << 30))) == 1
+
+
+def test_ungrouped_stream_raises_naming_the_module():
+    stream = _layer(0)
+    stream = [stream[1], stream[0], stream[2], stream[3]]  # q, norm, k, v: qkv group interrupted
+    with pytest.raises(ValueError, match="qkv_proj"):
+        list(iter_buckets(stream, 1 << 20))
+
+
+def test_pack_unpack_bit_exact_mixed_dtypes():
+    bucket = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(5))]
+    packed = pack_bucket(bucket)
+    assert packed.flat.dtype == torch.uint8 and all(m.offset % 16 == 0 for m in packed.metas)
+    for (name, t), (name2, t2) in zip(bucket, unpack_bucket(packed)):
+        assert name == name2 and t2.dtype == t.dtype and torch.equal(t, t2)
