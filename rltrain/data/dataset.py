@@ -1,6 +1,8 @@
 """Prompt datasets from JSONL and Parquet files, rendered with a chat template and tokenized.
 
-Row layouts (both may appear in one file):
+Files: ``.jsonl`` (one JSON object per line, blank lines skipped), ``.json`` (a JSON array of
+rows, or JSON Lines), ``.parquet``. Rows may also come from memory (:meth:`PromptDataset.from_rows`,
+for generated tasks). Row layouts (both may appear in one file):
 
 * verl's layout (what ``examples/data_preprocess/gsm8k.py`` writes)::
 
@@ -27,7 +29,8 @@ than ``max_prompt_length`` tokens are dropped and counted (a warning names the c
 dropped is an error).
 
 Errors name the place: ``data/train.jsonl:17: missing key 'prompt'`` (JSONL lines count from
-1), ``data/train.parquet: row 16: ...`` (Parquet rows count from 0, as pandas shows them).
+1), ``data/train.parquet: row 16: ...`` (Parquet, JSON-array and in-memory rows count from 0, as
+pandas shows them).
 """
 
 from __future__ import annotations
@@ -178,6 +181,20 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 raise DataRowError(f"{origin}: invalid JSON: {err}") from None
 
 
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """A ``.json`` file holds either one JSON array of rows or JSON Lines."""
+    text = path.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):
+        yield from _jsonl_rows(path)
+        return
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataRowError(f"{path}:{err.lineno}: invalid JSON: {err.msg}") from None
+    for i, row in enumerate(rows):
+        yield f"{path}: row {i}", row
+
+
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
@@ -192,9 +209,11 @@ def read_prompt_file(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
-    readers = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}
+    readers = {".jsonl": _jsonl_rows, ".json": _json_rows, ".parquet": _parquet_rows}
     if path.suffix not in readers:
-        raise ValueError(f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl or .parquet")
+        raise ValueError(
+            f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl, .json or .parquet"
+        )
     examples = [
         parse_row(row, origin=origin, index=start_index + i, fields=fields)
         for i, (origin, row) in enumerate(readers[path.suffix](path))
@@ -255,13 +274,56 @@ class PromptDataset(Sequence[PromptExample]):
         fields: PromptFields = PromptFields(),
     ) -> PromptDataset:
         """Read, tokenize and filter the rows of ``paths`` (one file or several, concatenated)."""
-        if max_prompt_length <= 0:
-            raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
         path_list = [paths] if isinstance(paths, str | Path) else list(paths)
         rows: list[PromptExample] = []
         for path in path_list:
             rows += read_prompt_file(path, fields=fields, start_index=len(rows))
-        name = ",".join(str(p) for p in path_list)
+        return cls.from_examples(
+            rows,
+            tokenizer,
+            name=",".join(str(p) for p in path_list),
+            max_prompt_length=max_prompt_length,
+            apply_chat_template=apply_chat_template,
+        )
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[dict[str, Any]],
+        tokenizer: Any,
+        *,
+        name: str,
+        max_prompt_length: int,
+        apply_chat_template: bool = True,
+        fields: PromptFields = PromptFields(),
+    ) -> PromptDataset:
+        """Build from in-memory rows (a generated task); errors name ``name: row N``."""
+        examples = [
+            parse_row(row, origin=f"{name}: row {i}", index=i, fields=fields) for i, row in enumerate(rows)
+        ]
+        return cls.from_examples(
+            examples,
+            tokenizer,
+            name=name,
+            max_prompt_length=max_prompt_length,
+            apply_chat_template=apply_chat_template,
+        )
+
+    @classmethod
+    def from_examples(
+        cls,
+        rows: list[PromptExample],
+        tokenizer: Any,
+        *,
+        name: str,
+        max_prompt_length: int,
+        apply_chat_template: bool = True,
+    ) -> PromptDataset:
+        """Tokenize parsed rows and drop (and count) the over-long ones."""
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
+        if not rows:
+            raise ValueError(f"{name}: no prompts")
         kept, num_filtered = tokenize_prompts(
             rows, tokenizer, max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template
         )

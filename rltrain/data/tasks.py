@@ -2,8 +2,9 @@
 
 ``generate_arithmetic`` draws distinct problems ``a <op> b`` with operands in ``[0, max_operand]``
 by sampling indices of the whole problem space without replacement, so a seed fixes the problems
-and no problem repeats; ``write_arithmetic_splits`` takes train and validation from one draw, so
-the two never overlap. Rows use verl's layout (see :mod:`rltrain.data.dataset`) with
+and no problem repeats; ``arithmetic_splits`` (in memory, for
+:meth:`rltrain.data.dataset.PromptDataset.from_rows`) and ``write_arithmetic_splits`` (JSONL files
+for a recipe) take train and validation from one draw, so the two never overlap. Rows use verl's layout (see :mod:`rltrain.data.dataset`) with
 data_source ``arithmetic`` and an integer ground truth (scored by
 :func:`rltrain.rewards.math_answers.arithmetic_reward`).
 
@@ -78,6 +79,25 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
+def arithmetic_splits(
+    *,
+    num_train: int,
+    num_val: int,
+    seed: int,
+    max_operand: int = 20,
+    ops: Sequence[str] = ("+", "-", "*"),
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Disjoint train and validation rows from one draw; ``extra_info`` gets ``split`` and a per-split index."""
+    if num_train < 1 or num_val < 0:
+        raise ValueError(f"need num_train >= 1 and num_val >= 0, got {num_train} and {num_val}")
+    rows = generate_arithmetic(num_train + num_val, seed=seed, max_operand=max_operand, ops=ops)
+    splits = (rows[:num_train], rows[num_train:])
+    for split, part in zip(("train", "val"), splits):
+        for i, row in enumerate(part):
+            row["extra_info"].update(index=i, split=split)
+    return splits
+
+
 def write_arithmetic_splits(
     out_dir: str | Path,
     *,
@@ -88,10 +108,8 @@ def write_arithmetic_splits(
     ops: Sequence[str] = ("+", "-", "*"),
 ) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``val.jsonl`` of disjoint arithmetic problems; returns both paths."""
-    rows = generate_arithmetic(num_train + num_val, seed=seed, max_operand=max_operand, ops=ops)
-    for split, part in (("train", rows[:num_train]), ("val", rows[num_train:])):
-        for i, row in enumerate(part):
-            row["extra_info"].update(index=i, split=split)
+    train, val = arithmetic_splits(
+        num_train=num_train, num_val=num_val, seed=seed, max_operand=max_operand, ops=ops
+    )
     out = Path(out_dir)
-    train_path = write_jsonl(rows[:num_train], out / "train.jsonl")
-    return train_path, write_jsonl(rows[num_train:], out / "val.jsonl")
+    return write_jsonl(train, out / "train.jsonl"), write_jsonl(val, out / "val.jsonl")

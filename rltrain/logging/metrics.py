@@ -18,8 +18,9 @@ group               keys (all per training step)
                     ``grad_norm``, ``lr``
 ``critic/``         ``vf_loss``, ``vf_clipfrac``, ``grad_norm``, ``lr``, ``values/mean``,
                     ``advantages/{mean,std}``, ``returns/mean``
-``rollout/``        ``logprob_diff_mean``, ``logprob_diff_max`` |rollout - trainer| logprob gap
-                    per response token (``Principles 6`` in DESIGN.md)
+``rollout/``        ``logprob_abs_diff_mean``, ``logprob_abs_diff_max`` |trainer - rollout|
+                    logprob gap per response token, ``importance_ratio_mean`` (written by
+                    :func:`rltrain.rollout.mismatch.logprob_mismatch`; DESIGN.md principle 6)
 ``timing_s/``       seconds per stage, one key per name in :data:`STAGES`, plus ``step``
 ``perf/``           ``tokens_per_s`` (prompt + response tokens of the step / step seconds),
                     ``num_tokens``
@@ -55,8 +56,8 @@ CRITIC_VF_LOSS = "critic/vf_loss"
 CRITIC_VF_CLIPFRAC = "critic/vf_clipfrac"
 CRITIC_GRAD_NORM = "critic/grad_norm"
 CRITIC_LR = "critic/lr"
-ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"
-ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
+ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_abs_diff_mean"
+ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_abs_diff_max"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 PERF_NUM_TOKENS = "perf/num_tokens"
 DATA_EPOCH = "data/epoch"

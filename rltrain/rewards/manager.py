@@ -6,9 +6,11 @@ tensor and the ``reward/*`` metrics (names in :mod:`rltrain.logging.metrics`). T
 sequence is ``task_score + format_coef * format_reward`` where ``format_reward`` is 1 when the
 response matches ``format_pattern`` entirely (and the term is absent without a pattern).
 
-Per-data_source keyword arguments (``method``, ``correct_score``, ``format_score``) are checked
-against the reward function's signature when the manager is built, so a misspelled key fails
-before the first rollout.
+Every reward function receives ``correct_score`` and ``format_score``; ``source_overrides`` maps
+a data_source to a registered reward under another name (``{"my_math": "gsm8k"}``). Further
+keyword arguments per reward (``{"gsm8k": {"method": "flexible"}}``) are checked against the
+function's signature when the manager is built, so a misspelled key fails before the first
+rollout, as does an override naming an unregistered reward.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rltrain.logging import metrics as mk
 from rltrain.rewards.format import compile_format_pattern, format_reward
-from rltrain.rewards.registry import RewardResult, get_reward_fn
+from rltrain.rewards.registry import RewardResult, UnknownDataSourceError, get_reward_fn
+
+if TYPE_CHECKING:
+    from rltrain.config.reward import RewardConfig
 
 
 @dataclass
@@ -42,40 +47,61 @@ class RewardOutput:
     """``reward/...`` metrics of the batch."""
 
 
-def _check_kwargs(data_source: str, kwargs: Mapping[str, Any]) -> None:
-    params = inspect.signature(get_reward_fn(data_source)).parameters
-    accepted = sorted(name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY)
-    unknown = sorted(set(kwargs) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"reward kwargs for data_source {data_source!r}: unknown {unknown}; accepted: {accepted}"
-        )
-
-
 class RewardManager:
     """Rule-based rewards by data_source for a batch of decoded responses."""
 
     def __init__(
         self,
         *,
+        correct_score: float = 1.0,
+        format_score: float = 0.0,
+        source_overrides: Mapping[str, str] | None = None,
         reward_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
         format_pattern: str | None = None,
         format_coef: float = 0.0,
     ) -> None:
         """
         Args:
-            reward_kwargs: per data_source keyword arguments of its reward function, e.g.
-                ``{"gsm8k": {"method": "flexible", "format_score": 0.1}}``.
+            correct_score: score of a correct answer, passed to every reward function.
+            format_score: score of a wrong but extractable answer, passed to every reward function.
+            source_overrides: data_source -> registered reward name, for sources named otherwise.
+            reward_kwargs: further keyword arguments per registered reward name, e.g.
+                ``{"gsm8k": {"method": "flexible"}}``.
             format_pattern: regex the whole response must match to earn the format bonus.
             format_coef: weight of the format bonus; needs ``format_pattern`` when non-zero.
         """
-        self.reward_kwargs = {ds: dict(kw) for ds, kw in (reward_kwargs or {}).items()}
-        for data_source, kwargs in self.reward_kwargs.items():
-            _check_kwargs(data_source, kwargs)
+        self.source_overrides = dict(source_overrides or {})
+        for target in self.source_overrides.values():
+            get_reward_fn(target)
+        self.reward_kwargs = {
+            name: {"correct_score": correct_score, "format_score": format_score, **kwargs}
+            for name, kwargs in (reward_kwargs or {}).items()
+        }
+        for name, kwargs in self.reward_kwargs.items():
+            _check_kwargs(name, kwargs)
+        self.default_kwargs = {"correct_score": correct_score, "format_score": format_score}
         if format_coef != 0.0 and format_pattern is None:
             raise ValueError(f"format_coef={format_coef} needs a format_pattern")
         self.format_pattern = compile_format_pattern(format_pattern) if format_pattern else None
         self.format_coef = format_coef
+
+    @classmethod
+    def from_config(cls, config: RewardConfig) -> RewardManager:
+        """Build from the ``reward`` section of a recipe."""
+        return cls(
+            correct_score=config.correct_score,
+            format_score=config.format_score,
+            source_overrides=config.source_overrides,
+        )
+
+    def score_one(self, response: str, ground_truth: str, data_source: str) -> RewardResult:
+        """Score one response with the reward function of ``data_source``."""
+        name = self.source_overrides.get(data_source, data_source)
+        try:
+            fn = get_reward_fn(name)
+        except UnknownDataSourceError as err:
+            raise UnknownDataSourceError(f"{err}; map other names with reward.source_overrides") from None
+        return fn(response, ground_truth, **self.reward_kwargs.get(name, self.default_kwargs))
 
     def __call__(
         self,
@@ -84,6 +110,7 @@ class RewardManager:
         ground_truths: Sequence[str],
         data_sources: Sequence[str],
     ) -> RewardOutput:
+        """Score ``responses[i]`` against ``ground_truths[i]`` by ``data_sources[i]``."""
         if not len(responses) == len(ground_truths) == len(data_sources):
             raise ValueError(
                 f"batch sizes differ: {len(responses)} responses, {len(ground_truths)} ground truths, "
@@ -91,10 +118,7 @@ class RewardManager:
             )
         if not responses:
             raise ValueError("cannot score an empty batch of responses")
-        results = [
-            get_reward_fn(ds)(response, truth, **self.reward_kwargs.get(ds, {}))
-            for response, truth, ds in zip(responses, ground_truths, data_sources)
-        ]
+        results = [self.score_one(*row) for row in zip(responses, ground_truths, data_sources)]
         scores = [r.score for r in results]
         metrics: dict[str, float] = {}
         if self.format_pattern is not None:
@@ -111,6 +135,14 @@ class RewardManager:
             results=results,
             metrics=metrics,
         )
+
+
+def _check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
+    params = inspect.signature(get_reward_fn(name)).parameters
+    accepted = sorted(p for p, spec in params.items() if spec.kind is inspect.Parameter.KEYWORD_ONLY)
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ValueError(f"reward kwargs for {name!r}: unknown {unknown}; accepted: {accepted}")
 
 
 def _by_source_metrics(

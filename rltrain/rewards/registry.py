@@ -1,8 +1,8 @@
 """Registry of rule-based reward functions, keyed by a row's ``data_source``.
 
 Contract: a reward function takes the decoded response text and the ground-truth string of one
-sequence, plus keyword-only parameters (``correct_score``, ``method``, ...), and returns a
-:class:`RewardResult`. It is pure: no model, no I/O, no randomness, so the same response always
+sequence, plus keyword-only parameters, at least ``correct_score`` and ``format_score`` (the
+manager passes both), and returns a :class:`RewardResult`. It is pure: no model, no I/O, no randomness, so the same response always
 gets the same score. Functions are registered under one or more data_source names with
 :func:`register_reward`; :func:`get_reward_fn` fails for an unknown name and lists the registered
 ones.
@@ -10,6 +10,7 @@ ones.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -34,6 +35,8 @@ class RewardFn(Protocol):
 
 
 _REGISTRY: dict[str, RewardFn] = {}
+REQUIRED_KWARGS = frozenset({"correct_score", "format_score"})
+"""Keyword-only parameters every reward function takes (the manager always passes them)."""
 
 
 class UnknownDataSourceError(KeyError):
@@ -49,6 +52,12 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
         raise ValueError("register_reward needs at least one data_source name")
 
     def decorator(fn: RewardFn) -> RewardFn:
+        params = inspect.signature(fn).parameters
+        keyword_only = {name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        if not REQUIRED_KWARGS.issubset(keyword_only):
+            raise TypeError(
+                f"reward function {fn.__qualname__} must take keyword-only {sorted(REQUIRED_KWARGS)}"
+            )
         for name in data_sources:
             if name in _REGISTRY and _REGISTRY[name] is not fn:
                 raise ValueError(f"data_source {name!r} already has a reward function: {_REGISTRY[name]}")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from rltrain.data.dataset import PromptDataset
-from rltrain.data.tasks import generate_arithmetic, write_arithmetic_splits
+from rltrain.data.tasks import arithmetic_splits, generate_arithmetic, write_arithmetic_splits
 from rltrain.models.tiny import build_tiny_tokenizer
 from rltrain.rewards import RewardManager
 
@@ -71,3 +72,14 @@ def test_split_files_are_disjoint_and_score_their_own_answers(tmp_path: Path) ->
         data_sources=[e.data_source for e in train_ds],
     )
     assert out.metrics["reward/accuracy"] == 1.0
+
+
+def test_in_memory_splits_equal_the_written_files(tmp_path: Path) -> None:
+    train_rows, val_rows = arithmetic_splits(num_train=6, num_val=3, seed=4, max_operand=9, ops=("+",))
+    train, val = write_arithmetic_splits(tmp_path, num_train=6, num_val=3, seed=4, max_operand=9, ops=("+",))
+    assert [json.loads(line) for line in train.read_text().splitlines()] == train_rows
+    assert [json.loads(line) for line in val.read_text().splitlines()] == val_rows
+    dataset = PromptDataset.from_rows(
+        val_rows, build_tiny_tokenizer(), name="arithmetic/val", max_prompt_length=64
+    )
+    assert [e.ground_truth for e in dataset] == [str(solve(r["prompt"][0]["content"])) for r in val_rows]

@@ -196,3 +196,29 @@ def test_several_files_are_concatenated_with_running_indices(tmp_path: Path, tok
     dataset = PromptDataset.load([a, b], tokenizer, max_prompt_length=512)
     assert [(e.index, e.origin) for e in dataset] == [(0, f"{a}:1"), (1, f"{a}:2"), (2, f"{b}: row 0")]
     assert dataset.num_filtered == 0
+
+
+def test_json_array_and_json_lines_files(tmp_path: Path) -> None:
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps(VERL_ROWS, indent=2))
+    lines = write_jsonl(tmp_path / "lines.json", VERL_ROWS)
+    from_array, from_lines = read_prompt_file(array), read_prompt_file(lines)
+    assert [e.ground_truth for e in from_array] == [e.ground_truth for e in from_lines] == ["72", "19"]
+    assert [e.origin for e in from_array] == [f"{array}: row 0", f"{array}: row 1"]
+    assert from_lines[1].origin == f"{lines}:2"
+    broken = tmp_path / "broken.json"
+    broken.write_text('[\n  {"prompt": "p",\n  oops\n]')
+    with pytest.raises(DataRowError, match=r"broken\.json:3: invalid JSON"):
+        read_prompt_file(broken)
+
+
+def test_in_memory_rows_name_their_source(tokenizer) -> None:
+    rows = [
+        {"prompt": "What is 1 + 1?", "answer": "2", "data_source": "arithmetic"},
+        {"prompt": "x", "data_source": "arithmetic"},
+    ]
+    with pytest.raises(DataRowError, match=r"^generated/train: row 1: missing ground truth"):
+        PromptDataset.from_rows(rows, tokenizer, name="generated/train", max_prompt_length=64)
+    dataset = PromptDataset.from_rows(rows[:1], tokenizer, name="generated/train", max_prompt_length=64)
+    assert dataset[0].prompt_text == "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    assert (dataset.name, dataset.num_filtered) == ("generated/train", 0)

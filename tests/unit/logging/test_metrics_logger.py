@@ -74,7 +74,7 @@ def test_console_line_field_formats() -> None:
             "actor/kl_coef": 0.001,
             "actor/entropy": 1.5,
             "response/length/mean": 42.25,
-            "rollout/logprob_diff_mean": 0.0005,
+            "rollout/logprob_abs_diff_mean": 0.0005,
             "perf/tokens_per_s": 1234.4,
             "timing_s/step": 3.214,
             "critic/score/other": 9.0,  # not a console field

@@ -45,7 +45,7 @@ def test_plot_run_writes_png_of_expected_size(tmp_path: Path) -> None:
         "response/length/mean",
         "actor/pg_loss",
         "actor/entropy",
-        "rollout/logprob_diff_mean",
+        "rollout/logprob_abs_diff_mean",
     ]
 
 

@@ -9,33 +9,52 @@ import torch
 
 from rltrain.rewards import RewardManager, UnknownDataSourceError, register_reward, registered_data_sources
 from rltrain.rewards.format import THINK_ANSWER_PATTERN
+from rltrain.rewards.math_answers import arithmetic_reward
 from rltrain.rewards.registry import RewardResult
 
 
 def test_mixed_batch_scores_and_metrics() -> None:
-    manager = RewardManager(reward_kwargs={"gsm8k": {"format_score": 0.1}})
+    manager = RewardManager(format_score=0.1, reward_kwargs={"arithmetic": {"method": "flexible"}})
     out = manager(
-        ["work #### 72", "#### 70", "27", "5"],
+        ["work #### 72", "#### 70", "it is 27", "so 5"],
         ground_truths=["72", "72", "28", "5"],
         data_sources=["gsm8k", "openai/gsm8k", "arithmetic", "arithmetic"],
     )
-    # gsm8k: right (1.0), wrong with format credit only for "gsm8k" kwargs; openai/gsm8k has no kwargs.
-    expected = [1.0, 0.0, 0.0, 1.0]
+    # right, wrong (format credit 0.1), wrong (0.1, flexible extraction), right
+    expected = [1.0, 0.1, 0.1, 1.0]
     assert out.scores.dtype == torch.float32
-    assert out.scores.tolist() == expected
+    assert out.scores.tolist() == pytest.approx(expected)
     assert out.correct.tolist() == [True, False, False, True]
     assert [r.answer for r in out.results] == ["72", "70", "27", "5"]
     m = out.metrics
-    assert m["reward/score/mean"] == pytest.approx(0.5)
-    assert m["reward/score/std"] == pytest.approx(0.5)  # population std of [1, 0, 0, 1]
-    assert (m["reward/score/min"], m["reward/score/max"]) == (0.0, 1.0)
+    assert m["reward/score/mean"] == pytest.approx(0.55)
+    assert m["reward/score/std"] == pytest.approx(0.45)  # population std: every score is 0.45 from 0.55
+    assert (m["reward/score/min"], m["reward/score/max"]) == (0.1, 1.0)
     assert m["reward/accuracy"] == pytest.approx(0.5)
     assert m["reward/answered"] == pytest.approx(1.0)
-    assert m["reward/by_source/arithmetic/score_mean"] == pytest.approx(0.5)
+    assert m["reward/by_source/arithmetic/score_mean"] == pytest.approx(0.55)
     assert m["reward/by_source/arithmetic/count"] == 2.0
     assert m["reward/by_source/gsm8k/accuracy"] == 1.0
-    assert m["reward/by_source/openai/gsm8k/score_mean"] == 0.0
+    assert m["reward/by_source/openai/gsm8k/score_mean"] == pytest.approx(0.1)
     assert "reward/format/mean" not in m
+
+
+def test_correct_score_and_source_overrides() -> None:
+    manager = RewardManager(correct_score=2.0, source_overrides={"my_math": "gsm8k"})
+    out = manager(["#### 3", "3"], ground_truths=["3", "3"], data_sources=["my_math", "arithmetic"])
+    assert out.scores.tolist() == [2.0, 2.0]
+    assert out.metrics["reward/by_source/my_math/accuracy"] == 1.0
+    with pytest.raises(UnknownDataSourceError, match="'gsmk8'"):
+        RewardManager(source_overrides={"my_math": "gsmk8"})
+
+
+def test_from_config() -> None:
+    from rltrain.config.reward import RewardConfig
+
+    manager = RewardManager.from_config(
+        RewardConfig(correct_score=1.0, format_score=0.25, source_overrides={"x": "arithmetic"})
+    )
+    assert manager(["4"], ground_truths=["5"], data_sources=["x"]).scores.tolist() == [0.25]
 
 
 def test_format_bonus_is_added() -> None:
@@ -57,13 +76,17 @@ def test_unknown_data_source_lists_registered() -> None:
     with pytest.raises(UnknownDataSourceError) as err:
         RewardManager()(["1"], ground_truths=["1"], data_sources=["mystery"])
     assert str(err.value) == (
-        f"no reward function registered for data_source 'mystery'; registered: {registered_data_sources()}"
+        f"no reward function registered for data_source 'mystery'; registered: {registered_data_sources()}; "
+        "map other names with reward.source_overrides"
     )
     assert {"arithmetic", "gsm8k", "openai/gsm8k"} <= set(registered_data_sources())
 
 
 def test_bad_settings_fail_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"'gsm8k': unknown \['methd'\]; accepted: \['correct_score'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'gsm8k': unknown \['methd'\]; accepted: \['correct_score', 'format_score', 'method'\]",
+    ):
         RewardManager(reward_kwargs={"gsm8k": {"methd": "flexible"}})
     with pytest.raises(UnknownDataSourceError, match="'gsmk8'"):
         RewardManager(reward_kwargs={"gsmk8": {}})
@@ -75,11 +98,17 @@ def test_bad_settings_fail_at_construction() -> None:
 
 def test_custom_registration_and_duplicate_refused() -> None:
     @register_reward("test/length_is_truth")
-    def length_reward(response: str, ground_truth: str) -> RewardResult:
+    def length_reward(
+        response: str, ground_truth: str, *, correct_score: float, format_score: float
+    ) -> RewardResult:
         ok = len(response) == int(ground_truth)
-        return RewardResult(score=float(ok), correct=ok, answer=str(len(response)))
+        return RewardResult(
+            score=correct_score if ok else format_score, correct=ok, answer=str(len(response))
+        )
 
     out = RewardManager()(["abc", "ab"], ground_truths=["3", "3"], data_sources=["test/length_is_truth"] * 2)
     assert out.scores.tolist() == [1.0, 0.0]
     with pytest.raises(ValueError, match="already has a reward function"):
-        register_reward("test/length_is_truth")(lambda response, ground_truth: None)
+        register_reward("test/length_is_truth")(arithmetic_reward)
+    with pytest.raises(TypeError, match=r"must take keyword-only \['correct_score', 'format_score'\]"):
+        register_reward("test/no_kwargs")(lambda response, ground_truth: None)
