@@ -324,6 +324,10 @@ class PromptDataset(Sequence[PromptExample]):
             raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
         if not rows:
             raise ValueError(f"{name}: no prompts")
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{name}: the tokenizer has no chat template; set data.apply_chat_template=false for raw text"
+            )
         kept, num_filtered = tokenize_prompts(
             rows, tokenizer, max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template
         )

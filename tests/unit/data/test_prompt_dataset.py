@@ -222,3 +222,11 @@ def test_in_memory_rows_name_their_source(tokenizer) -> None:
     dataset = PromptDataset.from_rows(rows[:1], tokenizer, name="generated/train", max_prompt_length=64)
     assert dataset[0].prompt_text == "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
     assert (dataset.name, dataset.num_filtered) == ("generated/train", 0)
+
+
+def test_tokenizer_without_chat_template_is_named(tmp_path: Path) -> None:
+    plain = build_tiny_tokenizer()
+    plain.chat_template = None
+    path = write_jsonl(tmp_path / "t.jsonl", VERL_ROWS)
+    with pytest.raises(ValueError, match=r"t\.jsonl: the tokenizer has no chat template"):
+        PromptDataset.load(path, plain, max_prompt_length=64)
