@@ -45,6 +45,18 @@ def fused_group(hf_name: str, packed_modules: dict[str, str] | None = None) -> s
     return ".".join(module)
 
 
+def grouped_order(
+    named_tensors: Iterable[NamedTensor], packed_modules: dict[str, str] | None = None
+) -> list[NamedTensor]:
+    """``named_tensors`` reordered so that the members of each fused module are adjacent
+    (stable otherwise: modules keep the order of their first member)."""
+    items = list(named_tensors)
+    first: dict[str, int] = {}
+    for i, (name, _) in enumerate(items):
+        first.setdefault(fused_group(name, packed_modules), i)
+    return sorted(items, key=lambda kv: first[fused_group(kv[0], packed_modules)])
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

@@ -70,13 +70,12 @@ def _unpacked_names(model: torch.nn.Module) -> dict[str, list[str]]:
 
 def engine_hf_weights(model: torch.nn.Module) -> Iterator[NamedTensor]:
     """Yield ``(hf_name, tensor)`` for every weight of a vLLM model, as its kernels see them."""
-    from vllm.model_executor.layers.fused_moe import FusedMoE
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     packed = _unpacked_names(model)
     for module_name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
+        if hasattr(module, "w13_weight"):  # fused experts: [E, 2I, H] / [E, H, I], kernel-specific layout
             raise NotImplementedError(
                 f"weight readback of fused-MoE module {module_name!r} is not supported; "
                 "verify MoE syncs by logprobs instead"

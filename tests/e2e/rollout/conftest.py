@@ -45,11 +45,4 @@ def engine(tiny_llama_dir):
 def restore_weights(engine, tiny_llama_weights):
     """Give the test the engine and load the original weights back afterwards."""
     yield engine
-    engine.load_weights(ordered(tiny_llama_weights))
-
-
-def ordered(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """Weights with the members of each fused module (q/k/v, gate/up) adjacent, as the bridge streams them."""
-    from rltrain.rollout.bucketing import fused_group
-
-    return sorted(weights.items(), key=lambda kv: (fused_group(kv[0]), kv[0]))
+    engine.load_weights(tiny_llama_weights.items())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rltrain.rollout.bucketing import fused_group, iter_buckets, pack_bucket, unpack_bucket
+from rltrain.rollout.bucketing import fused_group, grouped_order, iter_buckets, pack_bucket, unpack_bucket
 
 
 def _layer(i: int) -> list[tuple[str, torch.Tensor]]:
@@ -58,3 +58,12 @@ def test_pack_unpack_bit_exact_mixed_dtypes():
     assert packed.flat.dtype == torch.uint8 and all(m.offset % 16 == 0 for m in packed.metas)
     for (name, t), (name2, t2) in zip(bucket, unpack_bucket(packed)):
         assert name == name2 and t2.dtype == t.dtype and torch.equal(t, t2)
+
+
+def test_grouped_order_makes_a_sorted_state_dict_bucketable():
+    stream = sorted(_layer(0) + _layer(1))  # alphabetical: o_proj sits between k_proj and q_proj
+    with pytest.raises(ValueError):
+        list(iter_buckets(stream, 1 << 20))
+    regrouped = grouped_order(stream)
+    assert sorted(regrouped) == stream
+    assert [n for b in iter_buckets(regrouped, 1 << 20) for n, _ in b] == [n for n, _ in regrouped]
