@@ -1,0 +1,190 @@
+"""Load HF weights into live Megatron model chunks, and stream HF-named weights out of them.
+
+Contract (torch and torch.distributed only; ``ctx`` is ``rltrain.megatron.parallel.ParallelContext``
+or anything with its rank attributes and ``groups``):
+- ``bridge_for_chunks`` binds the family table to the model as built (its padded vocabulary).
+- ``load_hf_weights(chunks, ctx, bridge, reader)`` (collective) fills every parameter of this rank's
+  chunks from an ``HFCheckpointReader``, one unit at a time; it fails naming model parameters with
+  no mapping, HF tensors never used by any rank (unexpected), missing HF tensors and mis-shaped ones.
+- ``export_hf_weights(chunks, ctx, bridge, dst=0)`` (collective generator: every rank must exhaust
+  it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only, one unit at a time, in HF order;
+  the TP shards travel point-to-point from the one replica that holds them (DP/expert-DP rank 0)
+  to ``dst``; no rank ever holds more than one unit of full tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_bridge.bridge import Bridge
+from megatron_bridge.hf_io import HFCheckpointReader
+from megatron_bridge.naming import ChunkNaming
+from megatron_bridge.registry import get_family
+
+_EMBED = "embedding.word_embeddings.weight"
+_DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def chunk_namings(chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge) -> list[ChunkNaming]:
+    """Per chunk: layer offset from its first layer's global ``layer_number``, expert offset from EP."""
+    if ctx.etp_size != ctx.tp_size:
+        raise NotImplementedError(f"expert_tensor_parallel_size={ctx.etp_size} != tensor size {ctx.tp_size}")
+    local_experts = bridge.dims.num_experts // ctx.ep_size if bridge.dims.num_experts else 0
+    namings = []
+    for chunk in chunks:
+        layers = _unwrap(chunk).decoder.layers
+        offset = layers[0].layer_number - 1 if len(layers) else 0
+        grouped = any(".mlp.experts.linear_fc1.weight" in n for n, _ in chunk.named_parameters())
+        te = any("linear_qkv.layer_norm_weight" in n for n, _ in chunk.named_parameters())
+        namings.append(
+            ChunkNaming(
+                layer_offset=offset,
+                expert_offset=ctx.ep_rank * local_experts,
+                num_local_experts=local_experts,
+                te_spec=te,
+                grouped_gemm=grouped,
+                moe=bridge.dims.num_experts > 0,
+            )
+        )
+    return namings
+
+
+def bridge_for_chunks(hf_config: Any, chunks: list[torch.nn.Module], ctx: Any) -> Bridge:
+    """The bridge of ``hf_config`` with the vocabulary padding of the chunks as built."""
+    bridge = Bridge.from_hf_config(hf_config, tp_size=ctx.tp_size)
+    rows = [
+        p.shape[0]
+        for c in chunks
+        for n, p in _unwrap(c).named_parameters()
+        if n in (_EMBED, "output_layer.weight")
+    ]
+    if rows:
+        return Bridge(
+            get_family(bridge.dims.model_type), bridge.dims.with_padded_vocab(rows[0] * ctx.tp_size)
+        )
+    return bridge
+
+
+def _local_params(
+    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge
+) -> list[tuple[str, str, torch.Tensor]]:
+    """(canonical name, local name, parameter) of every parameter of this rank's chunks."""
+    out = []
+    for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
+        for local, param in _unwrap(chunk).named_parameters():
+            out.append((naming.to_canonical(local), local, param))
+    return out
+
+
+def _tp_coords(bridge: Bridge, canonical: str, ctx: Any) -> tuple[int, int]:
+    return ctx.tp_rank, ctx.tp_size  # expert-TP equals TP (checked in chunk_namings)
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, reader: HFCheckpointReader
+) -> None:
+    """Copy the HF checkpoint of ``reader`` into this rank's chunks (collective for the name checks)."""
+    params = _local_params(chunks, ctx, bridge)
+    for canonical, local, _ in params:
+        if canonical not in bridge._by_megatron:
+            raise KeyError(
+                f"model parameter {local!r} (canonical {canonical!r}) has no mapping in {bridge.family.name}"
+            )
+    available = set(reader.names())
+    missing = sorted(set(bridge.hf_names()) - available)
+    unexpected = sorted(available - set(bridge.hf_names()))
+    if missing or unexpected:
+        raise KeyError(
+            f"HF checkpoint {reader.directory}: missing tensors {missing[:20]}; unexpected tensors {unexpected[:20]}"
+        )
+    by_unit: dict[int, list[tuple[str, str, torch.Tensor]]] = {}
+    for item in params:
+        unit, _ = bridge.unit_of_megatron(item[0])
+        by_unit.setdefault(id(unit), []).append(item)
+    for unit in bridge.units:
+        wanted = by_unit.get(id(unit))
+        if not wanted:
+            continue
+        full = dict(
+            zip(unit.megatron_names, bridge.to_megatron(unit, [reader.get(n) for n in unit.hf_names]))
+        )
+        for canonical, local, param in wanted:
+            rank, size = _tp_coords(bridge, canonical, ctx)
+            piece = unit.mapping.shard(full[canonical], rank=rank, size=size)
+            if piece.shape != param.shape:
+                raise ValueError(
+                    f"HF {list(unit.hf_names)} → {local!r}: shard shape {tuple(piece.shape)} != parameter {tuple(param.shape)}"
+                )
+            param.copy_(piece)
+        del full
+
+
+def _source_of(owners: list[dict], canonical: str) -> list[tuple[int, int]]:
+    """(global rank, tp rank) of the replica-0 ranks holding ``canonical``, ordered by tp rank."""
+    found = sorted((o["tp_rank"], o["rank"]) for o in owners if o["replica"] == 0 and canonical in o["names"])
+    return [(rank, tp) for tp, rank in found]
+
+
+def export_hf_weights(
+    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, dst: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield full HF-named tensors on rank ``dst``; every rank must iterate to the end."""
+    params = {c: p for c, _, p in _local_params(chunks, ctx, bridge)}
+    is_expert_rank_replica = getattr(ctx, "expert_dp_rank", 0)
+    mine = {
+        "rank": ctx.rank,
+        "tp_rank": ctx.tp_rank,
+        "replica": ctx.dp_rank,
+        "expert_replica": is_expert_rank_replica,
+        "names": set(params),
+    }
+    owners: list[dict] = [{} for _ in range(ctx.world_size)]
+    dist.all_gather_object(owners, mine)
+    for unit in bridge.units:
+        if unit.tied:
+            continue
+        tensors = []
+        for canonical in unit.megatron_names:
+            key = "expert_replica" if unit.is_expert else "replica"
+            sources = _source_of([{**o, "replica": o[key]} for o in owners], canonical)
+            if not sources:
+                raise KeyError(
+                    f"no rank holds Megatron parameter {canonical!r} (for HF {list(unit.hf_names)})"
+                )
+            shards = [_transfer(params.get(canonical), src=src, dst=dst, me=ctx.rank) for src, _ in sources]
+            if ctx.rank == dst:
+                tensors.append(unit.mapping.unshard(shards))
+        if ctx.rank == dst:
+            yield from zip(unit.hf_names, bridge.to_hf(unit, tensors))
+
+
+def _transfer(local: torch.Tensor | None, *, src: int, dst: int, me: int) -> torch.Tensor | None:
+    """Move one shard from ``src`` to ``dst`` (header with shape and dtype, then the data)."""
+    if src == dst:
+        return local.detach().clone() if me == dst else None
+    if me == src:
+        header = torch.zeros(10, dtype=torch.int64)
+        header[0], header[1] = _DTYPE_CODES.index(local.dtype), local.dim()
+        header[2 : 2 + local.dim()] = torch.tensor(local.shape)
+        dist.send(header, dst)
+        dist.send(local.detach().contiguous(), dst)
+        return None
+    if me == dst:
+        header = torch.empty(10, dtype=torch.int64)
+        dist.recv(header, src)
+        shape = tuple(int(s) for s in header[2 : 2 + int(header[1])])
+        out = torch.empty(shape, dtype=_DTYPE_CODES[int(header[0])])
+        dist.recv(out, src)
+        return out
+    return None

@@ -1,0 +1,28 @@
+"""The bridge's one entry to the Megatron model builder (``rltrain.megatron``), with vocab padding.
+
+Contract: ``build_padded_model(hf_config, ctx, dtype=...)`` returns this rank's ``GPTModel`` chunks
+for ``hf_config`` with the vocabulary padded to Megatron's multiple
+(``make_vocab_size_divisible_by × TP``, default 128 × TP), so any TP divides it; ``hf_config`` is
+not modified. The bridge zero-pads embedding and output rows on load and drops them on export.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from megatron_bridge.dims import padded_vocab_size
+
+
+def build_padded_model(
+    hf_config: Any, ctx: Any, *, dtype: torch.dtype = torch.float32, make_vocab_size_divisible_by: int = 128
+) -> list[torch.nn.Module]:
+    from rltrain.megatron.model import build_model
+
+    padded = copy.deepcopy(hf_config)
+    padded.vocab_size = padded_vocab_size(
+        hf_config.vocab_size, divisible_by=make_vocab_size_divisible_by, tp_size=ctx.tp_size
+    )
+    return build_model(padded, ctx=ctx, role="actor", params_dtype=dtype)
