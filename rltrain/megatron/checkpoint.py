@@ -1,0 +1,183 @@
+"""Atomic Megatron distributed checkpoints (model, optimizer, scheduler, RNG) that reshard on load.
+
+Layout under ``root``::
+
+    step_<n>/           a complete checkpoint (Megatron dist_checkpointing, torch_dist format)
+    .tmp-step_<n>/      a save in progress, or one killed mid-write: never loaded
+    latest              "step_<n>", replaced atomically after step_<n> is in place
+
+Contract: ``save_checkpoint`` is collective; every rank writes its shards into the temporary
+directory, then rank 0 renames it to ``step_<n>`` and only then rewrites ``latest``. So a crash at
+any point leaves ``latest`` naming a complete checkpoint. ``load_checkpoint`` loads what ``latest``
+names into model chunks of any TP/PP (and EP, model only) layout, logging which incomplete or newer
+directories it ignored. Optimizer state reshards over TP/PP/DP (Megatron's model-space format); RNG
+states are restored only when the layout is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from rltrain.megatron.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+_TMP_PREFIX = ".tmp-"
+
+
+def _layout(ctx: ParallelContext) -> dict[str, int | None]:
+    return {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "ep": ctx.ep_size, "dp": ctx.dp_size}
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_key(index: int, num_chunks: int) -> str:
+    return "model" if num_chunks == 1 else f"model{index}"
+
+
+def _sharded_state(
+    ctx: ParallelContext, chunks: list[torch.nn.Module], optimizer: MegatronOptimizer | None, *, loading: bool
+) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        _model_key(i, len(chunks)): chunk.sharded_state_dict() for i, chunk in enumerate(chunks)
+    }
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading)
+    state["rng_state"] = ShardedObject(
+        "rng_state",
+        _rng_state(),
+        (ctx.pp_size, ctx.tp_size, ctx.ep_size),
+        (ctx.pp_rank, ctx.tp_rank, ctx.ep_rank),
+        replica_id=ctx.expert_dp_rank,
+    )
+    return state
+
+
+def _use_fork_write_queue() -> None:
+    """Without CUDA, let Megatron's checkpoint writer use a fork-based result queue: its default spawn
+    manager re-imports ``__main__`` and makes the first save take 8-13 s on a small machine."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not torch.cuda.is_available() and filesystem_async._results_queue is None:
+        filesystem_async._results_queue = torch.multiprocessing.get_context("fork").Manager().Queue()
+
+
+def save_checkpoint(
+    root: str | Path,
+    *,
+    step: int,
+    ctx: ParallelContext,
+    chunks: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+) -> Path:
+    """Write ``root/step_<step>`` atomically (collective); returns its path."""
+    root = Path(root)
+    name = f"step_{step}"
+    tmp, final = root / f"{_TMP_PREFIX}{name}", root / name
+    if ctx.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    _use_fork_write_queue()
+    state = _sharded_state(ctx, chunks, optimizer, loading=False)
+    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["meta"] = {"step": step, "layout": _layout(ctx), "num_chunks": len(chunks)}
+    dist_checkpointing.save(state, str(tmp))
+    dist.barrier()
+    if ctx.rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker = root / f"{_TMP_PREFIX}{LATEST}"
+        marker.write_text(name)
+        os.replace(marker, root / LATEST)
+    dist.barrier()
+    return final
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names (None if none), logging ignored incomplete/newer directories."""
+    root = Path(root)
+    marker = root / LATEST
+    latest = root / marker.read_text().strip() if marker.exists() else None
+    for entry in sorted(root.iterdir()) if root.exists() else []:
+        if entry.name.startswith(_TMP_PREFIX) and entry.is_dir():
+            logger.warning("ignoring incomplete checkpoint %s (a save that did not finish)", entry)
+        elif entry.name.startswith("step_") and (latest is None or _step_of(entry) > _step_of(latest)):
+            logger.warning("ignoring checkpoint %s: %s names %s", entry, marker, latest)
+    if latest is not None and not (latest / "metadata.json").exists():
+        raise FileNotFoundError(f"{marker} names {latest}, which is not a complete checkpoint")
+    return latest
+
+
+def _step_of(path: Path) -> int:
+    suffix = path.name.removeprefix("step_")
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def load_checkpoint(
+    root: str | Path,
+    *,
+    ctx: ParallelContext,
+    chunks: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
+) -> int | None:
+    """Load the checkpoint ``root/latest`` names into ``chunks`` (and optimizer/scheduler when given).
+
+    Returns its step, or None when ``root`` has no checkpoint.
+    """
+    path = find_latest(root)
+    if path is None:
+        return None
+    meta = dist_checkpointing.load_common_state_dict(str(path))["meta"]
+    same_layout = meta["layout"] == _layout(ctx)
+    state = _sharded_state(ctx, chunks, optimizer, loading=True)
+    if not same_layout:
+        del state["rng_state"]
+        logger.info(
+            "checkpoint layout %s differs from %s: RNG states not restored", meta["layout"], _layout(ctx)
+        )
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])
+    return int(meta["step"])

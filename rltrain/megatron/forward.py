@@ -1,0 +1,293 @@
+"""Forward (and forward-backward) of Megatron model chunks over a batch of token sequences.
+
+Contract: a ``TokenBatch`` holds padded rows ``[prompt (left-padded) | response (right-padded)]``; the
+last ``response_len`` columns are the response. ``run_model`` splits it into micro-batches (fixed
+size, or filled up to a token budget), optionally packs each micro-batch into one row (THD, no
+attention across sequences, positions restarting per sequence), runs them through Megatron's
+pipeline schedule, and returns per-response-token outputs in the original sample order:
+``logprobs``/``entropy`` (actor) or ``values`` (critic), each [batch, response_len], zero on padding.
+The output for response token j comes from position ``seq - response_len - 1 + j`` (the token
+before it), as in verl. Every rank of the pipeline gets the same result (broadcast from the last
+stage). With ``loss_fn`` it also runs the backward; the loss callable sees one micro-batch's
+outputs and must use global denominators (its sum over micro-batches and data-parallel ranks is the
+batch loss), so gradients do not depend on the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from rltrain.data.dynamic_batch import split_by_token_budget, split_fixed
+from rltrain.data.packing import pack_sequences, padded_position_ids
+from rltrain.megatron.attention import padded_causal_mask
+from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
+from rltrain.megatron.parallel import ParallelContext
+
+
+@dataclass
+class TokenBatch:
+    """Padded token rows; the last ``response_len`` columns are the response."""
+
+    input_ids: torch.Tensor
+    """[batch, seq] long."""
+    attention_mask: torch.Tensor
+    """[batch, seq] 1 for real tokens, 0 for padding (left in the prompt, right in the response)."""
+    response_len: int
+    """Number of response columns at the end of each row."""
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-sample tensors [batch, ...] the loss callable needs (e.g. ``old_logprobs``, ``advantages``);
+    sliced together with the micro-batch."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.size(0)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """[batch, response_len] 1 for real response tokens."""
+        return self.attention_mask[:, -self.response_len :]
+
+    def select(self, index: list[int]) -> TokenBatch:
+        idx = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
+        return TokenBatch(
+            input_ids=self.input_ids[idx],
+            attention_mask=self.attention_mask[idx],
+            response_len=self.response_len,
+            extras={k: v[idx.to(v.device)] for k, v in self.extras.items()},
+        )
+
+
+@dataclass
+class MicroBatching:
+    """How a batch is cut into micro-batches (verl vocabulary)."""
+
+    micro_batch_size: int = 1
+    """``ppo_micro_batch_size_per_gpu``: samples per micro-batch when not dynamic."""
+    use_dynamic_bsz: bool = False
+    """Fill micro-batches up to ``max_token_len`` real tokens instead of a fixed sample count."""
+    max_token_len: int = 0
+    """``ppo_max_token_len_per_gpu``: token budget of one micro-batch when ``use_dynamic_bsz``."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch into one row (THD) instead of running padded rows."""
+
+    def split(self, batch: TokenBatch) -> list[list[int]]:
+        if self.use_dynamic_bsz:
+            return split_by_token_budget(batch.attention_mask.sum(1).tolist(), self.max_token_len)
+        return split_fixed(batch.batch_size, self.micro_batch_size)
+
+
+@dataclass
+class ModelOutput:
+    """Per-response-token outputs, [batch, response_len], zero where the response is padding."""
+
+    logprobs: torch.Tensor | None = None
+    """log p(response token | prefix) (actor / reference)."""
+    entropy: torch.Tensor | None = None
+    """Entropy of the next-token distribution at the same positions (actor / reference)."""
+    values: torch.Tensor | None = None
+    """Critic value at the same positions."""
+
+
+LossFn = Callable[[ModelOutput, TokenBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(micro-batch outputs, micro-batch) → (loss with global denominators, metrics to sum)."""
+
+
+@dataclass
+class _ModelInputs:
+    """One micro-batch in the layout the model consumes."""
+
+    batch: TokenBatch
+    input_ids: torch.Tensor
+    """[rows, tokens]: the packed row ([1, total]) or the padded rows ([batch, seq])."""
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    """[batch, 1, seq, seq] bool (True = masked) for padded rows; None when packed."""
+    packed_seq_params: PackedSeqParams | None
+    source_index: torch.Tensor
+    """[batch, response_len] flat index into [rows × tokens] of the position predicting each response
+    token (0 where the response is padding)."""
+
+
+def _prepare(batch: TokenBatch, *, pack: bool, pad_to_multiple: int, device: torch.device) -> _ModelInputs:
+    input_ids = batch.input_ids.to(device)
+    attention_mask = batch.attention_mask.to(device)
+    seq, resp = input_ids.size(1), batch.response_len
+    predictor_cols = torch.arange(seq - resp - 1, seq - 1, device=device)
+    valid = attention_mask[:, -resp:].bool()
+    if pack:
+        packed = pack_sequences(input_ids, attention_mask, pad_to_multiple=pad_to_multiple)
+        cu = packed.cu_seqlens.to(device)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=packed.max_seqlen,
+            max_seqlen_kv=packed.max_seqlen,
+        )
+        source = packed.token_index[:, predictor_cols].clamp(min=0)
+        return _ModelInputs(batch, packed.input_ids, packed.position_ids, None, params, source * valid)
+    rows = torch.arange(input_ids.size(0), device=device).unsqueeze(1)
+    source = (rows * seq + predictor_cols.unsqueeze(0)) * valid
+    return _ModelInputs(
+        batch,
+        input_ids,
+        padded_position_ids(attention_mask),
+        padded_causal_mask(attention_mask),
+        None,
+        source,
+    )
+
+
+def _head_outputs(
+    output: torch.Tensor, inputs: _ModelInputs, *, ctx: ParallelContext, critic: bool
+) -> ModelOutput:
+    """output: [rows, tokens, vocab/tp] logits or [rows, tokens, 1] values → ``ModelOutput``."""
+    batch = inputs.batch
+    mask = batch.response_mask.to(output.device)
+    picked = output.reshape(-1, output.size(-1))[inputs.source_index.flatten()]
+    shape = inputs.source_index.shape
+    if critic:
+        return ModelOutput(values=picked.squeeze(-1).float().view(shape) * mask)
+    targets = batch.input_ids[:, -batch.response_len :].to(output.device).flatten()
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        picked, targets, tp_group=ctx.groups.tp, tp_rank=ctx.tp_rank
+    )
+    return ModelOutput(logprobs=logprobs.view(shape) * mask, entropy=entropy.view(shape) * mask)
+
+
+def _forward_step(
+    data_iterator: Any,
+    model: torch.nn.Module,
+    *,
+    ctx: ParallelContext,
+    critic: bool,
+    loss_fn: LossFn | None,
+    loss_scale: float,
+) -> tuple[torch.Tensor, Callable]:
+    inputs: _ModelInputs = next(data_iterator)
+    output = model(
+        input_ids=inputs.input_ids,
+        position_ids=inputs.position_ids,
+        attention_mask=inputs.attention_mask,
+        packed_seq_params=inputs.packed_seq_params,
+    )
+
+    def loss_func(output_tensor: torch.Tensor) -> tuple:
+        out = _head_outputs(output_tensor, inputs, ctx=ctx, critic=critic)
+        if loss_fn is None:
+            return output_tensor.new_zeros(()), {"output": out}
+        loss, metrics = loss_fn(out, inputs.batch)
+        # Megatron divides by the number of micro-batches and averages gradients over DP×CP; the
+        # loss already carries global denominators, so undo both (one token count per micro-batch).
+        reduced = {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}
+        return loss * loss_scale, torch.tensor(1, dtype=torch.int), reduced
+
+    return output, loss_func
+
+
+@dataclass
+class ForwardResult:
+    """Outputs of ``run_model`` on every pipeline rank."""
+
+    output: ModelOutput
+    """Per-response-token outputs in the original sample order."""
+    metrics: dict[str, float]
+    """Loss-callable metrics (and ``loss``) summed over micro-batches and data-parallel ranks;
+    empty for a forward-only pass."""
+
+
+def run_model(
+    chunks: list[torch.nn.Module],
+    batch: TokenBatch,
+    *,
+    ctx: ParallelContext,
+    batching: MicroBatching,
+    critic: bool = False,
+    loss_fn: LossFn | None = None,
+) -> ForwardResult:
+    """Forward (``loss_fn=None``, no grad) or forward-backward of ``batch`` through ``chunks``."""
+    if ctx.cp_size > 1:
+        raise NotImplementedError("context_parallel_size > 1: sequences are not split over CP ranks yet")
+    splits = batching.split(batch)
+    pad_to = ctx.tp_size if ctx.parallel.sequence_parallel else 1
+    micro = [
+        _prepare(
+            batch.select(idx), pack=batching.use_remove_padding, pad_to_multiple=pad_to, device=ctx.device
+        )
+        for idx in splits
+    ]
+    forward_only = loss_fn is None
+    step = partial(
+        _forward_step,
+        ctx=ctx,
+        critic=critic,
+        loss_fn=loss_fn,
+        loss_scale=float(len(micro) * ctx.dp_size * ctx.cp_size),
+    )
+    iterators: Any = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
+    for chunk in chunks:
+        chunk.train(not forward_only)
+    with torch.set_grad_enabled(not forward_only):
+        stored = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iterators,
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro),
+            seq_length=max(m.input_ids.size(1) for m in micro),
+            micro_batch_size=max(m.input_ids.size(0) for m in micro),
+            forward_only=forward_only,
+        )
+    output = _gather_outputs(stored, splits, batch, ctx=ctx, critic=critic, forward_only=forward_only)
+    metrics = {} if forward_only else _sum_metrics(stored, ctx=ctx)
+    return ForwardResult(output=output, metrics=metrics)
+
+
+def _gather_outputs(
+    stored: list[dict],
+    splits: list[list[int]],
+    batch: TokenBatch,
+    *,
+    ctx: ParallelContext,
+    critic: bool,
+    forward_only: bool,
+) -> ModelOutput:
+    """Restore sample order on the last stage and broadcast to the other pipeline stages."""
+    if not forward_only:
+        return ModelOutput()
+    names = ("values",) if critic else ("logprobs", "entropy")
+    shape = (batch.batch_size, batch.response_len)
+    result = {name: torch.zeros(shape, dtype=torch.float32, device=ctx.device) for name in names}
+    if ctx.is_pipeline_last_stage:
+        order = torch.tensor([i for idx in splits for i in idx], device=ctx.device)
+        for name in names:
+            result[name][order] = torch.cat([getattr(s["output"], name) for s in stored]).float()
+    if ctx.pp_size > 1:
+        for name in names:
+            dist.broadcast(result[name], src=ctx.pipeline_last_rank, group=ctx.groups.pp)
+    return ModelOutput(**result)
+
+
+def _sum_metrics(stored: list[dict], *, ctx: ParallelContext) -> dict[str, float]:
+    """Sum micro-batch metrics, then over DP ranks; broadcast from the last pipeline stage."""
+    names = sorted(stored[0]) if stored else []
+    count = torch.tensor([len(names)], device=ctx.device)
+    if ctx.pp_size > 1:
+        dist.broadcast(count, src=ctx.pipeline_last_rank, group=ctx.groups.pp)
+    values = torch.zeros(int(count), dtype=torch.float64, device=ctx.device)
+    if ctx.is_pipeline_last_stage:
+        values = torch.stack([sum(s[n].double().sum() for s in stored) for n in names])
+        dist.all_reduce(values, group=ctx.groups.dp_cp)
+    if ctx.pp_size > 1:
+        names_list = [names]
+        dist.broadcast_object_list(names_list, src=ctx.pipeline_last_rank, group=ctx.groups.pp)
+        names = names_list[0]
+        dist.broadcast(values, src=ctx.pipeline_last_rank, group=ctx.groups.pp)
+    return dict(zip(names, values.tolist()))

@@ -1,0 +1,318 @@
+"""Megatron ``GPTModel`` chunks from a Hugging Face config (Llama, Qwen2, Qwen3, Mixtral, Qwen2-/Qwen3-MoE).
+
+Contract: ``build_model(hf_config, ctx=..., role=...)`` returns this rank's model chunks (one per
+virtual pipeline stage; a single chunk without VPP) with randomly initialized weights; the weight
+bridge loads real weights into them through their ``state_dict``. ``role="actor"`` (also used for the
+reference) ends in the vocab-parallel LM head; ``role="critic"`` ends in a value head mapping each
+token's final hidden state to one scalar (``output_layer.weight``: [1, hidden], replicated over TP).
+
+On a GPU the layers use Transformer Engine's spec; without CUDA they use Megatron's local spec with
+an attention that also accepts packed (THD) sequences. Bad layouts fail before any allocation, naming
+both numbers (``tensor_model_parallel_size=3 does not divide num_attention_heads=4``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from rltrain.config.parallel import ParallelConfig
+from rltrain.megatron.attention import PackedDotProductAttention
+from rltrain.megatron.parallel import ParallelContext
+
+Role = Literal["actor", "reference", "critic"]
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class GPTOptions:
+    """``GPTModel`` constructor arguments that are not part of ``TransformerConfig``."""
+
+    vocab_size: int
+    max_sequence_length: int
+    rotary_base: float
+    rope_scaling: bool
+    """Llama-3 style frequency scaling."""
+    rope_scaling_factor: float
+    seq_len_interpolation_factor: float | None
+    """Linear RoPE scaling (``rope_type: linear``)."""
+    tie_word_embeddings: bool
+
+
+def _get(hf_config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _num_experts(hf_config: Any) -> int | None:
+    return _get(hf_config, "num_local_experts", "num_experts")
+
+
+def validate_layout(hf_config: Any, parallel: ParallelConfig) -> list[str]:
+    """Problems of running ``hf_config`` at ``parallel``, each naming both numbers."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    ep = parallel.expert_model_parallel_size
+    etp = parallel.expert_tensor_parallel_size or tp
+    num_experts = _num_experts(hf_config)
+    checks = [
+        ("tensor_model_parallel_size", tp, "num_attention_heads", hf_config.num_attention_heads),
+        ("tensor_model_parallel_size", tp, "num_key_value_heads", _kv_heads(hf_config)),
+        ("tensor_model_parallel_size", tp, "vocab_size", hf_config.vocab_size),
+        (
+            "pipeline_model_parallel_size × virtual",
+            pp * vpp,
+            "num_hidden_layers",
+            hf_config.num_hidden_layers,
+        ),
+    ]
+    if num_experts:
+        checks.append(("expert_model_parallel_size", ep, "num_experts", num_experts))
+        checks.append(("expert_tensor_parallel_size", etp, "moe_intermediate_size", _moe_ffn(hf_config)))
+    else:
+        checks.append(("tensor_model_parallel_size", tp, "intermediate_size", hf_config.intermediate_size))
+        if ep > 1:
+            checks.append(("expert_model_parallel_size", ep, "num_experts", 0))
+    return [f"{lhs}={a} does not divide {rhs}={b}" for lhs, a, rhs, b in checks if b == 0 or b % a]
+
+
+def _kv_heads(hf_config: Any) -> int:
+    return _get(hf_config, "num_key_value_heads", default=hf_config.num_attention_heads)
+
+
+def _moe_ffn(hf_config: Any) -> int:
+    return _get(hf_config, "moe_intermediate_size", "intermediate_size")
+
+
+def _rope(hf_config: Any) -> dict:
+    params = dict(_get(hf_config, "rope_parameters", "rope_scaling", default={}) or {})
+    params.setdefault("rope_theta", _get(hf_config, "rope_theta", default=10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def gpt_options(hf_config: Any, *, role: Role) -> GPTOptions:
+    """The ``GPTModel`` arguments for ``hf_config`` (RoPE base and scaling, vocabulary, tying)."""
+    rope = _rope(hf_config)
+    rope_type = rope["rope_type"]
+    llama3 = rope_type == "llama3"
+    if llama3:
+        # Megatron hard-codes the other llama3 constants; refuse checkpoints that differ.
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        wrong = {k: rope.get(k) for k, v in expected.items() if float(rope.get(k, v)) != v}
+        if wrong:
+            raise NotImplementedError(
+                f"rope_parameters {wrong} differ from Megatron's llama3 constants {expected}"
+            )
+    elif rope_type not in ("default", "linear"):
+        raise NotImplementedError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
+    return GPTOptions(
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        rotary_base=float(rope["rope_theta"]),
+        rope_scaling=llama3,
+        rope_scaling_factor=float(rope.get("factor", 8.0)),
+        seq_len_interpolation_factor=float(rope["factor"]) if rope_type == "linear" else None,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and role != "critic",
+    )
+
+
+def transformer_config_from_hf(
+    hf_config: Any,
+    *,
+    parallel: ParallelConfig,
+    params_dtype: torch.dtype,
+    recompute_activations: bool = False,
+) -> TransformerConfig:
+    """``TransformerConfig`` for ``hf_config`` at layout ``parallel``; raises on a bad layout."""
+    model_type = hf_config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(f"model_type={model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    problems = validate_layout(hf_config, parallel)
+    if problems:
+        raise ValueError(f"{model_type}: " + "; ".join(problems))
+    if _get(hf_config, "use_sliding_window", default=False):
+        raise NotImplementedError(f"{model_type}: sliding-window attention is not supported")
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=_kv_heads(hf_config),
+        kv_channels=_get(
+            hf_config, "head_dim", default=hf_config.hidden_size // hf_config.num_attention_heads
+        ),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_qkv_bias(hf_config),
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=_get(hf_config, "initializer_range", default=0.02),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size
+        or parallel.tensor_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        # Micro-batches differ in length (dynamic batch size, packing): exchange shapes between stages.
+        variable_seq_lengths=True,
+        # Megatron refuses variable_seq_lengths with the (default) allgather dispatcher, even for dense models.
+        moe_token_dispatcher_type="alltoall",
+        # Interleaved PP with batched p2p gives wrong results (NVIDIA/Megatron-LM#750).
+        batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
+        batch_p2p_sync=on_gpu,
+    )
+    if recompute_activations:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(_moe_kwargs(hf_config))
+    return TransformerConfig(**kwargs)
+
+
+def _qkv_bias(hf_config: Any) -> bool:
+    if hf_config.model_type == "qwen2":
+        return True  # Qwen2 always has q/k/v biases; its config has no switch.
+    return bool(_get(hf_config, "qkv_bias", "attention_bias", default=False))
+
+
+def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
+    num_experts = _num_experts(hf_config)
+    if not num_experts:
+        return {}
+    if (
+        _get(hf_config, "mlp_only_layers", default=[])
+        or _get(hf_config, "decoder_sparse_step", default=1) != 1
+    ):
+        raise NotImplementedError(
+            f"{hf_config.model_type}: dense layers between MoE layers are not supported"
+        )
+    # Mixtral and Qwen3-MoE (norm_topk_prob) renormalize the top-k probabilities, which equals a softmax
+    # over the top-k logits (Megatron's default); Qwen2-MoE keeps the full-softmax probabilities.
+    pre_softmax = hf_config.model_type != "mixtral" and not _get(hf_config, "norm_topk_prob", default=False)
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=num_experts,
+        moe_ffn_hidden_size=_moe_ffn(hf_config),
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_pre_softmax=pre_softmax,
+        moe_aux_loss_coeff=float(_get(hf_config, "router_aux_loss_coef", default=0.0)),
+        moe_router_load_balancing_type="aux_loss",
+        moe_grouped_gemm=torch.cuda.is_available(),
+        moe_router_dtype="fp32",
+    )
+    shared = _get(hf_config, "shared_expert_intermediate_size", default=0)
+    if shared:
+        kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return kwargs
+
+
+def layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Transformer Engine layers on GPU; Megatron's local layers (packed-capable attention) on CPU."""
+    if torch.cuda.is_available():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+    )
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
+
+
+class ValueHead(torch.nn.Module):
+    """Critic head: final hidden state → one scalar per token; stands in for ``GPTModel.output_layer``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        config.init_method(self.weight)
+
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        """hidden: [seq(/tp with SP), batch, hidden] → values [seq, batch, 1]."""
+        if self.sequence_parallel:
+            # Every TP rank computes the same values (and loss), so the backward only splits.
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False
+            )
+        return F.linear(hidden, self.weight), None
+
+
+def build_model(
+    hf_config: Any,
+    *,
+    ctx: ParallelContext,
+    role: Role = "actor",
+    params_dtype: torch.dtype | None = None,
+    recompute_activations: bool = False,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage) for ``hf_config``."""
+    if role not in ("actor", "reference", "critic"):
+        raise ValueError(f"role={role!r}; expected actor, reference or critic")
+    dtype = params_dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    config = transformer_config_from_hf(
+        hf_config, parallel=ctx.parallel, params_dtype=dtype, recompute_activations=recompute_activations
+    )
+    options = gpt_options(hf_config, role=role)
+    spec = layer_spec(config)
+    num_chunks = ctx.vpp_size or 1
+    chunks = []
+    for vp_stage in range(num_chunks):
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=num_chunks == 1, vp_stage=vp_stage)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=num_chunks == 1, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=options.vocab_size,
+            max_sequence_length=options.max_sequence_length,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=options.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=options.rotary_base,
+            rope_scaling=options.rope_scaling,
+            rope_scaling_factor=options.rope_scaling_factor,
+            seq_len_interpolation_factor=options.seq_len_interpolation_factor,
+            vp_stage=vp_stage if num_chunks > 1 else None,
+        )
+        if role == "critic" and post:
+            model.output_layer = ValueHead(config)
+        model.to(ctx.device)
+        chunks.append(model)
+    return chunks

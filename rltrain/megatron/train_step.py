@@ -1,0 +1,164 @@
+"""One optimizer step of Megatron model chunks with a generic loss callable.
+
+Contract: ``wrap_for_training`` puts the chunks in Megatron's DDP (grads reduced over DP in fp32),
+``build_optimizer`` makes Megatron's (distributed) Adam with decoupled weight decay and an
+``OptimizerParamScheduler`` (linear warm-up, then constant/linear/cosine decay to ``min_lr``),
+and ``train_step`` runs forward-backward over all micro-batches, computes the global gradient norm,
+and either skips the update (non-finite norm, reported as ``skipped=True``) or clips and steps.
+Because the loss callable uses global denominators, the gradient equals the full-batch gradient for
+any micro-batch split and any data-parallel size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import megatron.core.optimizer.optimizer as megatron_optimizer_module
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from rltrain.config.optim import OptimConfig
+from rltrain.megatron.forward import LossFn, MicroBatching, TokenBatch, run_model
+from rltrain.megatron.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainStepResult:
+    """What one optimizer step did; identical on every rank."""
+
+    metrics: dict[str, float]
+    """Loss-callable metrics (with ``loss``), summed over micro-batches and DP ranks."""
+    grad_norm: float
+    """Global L2 norm of the gradient before clipping (may be inf/nan when skipped)."""
+    skipped: bool
+    """True when the gradient norm was not finite and the parameters were left unchanged."""
+    lr: float
+    """Learning rate used for this step."""
+
+
+def _finalize_without_token_scaling(model: list, num_tokens: torch.Tensor | None = None, **kwargs) -> None:
+    # Our losses carry global denominators: never rescale gradients by a token count.
+    finalize_model_grads(model, None, **kwargs)
+
+
+def wrap_for_training(
+    chunks: list[torch.nn.Module], *, use_distributed_optimizer: bool
+) -> list[DistributedDataParallel]:
+    """Wrap model chunks in Megatron's DDP and register the grad-finalize hook on their config."""
+    config = chunks[0].config
+    config.finalize_model_grads_func = _finalize_without_token_scaling
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(
+    chunks: list[DistributedDataParallel],
+    optim: OptimConfig,
+    *,
+    total_steps: int,
+    offload_optimizer: bool = False,
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """Megatron Adam over ``chunks`` plus its LR/WD scheduler for ``total_steps`` optimizer steps.
+
+    ``offload_optimizer`` keeps optimizer state and the update on the CPU (Megatron's hybrid
+    optimizer, GPU only); on a CPU-only machine everything already lives on the CPU and it is ignored.
+    """
+    model_config = chunks[0].config
+    offload = offload_optimizer and torch.cuda.is_available()
+    if offload_optimizer and not offload:
+        logger.info("offload_optimizer ignored: no CUDA device, optimizer state already on the CPU")
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        bf16=model_config.bf16,
+        fp16=model_config.fp16,
+        params_dtype=model_config.params_dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=1.0 if offload else 0.0,
+    )
+    optimizer = get_megatron_optimizer(config, chunks)
+    warmup = optim.lr_warmup_steps or int(optim.lr_warmup_steps_ratio * total_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def train_step(
+    chunks: list[DistributedDataParallel],
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    batch: TokenBatch,
+    *,
+    ctx: ParallelContext,
+    batching: MicroBatching,
+    loss_fn: LossFn,
+    critic: bool = False,
+) -> TrainStepResult:
+    """Forward-backward over ``batch``, then one (possibly skipped) optimizer step."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    result = run_model(chunks, batch, ctx=ctx, batching=batching, critic=critic, loss_fn=loss_fn)
+    lr = optimizer.param_groups[0]["lr"]
+    grad_norm, skipped = _step(optimizer)
+    if skipped:
+        logger.warning("skipping optimizer step: gradient norm is %s", grad_norm)
+    else:
+        scheduler.step(increment=1)
+    return TrainStepResult(metrics=result.metrics, grad_norm=grad_norm, skipped=skipped, lr=lr)
+
+
+@torch.no_grad()
+def _step(optimizer: MegatronOptimizer) -> tuple[float, bool]:
+    """Megatron's ``step()`` with a finiteness check between the norm and the update."""
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    if found_inf or not math.isfinite(grad_norm):
+        optimizer.zero_grad()
+        return grad_norm, True
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = sub.get_parameters()
+        if sub.config.clip_grad > 0.0 and params:
+            # Looked up at call time so that the CPU replacement of this function applies.
+            megatron_optimizer_module.clip_grad_by_total_norm_fp32(
+                params, max_norm=sub.config.clip_grad, total_norm=grad_norm
+            )
+    optimizer.step_with_ready_grads()
+    return grad_norm, False

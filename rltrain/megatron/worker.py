@@ -1,0 +1,167 @@
+"""``MegatronWorker``: the surface the orchestrator calls, on every rank, for one role.
+
+    worker = MegatronWorker(hf_config, ctx=ctx, role="actor", optim=optim_config, total_steps=100)
+    worker.load_state_dict(...) / bridge loads weights into worker.chunks
+    out = worker.compute_log_prob(batch)        # ModelOutput: logprobs, entropy [batch, response_len]
+    res = worker.update(batch, loss_fn)         # TrainStepResult: metrics, grad_norm, skipped, lr
+    worker.save_checkpoint(root); worker.load_checkpoint(root)
+    for name, tensor in worker.named_parameters(): ...   # local shards for weight sync
+
+The critic (``role="critic"``) has ``compute_values`` instead of ``compute_log_prob``; the reference
+(``role="reference"``) has no optimizer. Trainable roles hold their chunks inside Megatron's DDP;
+``chunks`` always returns the bare ``GPTModel`` chunks (what the weight bridge maps).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.config.optim import OptimConfig
+from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
+from rltrain.megatron.forward import LossFn, MicroBatching, ModelOutput, TokenBatch, run_model
+from rltrain.megatron.model import Role, build_model
+from rltrain.megatron.parallel import ParallelContext
+from rltrain.megatron.train_step import TrainStepResult, build_optimizer, train_step, wrap_for_training
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronWorker:
+    """Model chunks, optimizer and scheduler of one role on this rank."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        ctx: ParallelContext,
+        role: Role,
+        batching: MicroBatching | None = None,
+        optim: OptimConfig | None = None,
+        total_steps: int = 1,
+        recompute_activations: bool = False,
+        offload_optimizer: bool = False,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.role = role
+        self.batching = batching or MicroBatching()
+        self.recompute_activations = recompute_activations
+        chunks = build_model(
+            hf_config,
+            ctx=ctx,
+            role=role,
+            params_dtype=params_dtype,
+            recompute_activations=recompute_activations,
+        )
+        self.optimizer = self.scheduler = None
+        if optim is not None:
+            if role == "reference":
+                raise ValueError("role='reference' is not trained; pass optim=None")
+            self.model = wrap_for_training(chunks, use_distributed_optimizer=optim.use_distributed_optimizer)
+            self.optimizer, self.scheduler = build_optimizer(
+                self.model, optim, total_steps=total_steps, offload_optimizer=offload_optimizer
+            )
+        else:
+            self.model = chunks
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        """Bare ``GPTModel`` chunks, one per virtual pipeline stage."""
+        return [getattr(m, "module", m) for m in self.model]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Local parameter shards as ``chunk<i>.<name>`` (TP/PP/EP-local, Megatron names)."""
+        for i, chunk in enumerate(self.chunks):
+            for name, param in chunk.named_parameters():
+                yield f"chunk{i}.{name}", param
+
+    def compute_log_prob(self, batch: TokenBatch) -> ModelOutput:
+        """Per-response-token log-probabilities and entropy, [batch, response_len] (no grad)."""
+        if self.role == "critic":
+            raise ValueError("compute_log_prob on a critic; use compute_values")
+        return run_model(self.model, batch, ctx=self.ctx, batching=self.batching).output
+
+    def compute_values(self, batch: TokenBatch) -> torch.Tensor:
+        """Critic values, [batch, response_len] (no grad)."""
+        if self.role != "critic":
+            raise ValueError(f"compute_values on role={self.role!r}; only the critic has a value head")
+        return run_model(self.model, batch, ctx=self.ctx, batching=self.batching, critic=True).output.values
+
+    def update(self, batch: TokenBatch, loss_fn: LossFn) -> TrainStepResult:
+        """One optimizer step on ``batch`` (actor: policy loss; critic: value loss)."""
+        if self.optimizer is None:
+            raise ValueError(f"role={self.role!r} has no optimizer (constructed with optim=None)")
+        return train_step(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            ctx=self.ctx,
+            batching=self.batching,
+            loss_fn=loss_fn,
+            critic=self.role == "critic",
+        )
+
+    def save_checkpoint(self, root: str | Path, *, step: int) -> Path:
+        """Write ``root/step_<step>`` atomically (model, optimizer, scheduler, RNG); returns it."""
+        return save_checkpoint(
+            root,
+            step=step,
+            ctx=self.ctx,
+            chunks=self.chunks,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+        )
+
+    def load_checkpoint(self, root: str | Path, *, load_optimizer: bool = True) -> int | None:
+        """Load the newest complete checkpoint under ``root``; returns its step (None if none)."""
+        return load_checkpoint(
+            root,
+            ctx=self.ctx,
+            chunks=self.chunks,
+            optimizer=self.optimizer if load_optimizer else None,
+            scheduler=self.scheduler if load_optimizer else None,
+        )
+
+    def offload_to_cpu(self) -> None:
+        """Free device memory of parameters and grads between phases (GPU only; no-op on CPU).
+
+        DDP parameters are views into flat buffers: the buffer's storage is copied to the CPU and
+        resized to zero, so the views stay valid and ``reload_to_device`` refills them in place.
+        """
+        if self.ctx.device.type == "cpu":
+            return
+        for buffer in self._flat_buffers():
+            buffer.rltrain_cpu_param_data = buffer.param_data.detach().to("cpu").pin_memory()
+            buffer.param_data.untyped_storage().resize_(0)
+            buffer.grad_data.untyped_storage().resize_(0)
+        for param in self._unbuffered_params():
+            param.data = param.data.to("cpu")
+
+    def reload_to_device(self) -> None:
+        """Inverse of ``offload_to_cpu``; gradients come back zeroed."""
+        if self.ctx.device.type == "cpu":
+            return
+        for buffer in self._flat_buffers():
+            for flat in (buffer.param_data, buffer.grad_data):
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            buffer.param_data.copy_(buffer.rltrain_cpu_param_data, non_blocking=True)
+            buffer.grad_data.zero_()
+            del buffer.rltrain_cpu_param_data
+        for param in self._unbuffered_params():
+            param.data = param.data.to(self.ctx.device)
+
+    def _flat_buffers(self) -> list[Any]:
+        return [
+            b
+            for m in self.model
+            for b in (*getattr(m, "buffers", []), *getattr(m, "expert_parallel_buffers", []))
+        ]
+
+    def _unbuffered_params(self) -> list[torch.nn.Parameter]:
+        return [] if self.optimizer is not None else [p for c in self.chunks for p in c.parameters()]
