@@ -92,7 +92,12 @@ def _tp_coords(bridge: Bridge, canonical: str, ctx: Any) -> tuple[int, int]:
 
 @torch.no_grad()
 def load_hf_weights(
-    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, reader: HFCheckpointReader
+    chunks: list[torch.nn.Module],
+    ctx: Any,
+    bridge: Bridge,
+    reader: HFCheckpointReader,
+    *,
+    progress: bool = False,
 ) -> None:
     """Copy the HF checkpoint of ``reader`` into this rank's chunks (collective for the name checks)."""
     params = _local_params(chunks, ctx, bridge)
@@ -112,7 +117,7 @@ def load_hf_weights(
     for item in params:
         unit, _ = bridge.unit_of_megatron(item[0])
         by_unit.setdefault(id(unit), []).append(item)
-    for unit in bridge.units:
+    for unit in _maybe_progress(bridge.units, progress, "load HF weights"):
         wanted = by_unit.get(id(unit))
         if not wanted:
             continue
@@ -137,7 +142,7 @@ def _source_of(owners: list[dict], canonical: str) -> list[tuple[int, int]]:
 
 
 def export_hf_weights(
-    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, dst: int = 0
+    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, dst: int = 0, progress: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield full HF-named tensors on rank ``dst``; every rank must iterate to the end."""
     params = {c: p for c, _, p in _local_params(chunks, ctx, bridge)}
@@ -151,7 +156,7 @@ def export_hf_weights(
     }
     owners: list[dict] = [{} for _ in range(ctx.world_size)]
     dist.all_gather_object(owners, mine)
-    for unit in bridge.units:
+    for unit in _maybe_progress(bridge.units, progress and ctx.rank == dst, "export HF weights"):
         if unit.tied:
             continue
         tensors = []
@@ -167,6 +172,36 @@ def export_hf_weights(
                 tensors.append(unit.mapping.unshard(shards))
         if ctx.rank == dst:
             yield from zip(unit.hf_names, bridge.to_hf(unit, tensors))
+
+
+def hf_plan(
+    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF name, shape, dtype) of every exported tensor, in export order (collective; shapes via meta tensors)."""
+    local = {c: (tuple(p.shape), p.dtype) for c, _, p in _local_params(chunks, ctx, bridge)}
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, local)
+    shards = {name: value for g in gathered for name, value in g.items()}
+    plan = []
+    for unit in bridge.units:
+        if unit.tied:
+            continue
+        metas = []
+        for canonical in unit.megatron_names:
+            shape, dtype = shards[canonical]
+            _, size = _tp_coords(bridge, canonical, ctx)
+            piece = torch.empty(shape, dtype=dtype, device="meta")
+            metas.append(unit.mapping.unshard([piece] * size))
+        plan += [(n, tuple(t.shape), t.dtype) for n, t in zip(unit.hf_names, bridge.to_hf(unit, metas))]
+    return plan
+
+
+def _maybe_progress(units: list, enabled: bool, desc: str):
+    if not enabled:
+        return units
+    from tqdm import tqdm
+
+    return tqdm(units, desc=desc, unit="tensor")
 
 
 def _transfer(local: torch.Tensor | None, *, src: int, dst: int, me: int) -> torch.Tensor | None:
