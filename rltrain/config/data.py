@@ -41,8 +41,9 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Row key holding the prompt: a string, or a list of chat messages."""
 
-    answer_key: str = "reward_model.ground_truth"
-    """Dotted row key holding the ground-truth answer."""
+    answer_key: str | None = None
+    """Dotted row key of the ground-truth answer; null tries ``reward_model.ground_truth`` (verl's
+    layout), then ``ground_truth``, then ``answer``."""
 
     train_batch_size: int = 256
     """Prompts per PPO step (each is sampled ``rollout.n`` times)."""

@@ -25,6 +25,15 @@ class TinyModelConfig:
     hidden_size: int = 128
     """Hidden size; heads keep a head size of 32, which vLLM's CPU attention needs."""
 
+    sft_warmup_steps: int = 0
+    """Supervised steps on the training task's answers before RL (so a random model starts above zero)."""
+
+    sft_batch_size: int = 32
+    """Examples per supervised warm-up step."""
+
+    sft_lr: float = 3e-3
+    """AdamW learning rate of the supervised warm-up."""
+
 
 @dataclass
 class ModelConfig:

@@ -151,7 +151,7 @@ def tiny_hf_config(model_type: str, *, vocab_size: int, **overrides: Any):
     if model_type not in _TINY_DEFAULTS:
         raise ValueError(f"no tiny preset for model_type={model_type!r}; known: {sorted(_TINY_DEFAULTS)}")
     kwargs = {**_TINY_DEFAULTS[model_type], **overrides}
-    kwargs.setdefault("torch_dtype", "float32")
+    kwargs.setdefault("dtype", "float32")
     return AutoConfig.for_model(model_type, vocab_size=vocab_size, **kwargs)
 
 
@@ -177,7 +177,7 @@ def build_tiny_model(
     config.bos_token_id = None
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     return model, tokenizer
 
@@ -186,9 +186,14 @@ def save_tiny_model(
     out_dir: str | Path, model_type: str = "llama", *, seed: int = 0, **overrides: Any
 ) -> Path:
     """Build a tiny model and save it with its tokenizer as an HF directory (safetensors); returns the path."""
+    model, tokenizer = build_tiny_model(model_type, seed=seed, **overrides)
+    return save_pretrained_with_tokenizer(model, tokenizer, out_dir)
+
+
+def save_pretrained_with_tokenizer(model, tokenizer, out_dir: str | Path) -> Path:
+    """Save an HF model (safetensors), its tokenizer and a generation config stopping at EOS / ``<|im_end|>``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = build_tiny_model(model_type, seed=seed, **overrides)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]

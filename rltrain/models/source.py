@@ -1,0 +1,93 @@
+"""Resolve ``model:`` in a recipe to an HF directory on local disk (config, safetensors, tokenizer).
+
+* ``path``: used as is; it must hold ``config.json``.
+* ``gguf_package``: the package's GGUF file is materialized once into ``cache_dir``.
+* ``tiny``: a tiny random model (and, with ``sft_warmup_steps``, its supervised warm-up on the
+  recipe's generated task) is built once into ``cache_dir`` under a key of everything that shapes it,
+  written to a temporary directory and renamed, so a cache entry is complete or absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from rltrain.config import DataConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_dir(model: ModelConfig, *, data: DataConfig) -> Path:
+    """The HF directory the run starts from; builds or materializes it on first use."""
+    if model.path is not None:
+        path = Path(model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path={model.path}: no config.json there (expected an HF model directory)"
+            )
+        return path
+    cache = Path(model.cache_dir).expanduser()
+    if model.gguf_package is not None:
+        from rltrain.models.gguf import materialize_gguf_package
+
+        return materialize_gguf_package(model.gguf_package, cache / model.gguf_package)
+    return _tiny_model_dir(model, data=data, cache=cache)
+
+
+def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path) -> Path:
+    tiny = model.tiny
+    assert tiny is not None
+    warmup_source = asdict(data.generated) if (tiny.sft_warmup_steps and data.generated) else None
+    key_material = json.dumps({"tiny": asdict(tiny), "warmup_data": warmup_source, "v": 1}, sort_keys=True)
+    out = cache / f"tiny-{tiny.model_type}-{hashlib.sha1(key_material.encode()).hexdigest()[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    if tiny.sft_warmup_steps and data.generated is None:
+        raise ValueError("model.tiny.sft_warmup_steps > 0 needs data.generated (the task to warm up on)")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _build_tiny(model, data=data, out=tmp)
+    tmp.rename(out)
+    return out
+
+
+def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path) -> None:
+    from rltrain.models.tiny import build_tiny_model, save_pretrained_with_tokenizer
+
+    tiny = model.tiny
+    assert tiny is not None
+    hidden = tiny.hidden_size
+    hf_model, tokenizer = build_tiny_model(
+        tiny.model_type,
+        seed=tiny.seed,
+        num_hidden_layers=tiny.num_hidden_layers,
+        hidden_size=hidden,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=max(hidden // 64, 1),
+        intermediate_size=2 * hidden,
+    )
+    if tiny.sft_warmup_steps:
+        from rltrain.data.tasks import generate_arithmetic
+        from rltrain.models.warmup import sft_warmup
+
+        task = data.generated
+        rows = generate_arithmetic(
+            task.num_train + task.num_val, seed=task.seed, max_operand=task.max_operand, ops=task.ops
+        )
+        pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows[: task.num_train]]
+        sft_warmup(
+            hf_model,
+            tokenizer,
+            pairs,
+            steps=tiny.sft_warmup_steps,
+            batch_size=tiny.sft_batch_size,
+            lr=tiny.sft_lr,
+            seed=tiny.seed,
+        )
+    save_pretrained_with_tokenizer(hf_model, tokenizer, out)
+    log.info("built tiny %s model in %s", tiny.model_type, out)

@@ -1,0 +1,176 @@
+"""``StepBatch``: every sample of one PPO step, as the driver holds it between stages.
+
+Rows are ``[prompt (left-padded) | response (right-padded)]`` with fixed widths for the step
+(``prompt_len`` and ``response_len``), the layout the Megatron backend consumes. The rollout fills the
+tokens and the rollout log-probs; later stages fill the optional fields in data-flow order. Pure
+torch: the driver builds and slices it without Ray, vLLM or Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+_PER_SAMPLE_TENSORS = (
+    "input_ids",
+    "attention_mask",
+    "group_ids",
+    "rollout_logprobs",
+    "scores",
+    "old_logprobs",
+    "ref_logprobs",
+    "values",
+    "token_level_rewards",
+    "advantages",
+    "returns",
+)
+_PER_SAMPLE_LISTS = ("data_sources", "ground_truths", "finish_reasons")
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor
+    """[batch, prompt_len + response_len] long."""
+
+    attention_mask: torch.Tensor
+    """[batch, prompt_len + response_len] 1 on real tokens."""
+
+    response_len: int
+    """Columns of the response part (the rollout's ``response_length``)."""
+
+    group_ids: torch.Tensor
+    """[batch] long: index of the prompt in the step; samples of one prompt share it."""
+
+    rollout_logprobs: torch.Tensor
+    """[batch, response_len] log-probs the rollout engine reported for its samples (0 on padding)."""
+
+    data_sources: list[str]
+    """Per sample: the dataset's ``data_source`` (picks the reward function)."""
+
+    ground_truths: list[str]
+    """Per sample: the answer the reward function checks against."""
+
+    finish_reasons: list[str]
+    """Per sample: ``stop`` (EOS / stop string) or ``length`` (truncated)."""
+
+    scores: torch.Tensor | None = None
+    """[batch] float: rule reward of each response."""
+
+    old_logprobs: torch.Tensor | None = None
+    """[batch, response_len] actor log-probs before the update (π_old)."""
+
+    ref_logprobs: torch.Tensor | None = None
+    """[batch, response_len] reference-policy log-probs."""
+
+    values: torch.Tensor | None = None
+    """[batch, response_len] critic values before the update."""
+
+    token_level_rewards: torch.Tensor | None = None
+    """[batch, response_len] score at the last token, minus β·KL per token when KL is in the reward."""
+
+    advantages: torch.Tensor | None = None
+    """[batch, response_len]."""
+
+    returns: torch.Tensor | None = None
+    """[batch, response_len] value targets."""
+
+    extra_metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics produced while building the batch (e.g. over-long prompt counts)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.size(0)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """[batch, response_len] 1 on real response tokens."""
+        return self.attention_mask[:, -self.response_len :]
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        return self.input_ids[:, -self.response_len :]
+
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def select(self, index: torch.Tensor | list[int]) -> StepBatch:
+        """The samples at ``index`` (in that order)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        updates = {}
+        for name in _PER_SAMPLE_TENSORS:
+            value = getattr(self, name)
+            updates[name] = None if value is None else value[idx]
+        for name in _PER_SAMPLE_LISTS:
+            items = getattr(self, name)
+            updates[name] = [items[i] for i in idx.tolist()]
+        return replace(self, **updates, extra_metrics={})
+
+    def chunk(self, num_chunks: int) -> list[StepBatch]:
+        """``num_chunks`` contiguous equal parts (data-parallel dispatch); the size must divide."""
+        if self.batch_size % num_chunks:
+            raise ValueError(
+                f"a batch of {self.batch_size} samples does not split into {num_chunks} equal parts"
+            )
+        size = self.batch_size // num_chunks
+        return [self.select(list(range(i * size, (i + 1) * size))) for i in range(num_chunks)]
+
+    @staticmethod
+    def concat(parts: list[StepBatch]) -> StepBatch:
+        """Inverse of :meth:`chunk` (fields must be filled alike in every part)."""
+        first = parts[0]
+        updates = {}
+        for f in fields(StepBatch):
+            if f.name in _PER_SAMPLE_TENSORS:
+                values = [getattr(p, f.name) for p in parts]
+                updates[f.name] = None if values[0] is None else torch.cat(values)
+            elif f.name in _PER_SAMPLE_LISTS:
+                updates[f.name] = [x for p in parts for x in getattr(p, f.name)]
+        return replace(first, **updates)
+
+
+def build_step_batch(
+    *,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    response_logprobs: list[list[float]],
+    finish_reasons: list[str],
+    n: int,
+    data_sources: list[str],
+    ground_truths: list[str],
+    pad_token_id: int,
+    response_length: int,
+) -> StepBatch:
+    """Pad rollout output (``n`` consecutive samples per prompt) into a :class:`StepBatch`.
+
+    ``prompt_ids``, ``data_sources`` and ``ground_truths`` are per prompt; the response lists are per
+    sample. Responses longer than ``response_length`` are an engine bug and raise.
+    """
+    num_samples = len(response_ids)
+    if num_samples != n * len(prompt_ids):
+        raise ValueError(f"{num_samples} responses for {len(prompt_ids)} prompts × n={n}")
+    prompt_len = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((num_samples, prompt_len + response_length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    logprobs = torch.zeros(num_samples, response_length)
+    for i, (ids, lps) in enumerate(zip(response_ids, response_logprobs)):
+        if len(ids) > response_length or len(ids) != len(lps):
+            raise ValueError(
+                f"sample {i}: {len(ids)} tokens, {len(lps)} logprobs, response_length={response_length}"
+            )
+        prompt = prompt_ids[i // n]
+        input_ids[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
+        attention_mask[i, prompt_len - len(prompt) : prompt_len] = 1
+        input_ids[i, prompt_len : prompt_len + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, prompt_len : prompt_len + len(ids)] = 1
+        logprobs[i, : len(lps)] = torch.tensor(lps)
+    return StepBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_len=response_length,
+        group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
+        rollout_logprobs=logprobs,
+        data_sources=[s for s in data_sources for _ in range(n)],
+        ground_truths=[g for g in ground_truths for _ in range(n)],
+        finish_reasons=list(finish_reasons),
+    )

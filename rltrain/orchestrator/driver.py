@@ -1,0 +1,294 @@
+"""The single controller: one PPO step reads like the data flow in DESIGN.md.
+
+    generate → reward → old log-probs, reference log-probs, values → KL (in reward, or as a loss)
+    → advantages → ppo_epochs × mini-batches of critic and actor updates → weight sync
+    → metrics → checkpoint and eval on schedule
+
+The driver holds no model: roles are handles whose methods run on their workers. Every random
+choice is a function of (seed, step), so a run resumed from a checkpoint repeats the metrics of an
+uninterrupted one: sampling uses seed ``rollout.seed + step``, mini-batch shuffling
+``trainer.seed + step``; the data position and the KL controller are checkpointed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rltrain.algo import (
+    AdvantageInputs,
+    apply_kl_in_reward,
+    build_kl_controller,
+    compute_advantages,
+    masked_mean,
+)
+from rltrain.config import RLConfig
+from rltrain.logging import metrics as mk
+from rltrain.logging.metrics import length_metrics, throughput_metrics
+from rltrain.logging.timer import StageTimer
+from rltrain.orchestrator.batch import StepBatch, build_step_batch
+from rltrain.orchestrator.checkpoints import RunCheckpoints
+from rltrain.rollout.mismatch import logprob_mismatch
+from rltrain.rollout.types import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Roles:
+    policy: Any
+    """:class:`~rltrain.orchestrator.roles.PolicyRole`: actor, reference, rollout."""
+
+    critic: Any | None
+    """:class:`~rltrain.orchestrator.roles.CriticRole`, or None without a critic."""
+
+
+class PPOTrainer:
+    def __init__(
+        self, config: RLConfig, *, roles: Roles, tokenizer, data, rewards, tracker, total_steps: int
+    ) -> None:
+        self.config, self.roles, self.tokenizer = config, roles, tokenizer
+        self.data, self.rewards, self.tracker = data, rewards, tracker
+        self.total_steps = total_steps
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(
+            kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon
+        )
+        self.checkpoints = RunCheckpoints(
+            config.run_dir() / "checkpoints", keep=config.trainer.checkpoint.max_ckpt_to_keep
+        )
+        self.timer = StageTimer()
+
+    # ---------------------------------------------------------------------------------------- loop
+    def fit(self, *, progress=None) -> int:
+        """Train until ``total_steps``; returns the last step. Resumes first when configured."""
+        step = self.resume()
+        self.roles.policy.sync_weights()
+        trainer = self.config.trainer
+        if trainer.val_before_train and step == 0:
+            self.tracker.log(self.validate(), step=0)
+        while step < self.total_steps:
+            step += 1
+            metrics = self.train_step(step)
+            last = step == self.total_steps
+            if _due(trainer.test_freq, step, last):
+                metrics |= self.validate()
+            self.tracker.log(metrics, step=step)
+            if progress is not None:
+                progress.update(metrics)
+            if _due(trainer.save_freq, step, last):
+                self.save(step)
+        return step
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, timer, policy, critic = self.config, self.timer, self.roles.policy, self.roles.critic
+        timer.reset()
+        with timer.stage("step"):
+            prompts = self.data.train.next_batch()
+            with timer.stage("generate"):
+                batch = self.rollout(
+                    prompts, SamplingConfig.from_rollout_config(cfg.rollout, seed=cfg.rollout.seed + step)
+                )
+            with timer.stage("reward"):
+                metrics = self.score(batch)
+            with timer.stage("old_logprob"):
+                batch.old_logprobs, entropy = policy.compute_log_prob(batch)
+            if self.uses_reference():
+                with timer.stage("ref"):
+                    batch.ref_logprobs = policy.compute_ref_log_prob(batch)
+            if critic is not None:
+                with timer.stage("values"):
+                    batch.values = critic.compute_values(batch)
+            with timer.stage("advantages"):
+                metrics |= self.compute_advantages(batch)
+            if critic is not None:
+                with timer.stage("update_critic"):
+                    metrics |= _mean_over_steps(critic.update(self.mini_batches(batch, step)))
+            if step > cfg.critic.warmup_steps or critic is None:
+                with timer.stage("update_actor"):
+                    metrics |= _mean_over_steps(policy.update(self.mini_batches(batch, step)))
+                with timer.stage("weight_sync"):
+                    metrics |= policy.sync_weights()
+        metrics |= self.step_metrics(batch, entropy=entropy, prompts=prompts)
+        return (
+            metrics
+            | timer.metrics()
+            | throughput_metrics(
+                num_tokens=int(batch.attention_mask.sum()), step_seconds=timer.seconds["step"]
+            )
+        )
+
+    # ------------------------------------------------------------------------------------- stages
+    def rollout(self, prompts, sampling: SamplingConfig) -> StepBatch:
+        output = self.roles.policy.generate(prompts.prompt_ids, sampling)
+        return build_step_batch(
+            prompt_ids=output.prompt_ids,
+            response_ids=output.response_ids,
+            response_logprobs=output.response_logprobs,
+            finish_reasons=output.finish_reasons,
+            n=sampling.n,
+            data_sources=prompts.data_sources,
+            ground_truths=prompts.ground_truths,
+            pad_token_id=self.tokenizer.pad_token_id,
+            response_length=sampling.response_length,
+        )
+
+    def score(self, batch: StepBatch) -> dict[str, float]:
+        texts = self.decode(batch)
+        result = self.rewards(texts, ground_truths=batch.ground_truths, data_sources=batch.data_sources)
+        batch.scores = result.scores.float()
+        return dict(result.metrics)
+
+    def uses_reference(self) -> bool:
+        return self.config.algorithm.use_kl_in_reward or self.config.actor.use_kl_loss
+
+    def compute_advantages(self, batch: StepBatch) -> dict[str, float]:
+        algo, mask = self.config.algorithm, batch.response_mask.float()
+        metrics: dict[str, float] = {}
+        if algo.use_kl_in_reward:
+            beta = self.kl_ctrl.value
+            batch.token_level_rewards, kl = apply_kl_in_reward(
+                scores=batch.scores,
+                logprobs=batch.old_logprobs,
+                ref_logprobs=batch.ref_logprobs,
+                response_mask=mask,
+                kl_coef=beta,
+                kind=algo.kl_penalty,
+            )
+            self.kl_ctrl.update(kl.kl_token_mean, n_steps=batch.batch_size)
+            metrics |= {
+                mk.ACTOR_KL: kl.kl_token_mean,
+                mk.ACTOR_KL_COEF: beta,
+                "actor/kl_seq_sum": kl.kl_seq_sum,
+            }
+        else:
+            batch.token_level_rewards = _score_at_last_token(batch.scores, mask)
+            if batch.ref_logprobs is not None:
+                metrics[mk.ACTOR_KL] = float(masked_mean(batch.old_logprobs - batch.ref_logprobs, mask))
+        inputs = AdvantageInputs(
+            token_level_rewards=batch.token_level_rewards,
+            response_mask=mask,
+            values=batch.values,
+            group_ids=batch.group_ids,
+        )
+        out = compute_advantages(
+            algo.adv_estimator,
+            inputs,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        )
+        batch.advantages, batch.returns = out.advantages, out.returns
+        metrics["critic/advantages/mean"] = float(masked_mean(out.advantages, mask))
+        metrics["critic/returns/mean"] = float(masked_mean(out.returns, mask))
+        if batch.values is not None:
+            metrics["critic/values/mean"] = float(masked_mean(batch.values, mask))
+        return metrics
+
+    def mini_batches(self, batch: StepBatch, step: int) -> list[StepBatch]:
+        """``ppo_epochs`` shuffled passes of ``ppo_mini_batch_size × n`` samples each."""
+        actor = self.config.actor
+        size = actor.ppo_mini_batch_size * self.config.rollout.n
+        out = []
+        for epoch in range(actor.ppo_epochs):
+            order = torch.arange(batch.batch_size)
+            if actor.shuffle:
+                order = torch.randperm(
+                    batch.batch_size,
+                    generator=torch.Generator().manual_seed(
+                        self.config.trainer.seed * 100_003 + step * 101 + epoch
+                    ),
+                )
+            out += [batch.select(order[i : i + size]) for i in range(0, batch.batch_size, size)]
+        return out
+
+    def step_metrics(self, batch: StepBatch, *, entropy: torch.Tensor, prompts) -> dict[str, float]:
+        mask = batch.response_mask
+        response_lengths = mask.sum(-1).tolist()
+        prompt_lengths = [len(p) for p in prompts.prompt_ids]
+        metrics = length_metrics(prompt_lengths, response_lengths, max_response_length=batch.response_len)
+        metrics |= logprob_mismatch(
+            batch.old_logprobs, batch.rollout_logprobs, mask, tis_cap=self.config.actor.tis_imp_ratio_cap
+        )
+        metrics["actor/entropy_before_update"] = float(masked_mean(entropy, mask.float()))
+        metrics[mk.DATA_EPOCH] = float(prompts.epoch)
+        return metrics
+
+    def decode(self, batch: StepBatch) -> list[str]:
+        ids, mask = batch.response_ids, batch.response_mask.bool()
+        return [self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+    # ---------------------------------------------------------------------------------- eval/ckpt
+    def validate(self) -> dict[str, float]:
+        """Greedy (``rollout.val_kwargs``) accuracy on the held-out prompts."""
+        if self.data.val is None:
+            return {}
+        val, cfg = self.data.val, self.config.rollout
+        sampling = SamplingConfig(
+            temperature=cfg.val_kwargs.temperature,
+            top_p=cfg.val_kwargs.top_p,
+            n=cfg.val_kwargs.n,
+            response_length=cfg.response_length,
+            seed=cfg.seed,
+        )
+        output = self.roles.policy.generate([ex.prompt_ids for ex in val], sampling)
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in output.response_ids]
+        n = sampling.n
+        result = self.rewards(
+            texts,
+            ground_truths=[ex.ground_truth for ex in val for _ in range(n)],
+            data_sources=[ex.data_source for ex in val for _ in range(n)],
+        )
+        return {
+            "val/accuracy": float(result.correct.float().mean()),
+            "val/score/mean": float(result.scores.mean()),
+        }
+
+    def save(self, step: int) -> None:
+        def write_roles(path) -> None:
+            self.roles.policy.save(str(path), step)
+            if self.roles.critic is not None:
+                self.roles.critic.save(str(path), step)
+
+        state = {"step": step, "data": self.data.train.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        self.checkpoints.save(step, write_roles=write_roles, state=state)
+
+    def resume(self) -> int:
+        trainer = self.config.trainer
+        if trainer.resume_mode == "disable":
+            return 0
+        path = self.checkpoints.resume_path(
+            trainer.resume_from_path if trainer.resume_mode == "resume_path" else None
+        )
+        if path is None:
+            return 0
+        state = self.checkpoints.read_state(path)
+        for role in (self.roles.policy, self.roles.critic):
+            if role is not None and role.load(str(path)) != state["step"]:
+                raise RuntimeError(f"{path}: a role checkpoint does not hold step {state['step']}")
+        self.data.train.load_state_dict(state["data"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return int(state["step"])
+
+
+def _due(freq: int, step: int, last: bool) -> bool:
+    return freq != 0 and ((freq > 0 and step % freq == 0) or last)
+
+
+def _score_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    rewards = torch.zeros_like(mask)
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    rewards[torch.arange(mask.size(0)), last] = scores.to(rewards.dtype)
+    return rewards
+
+
+def _mean_over_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over the optimizer steps of the update (skip counts add up)."""
+    keys = per_step[0].keys()
+    return {
+        k: sum(m[k] for m in per_step) / (1 if k.endswith("skipped_steps") else len(per_step)) for k in keys
+    }

@@ -1,0 +1,176 @@
+"""``rltrain train`` under Ray: resolve the model and data, place the roles, run the driver.
+
+Ray: joins the cluster named by ``cluster.ray_address`` or ``RAY_ADDRESS``, else one that
+``ray.init(address="auto")`` finds (a ``ray start`` head on this machine, or the cluster a
+``ray job submit`` runs in), else starts a local one with ``cluster.num_cpus`` CPUs.
+Placement: one placement-group bundle per device (``nnodes × n_gpus_per_node``); the policy worker
+(actor + reference + rollout engine) and the critic worker of rank i share bundle i (colocated).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rltrain.config import RLConfig, write_resolved
+from rltrain.data.dataset import PromptDataset, PromptFields
+from rltrain.data.loader import PromptLoader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunData:
+    train: PromptLoader
+    """Training prompt batches (resumable)."""
+
+    val: PromptDataset | None
+    """Held-out prompts for evaluation, if any."""
+
+    num_filtered: int
+    """Prompts dropped for exceeding ``data.max_prompt_length`` (train + val)."""
+
+
+def build_data(config: RLConfig, tokenizer) -> RunData:
+    data = config.data
+    common = dict(max_prompt_length=data.max_prompt_length, apply_chat_template=data.apply_chat_template)
+    fields = PromptFields(prompt_key=data.prompt_key, answer_key=data.answer_key)
+    if data.generated is not None:
+        from rltrain.data.tasks import arithmetic_splits
+
+        task = data.generated
+        train_rows, val_rows = arithmetic_splits(
+            num_train=task.num_train,
+            num_val=task.num_val,
+            seed=task.seed,
+            max_operand=task.max_operand,
+            ops=task.ops,
+        )
+        train = PromptDataset.from_rows(
+            train_rows, tokenizer, name="generated:arithmetic/train", fields=fields, **common
+        )
+        val = (
+            PromptDataset.from_rows(
+                val_rows, tokenizer, name="generated:arithmetic/val", fields=fields, **common
+            )
+            if val_rows
+            else None
+        )
+    else:
+        train = PromptDataset.load(data.train_files, tokenizer, fields=fields, **common)
+        val = (
+            PromptDataset.load(data.val_files, tokenizer, fields=fields, **common) if data.val_files else None
+        )
+    loader = PromptLoader(train, data.train_batch_size, seed=data.seed, shuffle=data.shuffle)
+    return RunData(train=loader, val=val, num_filtered=train.num_filtered + (val.num_filtered if val else 0))
+
+
+def connect_ray(config: RLConfig) -> bool:
+    """Join or start Ray; returns whether this process started it (and should shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    try:
+        ray.init(address="auto", log_to_driver=True)
+        log.info("joined the running Ray cluster")
+        return False
+    except ConnectionError:
+        ray.init(num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+        log.info("started a local Ray instance")
+        return True
+
+
+def total_steps_of(config: RLConfig, data: RunData) -> int:
+    return config.trainer.total_training_steps or config.trainer.total_epochs * len(data.train)
+
+
+def train(config: RLConfig) -> int:
+    """Run ``config`` to the end; returns the last step."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from transformers import AutoTokenizer
+
+    from rltrain.logging.progress import StepProgress
+    from rltrain.logging.tracker import MetricsLogger
+    from rltrain.models.source import resolve_model_dir
+    from rltrain.orchestrator.driver import PPOTrainer, Roles
+    from rltrain.orchestrator.roles import CriticRole, PolicyRole
+    from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup
+    from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
+    from rltrain.rewards import RewardManager
+
+    run_dir = config.run_dir()
+    write_resolved(config, run_dir)
+    model_dir = str(resolve_model_dir(config.model, data=config.data))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = build_data(config, tokenizer)
+    total_steps = total_steps_of(config, data)
+    started_ray = connect_ray(config)
+    world = config.cluster.world_size()
+    gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    ray.get(pg.ready())
+    share = 0.5 if config.critic_enabled() else 1.0
+    placement = Placement(pg, num_cpus=share, num_gpus=share if gpu else 0.0)
+    groups = []
+    try:
+        tp = config.rollout.tensor_model_parallel_size
+        policy_group = RayWorkerGroup(
+            "actor_rollout_ref",
+            PolicyWorker,
+            world_size=world,
+            placement=placement,
+            args=(config, model_dir),
+            kwargs={"total_steps": total_steps},
+        )
+        groups.append(policy_group)
+        critic = None
+        if config.critic_enabled():
+            critic_group = RayWorkerGroup(
+                "critic",
+                CriticWorker,
+                world_size=world,
+                placement=placement,
+                args=(config, model_dir),
+                kwargs={"total_steps": total_steps},
+            )
+            groups.append(critic_group)
+            critic = CriticRole(critic_group)
+        roles = Roles(policy=PolicyRole(policy_group, engine_ranks=list(range(0, world, tp))), critic=critic)
+        tracker = MetricsLogger(run_dir, backends=config.trainer.logger, total_steps=total_steps)
+        tracker.log({"data/num_filtered_prompts": float(data.num_filtered)}, step=0)
+        rewards = RewardManager.from_config(config.reward)
+        trainer = PPOTrainer(
+            config,
+            roles=roles,
+            tokenizer=tokenizer,
+            data=data,
+            rewards=rewards,
+            tracker=tracker,
+            total_steps=total_steps,
+        )
+        with StepProgress(total_steps, disable=not os.isatty(2)) as progress:
+            last = trainer.fit(progress=progress)
+        tracker.close()
+        log.info("run finished at step %d: %s", last, Path(run_dir))
+        return last
+    finally:
+        for group in groups:
+            group.kill()
+        ray.util.remove_placement_group(pg)
+        if started_ray:
+            ray.shutdown()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,120 @@
+"""Role handles: the verbs the driver calls, with data-parallel dispatch and gathering.
+
+A handle turns one driver-side call into per-rank calls: a :class:`StepBatch` is cut into as many
+contiguous parts as the role has data-parallel ranks, every rank of a data-parallel group gets the
+same part, and the result of each group's first rank is kept (Megatron hands every rank of a
+TP/PP group the same output). The backend is anything with ``call``/``call_each`` and ``world_size``
+(a Ray worker group, or the in-process group of the torchrun mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from rltrain.orchestrator.batch import StepBatch
+from rltrain.orchestrator.ppo_losses import GlobalCounts
+
+
+class Group(Protocol):
+    role: str
+    world_size: int
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+
+    def call_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]: ...
+
+
+class _DataParallelRole:
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        infos = group.call("rank_info")
+        self.dp_ranks = [info["dp_rank"] for info in infos]
+        self.dp_size = infos[0]["dp_size"]
+        self.leaders = [self.dp_ranks.index(d) for d in range(self.dp_size)]
+
+    def _dispatch(self, method: str, batch: StepBatch) -> list[Any]:
+        parts = batch.chunk(self.dp_size)
+        results = self.group.call_each(method, [(parts[d],) for d in self.dp_ranks])
+        return [results[rank] for rank in self.leaders]
+
+    def _update(self, method: str, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch; each rank gets its data-parallel part of every one."""
+        plans: list[list[tuple[StepBatch, GlobalCounts]]] = [[] for _ in range(self.dp_size)]
+        for mini in mini_batches:
+            counts = GlobalCounts.of(mini.response_mask)
+            for d, part in enumerate(mini.chunk(self.dp_size)):
+                plans[d].append((part, counts))
+        results = self.group.call_each(method, [(plans[d],) for d in self.dp_ranks])
+        return results[0]  # metrics are already reduced over ranks
+
+    def save(self, root: str, step: int) -> None:
+        self.group.call("save_checkpoint", root, step)
+
+    def load(self, root: str) -> int | None:
+        steps = set(self.group.call("load_checkpoint", root))
+        if len(steps) != 1:
+            raise RuntimeError(f"{self.group.role}: ranks loaded different checkpoint steps {sorted(steps)}")
+        return steps.pop()
+
+
+class PolicyRole(_DataParallelRole):
+    """Actor + reference + colocated rollout engines."""
+
+    def __init__(self, group: Group, *, engine_ranks: list[int]) -> None:
+        super().__init__(group)
+        self.engine_ranks = engine_ranks
+
+    def generate(self, prompts: list[list[int]], sampling) -> Any:
+        """n samples per prompt; prompts are split contiguously over the engines, outputs merged."""
+        from rltrain.rollout.types import RolloutOutput
+
+        shares = _split_even(prompts, len(self.engine_ranks))
+        args = [((), sampling)] * self.group.world_size
+        for share, rank in zip(shares, self.engine_ranks):
+            args[rank] = (share, sampling)
+        outputs = [o for o in self.group.call_each("generate", args) if o is not None]
+        return RolloutOutput(
+            prompt_ids=[p for o in outputs for p in o.prompt_ids],
+            response_ids=[r for o in outputs for r in o.response_ids],
+            response_logprobs=[r for o in outputs for r in o.response_logprobs],
+            finish_reasons=[f for o in outputs for f in o.finish_reasons],
+            n=sampling.n,
+            stop_reasons=[s for o in outputs for s in o.stop_reasons],
+        )
+
+    def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self._dispatch("compute_log_prob", batch)
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def compute_ref_log_prob(self, batch: StepBatch) -> torch.Tensor:
+        return torch.cat(self._dispatch("compute_ref_log_prob", batch))
+
+    def update(self, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
+        return self._update("update_actor", mini_batches)
+
+    def sync_weights(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for rank_metrics in self.group.call("sync_weights"):
+            for key, value in rank_metrics.items():
+                metrics[key] = max(metrics.get(key, value), value)
+        return metrics
+
+
+class CriticRole(_DataParallelRole):
+    def compute_values(self, batch: StepBatch) -> torch.Tensor:
+        return torch.cat(self._dispatch("compute_values", batch))
+
+    def update(self, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
+        return self._update("update_critic", mini_batches)
+
+
+def _split_even(items: list, parts: int) -> list[list]:
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out

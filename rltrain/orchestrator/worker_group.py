@@ -1,0 +1,143 @@
+"""Ray worker groups: N ranks of one role, each a Ray actor hosting a worker object.
+
+A group places rank i on bundle i of a placement group (one bundle per device), starts
+torch.distributed between its ranks (rank 0's node address and a free port there), and runs a method
+on all ranks (``call``) or with per-rank arguments (``call_each``), gathering the results in rank
+order. A failure in a worker, or a worker process that died, is raised in the driver as
+:class:`WorkerError` naming the role, the rank and the method, with the worker's traceback.
+"""
+
+from __future__ import annotations
+
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rltrain.orchestrator.workers import RankInfo
+
+
+class WorkerError(RuntimeError):
+    """A worker method failed; names the role, rank and method."""
+
+    def __init__(self, role: str, rank: int, method: str, detail: str) -> None:
+        self.role, self.rank, self.method = role, rank, method
+        super().__init__(f"{role} rank {rank}: {method} failed: {detail}")
+
+
+@ray.remote
+class _RankHost:
+    """One rank: builds the worker object, then runs its methods, capturing failures as text."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port on it (for rank 0 as the rendezvous)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def build(self, cls: type, args: tuple, kwargs: dict) -> tuple[bool, str]:
+        try:
+            self.worker = cls(*args, **kwargs)
+            return True, ""
+        except BaseException as err:  # reported to the driver with role and rank, never swallowed
+            return False, _describe(err)
+
+    def run(self, method: str, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        try:
+            return True, getattr(self.worker, method)(*args, **kwargs)
+        except BaseException as err:
+            return False, _describe(err)
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}\n--- worker traceback ---\n{traceback.format_exc()}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's ranks go: bundle ``first_bundle + rank`` of ``group``."""
+
+    group: PlacementGroup
+    first_bundle: int = 0
+    num_cpus: float = 1.0
+    """CPU share each rank reserves in its bundle."""
+    num_gpus: float = 0.0
+    """GPU share each rank reserves in its bundle (a fraction when roles are colocated)."""
+
+
+class RayWorkerGroup:
+    """``world_size`` ranks of ``role`` running ``cls`` objects."""
+
+    def __init__(
+        self,
+        role: str,
+        cls: type,
+        *,
+        world_size: int,
+        placement: Placement,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        per_rank_kwargs: list[dict] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.role = role
+        self.world_size = world_size
+        self.hosts = [
+            _RankHost.options(
+                num_cpus=placement.num_cpus,
+                num_gpus=placement.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement.group,
+                    placement_group_bundle_index=placement.first_bundle + rank,
+                ),
+                runtime_env={"env_vars": dict(env or {})},
+                name=None,
+            ).remote()
+            for rank in range(world_size)
+        ]
+        addr, port = ray.get(self.hosts[0].address.remote())
+        refs = []
+        for rank, host in enumerate(self.hosts):
+            info = RankInfo(rank=rank, world_size=world_size, master_addr=addr, master_port=port)
+            extra = per_rank_kwargs[rank] if per_rank_kwargs else {}
+            refs.append(host.build.remote(cls, (*args, info), {**(kwargs or {}), **extra}))
+        self._gather("__init__", refs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``method`` with the same arguments on every rank; results in rank order."""
+        return self._gather(method, [h.run.remote(method, args, kwargs) for h in self.hosts])
+
+    def call_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]:
+        """Run ``method`` with ``per_rank_args[rank]`` on each rank."""
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(
+                f"{self.role}.{method}: {len(per_rank_args)} argument sets for {self.world_size} ranks"
+            )
+        refs = [h.run.remote(method, a, kwargs) for h, a in zip(self.hosts, per_rank_args)]
+        return self._gather(method, refs)
+
+    def _gather(self, method: str, refs: list) -> list[Any]:
+        results, first_error = [], None
+        for rank, ref in enumerate(refs):
+            try:
+                ok, value = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                ok, value = False, f"the worker process died ({type(err).__name__}: {err})"
+            if not ok and first_error is None:
+                first_error = WorkerError(self.role, rank, method, value)
+            results.append(value)
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def kill(self) -> None:
+        for host in self.hosts:
+            ray.kill(host, no_restart=True)

@@ -1,0 +1,357 @@
+"""Per-rank workers of the roles: plain Python classes; Ray (or torchrun) decides where they run.
+
+``PolicyWorker`` hosts, on one rank, the actor's Megatron shard, the reference's shard (same layout,
+same process: one Megatron parallel state per process) and, on engine ranks, a vLLM engine that
+shares the rank's devices (the hybrid engine); weights reach it in place, never through disk.
+``CriticWorker`` hosts the critic's shard. Methods take and return driver-side data
+(:class:`StepBatch` slices, metric dicts); Megatron and vLLM are imported only here, lazily, so that
+the driver process never loads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.config import RLConfig
+from rltrain.orchestrator.batch import StepBatch
+from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a worker sits in its group's process group."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    local_rank: int = 0
+
+
+def _init_env(info: RankInfo) -> None:
+    os.environ.update(
+        RANK=str(info.rank),
+        WORLD_SIZE=str(info.world_size),
+        LOCAL_RANK=str(info.local_rank),
+        MASTER_ADDR=info.master_addr,
+        MASTER_PORT=str(info.master_port),
+    )
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _token_batch(batch: StepBatch, extras: tuple[str, ...] = ()):
+    from rltrain.megatron.forward import TokenBatch
+
+    tensors = {}
+    for name in extras:
+        value = getattr(batch, name)
+        if value is None:
+            raise ValueError(f"StepBatch.{name} is needed here but was not computed")
+        tensors[name] = value
+    return TokenBatch(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        response_len=batch.response_len,
+        extras=tensors,
+    )
+
+
+def load_hf_into(worker, *, ctx, hf_config, model_dir: str) -> None:
+    """Fill a Megatron role's chunks from the HF checkpoint in ``model_dir`` through the bridge.
+
+    A critic's value head has no HF counterpart: it keeps its seeded initialisation (as verl's
+    critic does) and is hidden from the bridge while the body loads.
+    """
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, load_hf_weights
+
+    chunks = worker.chunks
+    heads = [
+        (c, c.output_layer)
+        for c in chunks
+        if worker.role == "critic" and getattr(c, "output_layer", None) is not None
+    ]
+    for chunk, _ in heads:
+        chunk.output_layer = None
+    try:
+        bridge = bridge_for_chunks(hf_config, chunks, ctx)
+        load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(model_dir))
+    finally:
+        for chunk, head in heads:
+            chunk.output_layer = head
+
+
+class _MegatronRankBase:
+    """Shared set-up: process group, parallel context, HF config."""
+
+    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo, parallel) -> None:
+        _init_env(info)
+        from transformers import AutoConfig
+
+        from rltrain.megatron.parallel import ParallelContext
+
+        self.config = config
+        self.model_dir = model_dir
+        self.info = info
+        self.ctx = ParallelContext.initialize(parallel, seed=config.trainer.seed)
+        self.hf_config = AutoConfig.from_pretrained(
+            model_dir, trust_remote_code=config.model.trust_remote_code
+        )
+
+    def _batching(self, role_cfg, *, micro_batch_size: int | None = None):
+        from rltrain.megatron.forward import MicroBatching
+
+        return MicroBatching(
+            micro_batch_size=micro_batch_size or role_cfg.ppo_micro_batch_size_per_gpu or 1,
+            use_dynamic_bsz=role_cfg.use_dynamic_bsz,
+            max_token_len=role_cfg.ppo_max_token_len_per_gpu,
+            use_remove_padding=getattr(role_cfg, "use_remove_padding", True),
+        )
+
+    def rank_info(self) -> dict[str, int]:
+        c = self.ctx
+        return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank, dp_size=c.dp_size)
+
+    def shutdown(self) -> None:
+        self.ctx.destroy()
+
+
+def _optimizer_steps(config: RLConfig, total_steps: int, *, mini_batch_size: int, epochs: int) -> int:
+    return total_steps * (config.data.train_batch_size // mini_batch_size) * epochs
+
+
+class PolicyWorker(_MegatronRankBase):
+    """Actor (+ reference, + colocated rollout engine) on one rank."""
+
+    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo, *, total_steps: int) -> None:
+        super().__init__(config, model_dir, info, config.actor.parallel)
+        tp = config.rollout.tensor_model_parallel_size
+        self.engine_ranks = list(range(0, info.world_size, tp))
+        engine_rank = info.rank in self.engine_ranks
+        from rltrain.megatron.worker import MegatronWorker
+
+        actor = config.actor
+        dtype = _dtype(config.model.dtype)
+        self.actor = MegatronWorker(
+            self.hf_config,
+            ctx=self.ctx,
+            role="actor",
+            batching=self._batching(actor),
+            optim=actor.optim,
+            total_steps=_optimizer_steps(
+                config, total_steps, mini_batch_size=actor.ppo_mini_batch_size, epochs=actor.ppo_epochs
+            ),
+            recompute_activations=actor.recompute_activations,
+            offload_optimizer=actor.optimizer_offload,
+            params_dtype=dtype,
+        )
+        load_hf_into(self.actor, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
+        self.ref = None
+        if config.algorithm.use_kl_in_reward or actor.use_kl_loss:
+            micro = config.ref.log_prob_micro_batch_size_per_gpu
+            self.ref = MegatronWorker(
+                self.hf_config,
+                ctx=self.ctx,
+                role="reference",
+                batching=self._batching(actor, micro_batch_size=micro),
+                params_dtype=dtype,
+            )
+            load_hf_into(self.ref, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
+        self.engine = None
+        if engine_rank:
+            from rltrain.rollout.engine import RolloutEngine
+            from rltrain.rollout.types import EngineSettings
+
+            settings = EngineSettings.from_rollout_config(config.rollout)
+            max_len = (
+                config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
+            )
+            self.engine = RolloutEngine(
+                model_dir, settings=_with(settings, max_model_len=max_len, dtype=config.model.dtype)
+            )
+
+    def _export(self, dst: int):
+        """HF-named full tensors of the actor, yielded on rank ``dst`` (collective: all ranks iterate)."""
+        from megatron_bridge.live import bridge_for_chunks, export_hf_weights
+
+        chunks = self.actor.chunks
+        return export_hf_weights(
+            chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx), dst=dst
+        )
+
+    # ---- rollout ---------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling) -> Any:
+        if not prompts:
+            return None
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.ctx.rank} hosts no rollout engine")
+        self.engine.wake_up()
+        output = self.engine.generate(prompts, sampling)
+        if self.config.rollout.free_cache_engine:
+            self.engine.sleep()
+        return output
+
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's weights (HF names, gathered over TP/PP/EP) into the colocated engines.
+
+        Collective over the actor's ranks: one gather per engine, each rank taking part in all.
+        """
+        start = time.perf_counter()
+        stats = None
+        for engine_rank in self.engine_ranks:
+            stream = self._export(dst=engine_rank)
+            if engine_rank == self.ctx.rank:
+                stats = self.engine.load_weights(
+                    stream, bucket_bytes=self.config.rollout.weight_sync.bucket_size_mb << 20
+                )
+            else:
+                _drain(stream)
+        metrics = {}
+        if stats is not None:
+            metrics = {
+                "weight_sync/seconds": time.perf_counter() - start,
+                "weight_sync/gbytes": stats.num_bytes / 1e9,
+                "weight_sync/num_tensors": float(stats.num_tensors),
+            }
+        if self.config.rollout.weight_sync.verify_checksums:
+            mismatched = self._verify_engine_weights()
+            if stats is not None:
+                metrics["weight_sync/checksum_mismatches"] = float(len(mismatched))
+        return metrics
+
+    def _verify_engine_weights(self) -> list[str]:
+        """HF names whose engine digest differs from the trainer's (collective, like the sync)."""
+        from rltrain.rollout.checksum import compare_digests, digests
+
+        mismatched: list[str] = []
+        for engine_rank in self.engine_ranks:
+            stream = self._export(dst=engine_rank)
+            if engine_rank != self.ctx.rank:
+                _drain(stream)
+                continue
+            engine = self.engine.weights_digests()
+            expected = digests(stream, dtype=_dtype(self.config.model.dtype))
+            mismatched = compare_digests({k: v for k, v in expected.items() if k in engine}, engine)
+            for problem in mismatched:
+                log.error("weight sync verification (rank %d): %s", self.ctx.rank, problem)
+        return mismatched
+
+    # ---- trainer forward / update ---------------------------------------------------------------
+    def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(old log-probs, entropy), each [batch, response_len]."""
+        out = self.actor.compute_log_prob(_token_batch(batch))
+        return out.logprobs, out.entropy
+
+    def compute_ref_log_prob(self, batch: StepBatch) -> torch.Tensor:
+        if self.ref is None:
+            raise RuntimeError(
+                "no reference model: neither algorithm.use_kl_in_reward nor actor.use_kl_loss is on"
+            )
+        return self.ref.compute_log_prob(_token_batch(batch)).logprobs
+
+    def update_actor(self, mini_batches: list[tuple[StepBatch, GlobalCounts]]) -> list[dict[str, float]]:
+        """One optimizer step per (local mini-batch, its global counts); metrics per step."""
+        extras = ("old_logprobs", "advantages") + (("ref_logprobs",) if self.config.actor.use_kl_loss else ())
+        if self.config.actor.tis_imp_ratio_cap is not None:
+            extras += ("rollout_logprobs",)
+        results = []
+        for local, counts in mini_batches:
+            res = self.actor.update(_token_batch(local, extras), actor_loss_fn(self.config.actor, counts))
+            results.append(
+                {
+                    **res.metrics,
+                    "actor/grad_norm": res.grad_norm,
+                    "actor/lr": res.lr,
+                    "actor/skipped_steps": float(res.skipped),
+                }
+            )
+        return results
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, root: str, step: int) -> str:
+        return str(self.actor.save_checkpoint(Path(root) / "actor", step=step))
+
+    def load_checkpoint(self, root: str) -> int | None:
+        return self.actor.load_checkpoint(Path(root) / "actor", load_optimizer=True)
+
+
+class CriticWorker(_MegatronRankBase):
+    """Critic (value model) on one rank."""
+
+    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo, *, total_steps: int) -> None:
+        super().__init__(config, model_dir, info, config.critic.parallel)
+        from rltrain.megatron.worker import MegatronWorker
+
+        critic = config.critic
+        mini = critic.ppo_mini_batch_size or config.actor.ppo_mini_batch_size
+        epochs = critic.ppo_epochs or config.actor.ppo_epochs
+        self.critic = MegatronWorker(
+            self.hf_config,
+            ctx=self.ctx,
+            role="critic",
+            batching=self._batching(critic),
+            optim=critic.optim,
+            total_steps=_optimizer_steps(config, total_steps, mini_batch_size=mini, epochs=epochs),
+            params_dtype=_dtype(config.model.dtype),
+        )
+        load_hf_into(
+            self.critic, ctx=self.ctx, hf_config=self.hf_config, model_dir=critic.model_path or model_dir
+        )
+
+    def compute_values(self, batch: StepBatch) -> torch.Tensor:
+        return self.critic.compute_values(_token_batch(batch))
+
+    def update_critic(self, mini_batches: list[tuple[StepBatch, GlobalCounts]]) -> list[dict[str, float]]:
+        results = []
+        for local, counts in mini_batches:
+            res = self.critic.update(
+                _token_batch(local, ("values", "returns")), critic_loss_fn(self.config.critic, counts)
+            )
+            results.append(
+                {
+                    **res.metrics,
+                    "critic/grad_norm": res.grad_norm,
+                    "critic/lr": res.lr,
+                    "critic/skipped_steps": float(res.skipped),
+                }
+            )
+        return results
+
+    def save_checkpoint(self, root: str, step: int) -> str:
+        return str(self.critic.save_checkpoint(Path(root) / "critic", step=step))
+
+    def load_checkpoint(self, root: str) -> int | None:
+        return self.critic.load_checkpoint(Path(root) / "critic", load_optimizer=True)
+
+
+def _step_metrics(role: str, result) -> dict[str, float]:
+    """A train step's metrics under the role's prefix (the backend reports the total as ``loss``)."""
+    metrics = {(k if "/" in k else f"{role}/{k}"): v for k, v in result.metrics.items()}
+    return metrics | {
+        f"{role}/grad_norm": result.grad_norm,
+        f"{role}/lr": result.lr,
+        f"{role}/skipped_steps": float(result.skipped),
+    }
+
+
+def _drain(stream) -> None:
+    for _ in stream:
+        pass
+
+
+def _with(settings, **changes):
+    from dataclasses import replace
+
+    return replace(settings, **changes)

@@ -1,0 +1,74 @@
+"""StepBatch: padding layout from rollout output, slicing, data-parallel chunks."""
+
+import torch
+
+from rltrain.orchestrator.batch import StepBatch, build_step_batch
+
+
+def make_batch() -> StepBatch:
+    return build_step_batch(
+        prompt_ids=[[5, 6, 7], [8]],
+        response_ids=[[1, 2], [3], [4, 4, 4], [9]],
+        response_logprobs=[[-0.1, -0.2], [-0.3], [-0.4, -0.5, -0.6], [-0.7]],
+        finish_reasons=["stop", "stop", "length", "stop"],
+        n=2,
+        data_sources=["arithmetic", "gsm8k"],
+        ground_truths=["3", "4"],
+        pad_token_id=0,
+        response_length=3,
+    )
+
+
+def test_layout_is_left_padded_prompt_then_right_padded_response():
+    b = make_batch()
+    assert b.input_ids.tolist() == [
+        [5, 6, 7, 1, 2, 0],
+        [5, 6, 7, 3, 0, 0],
+        [0, 0, 8, 4, 4, 4],
+        [0, 0, 8, 9, 0, 0],
+    ]
+    assert b.attention_mask.tolist() == [
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 1],
+        [0, 0, 1, 1, 0, 0],
+    ]
+    assert b.response_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]]
+    assert b.group_ids.tolist() == [0, 0, 1, 1]
+    assert b.data_sources == ["arithmetic", "arithmetic", "gsm8k", "gsm8k"]
+    assert b.ground_truths == ["3", "3", "4", "4"]
+    torch.testing.assert_close(b.rollout_logprobs[2], torch.tensor([-0.4, -0.5, -0.6]))
+    assert float(b.rollout_logprobs[1, 1:].abs().sum()) == 0.0
+    assert b.num_response_tokens() == 7
+
+
+def test_select_chunk_concat_round_trip():
+    b = make_batch()
+    b.scores = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    picked = b.select([3, 0])
+    assert picked.input_ids.tolist() == [b.input_ids[3].tolist(), b.input_ids[0].tolist()]
+    assert picked.scores.tolist() == [0.25, 1.0] and picked.finish_reasons == ["stop", "stop"]
+    parts = b.chunk(2)
+    assert [p.batch_size for p in parts] == [2, 2]
+    back = StepBatch.concat(parts)
+    assert torch.equal(back.input_ids, b.input_ids) and torch.equal(back.scores, b.scores)
+    assert back.ground_truths == b.ground_truths and back.old_logprobs is None
+
+
+def test_bad_rollout_output_is_named():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"3 responses for 2 prompts × n=2"):
+        build_step_batch(
+            prompt_ids=[[1], [2]],
+            response_ids=[[1], [2], [3]],
+            response_logprobs=[[0.0]] * 3,
+            finish_reasons=["stop"] * 3,
+            n=2,
+            data_sources=["a", "b"],
+            ground_truths=["1", "2"],
+            pad_token_id=0,
+            response_length=4,
+        )
+    with pytest.raises(ValueError, match="does not split into 3"):
+        make_batch().chunk(3)
