@@ -36,7 +36,7 @@ def encode_pairs(tokenizer, pairs: list[tuple[list[dict], str]]) -> list[tuple[l
         prompt_ids = list(
             prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
         )
-        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        answer_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
         encoded.append((prompt_ids, answer_ids))
     return encoded
 

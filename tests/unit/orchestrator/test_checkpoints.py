@@ -41,5 +41,5 @@ def test_marker_naming_incomplete_checkpoint_fails_loudly(tmp_path):
     (tmp_path / "latest").write_text("step_9\n")
     with pytest.raises(FileNotFoundError, match="step_9, which is not a complete checkpoint"):
         RunCheckpoints(tmp_path, keep=None).latest()
-    with pytest.raises(FileNotFoundError, match="trainer.resume_from_path"):
+    with pytest.raises(FileNotFoundError, match=r"trainer\.resume_from_path"):
         RunCheckpoints(tmp_path, keep=None).resume_path(str(tmp_path / "nope"))
