@@ -1,0 +1,281 @@
+"""Weight-sync planner: which slices of which trainer shards each rollout-engine rank needs.
+
+Pure (no torch.distributed, no vLLM, no Megatron). Everything is in *HF coordinates*: a trainer shard
+holds a region of each HF tensor (the bridge unfuses Megatron's QKV / gate-up shards into HF-named
+pieces), and an engine rank needs a region of each HF tensor (the rows/columns vLLM's loader narrows
+the full HF tensor to on that rank). The plan intersects the two.
+
+Layouts:
+- trainer (Megatron): dense tensors split over TP, layers over PP (uniform stages; embedding on the
+  first stage, final norm and LM head on the last), experts over EP and each expert over expert-TP;
+  vocab rows padded to a multiple of ``vocab_pad_multiple × tp`` and split evenly.
+- engine (vLLM): dense tensors split over its TP; KV heads replicated when TP exceeds their number
+  (rank r takes head ``r // (tp / num_kv_heads)``); vocab padded to ``vocab_pad_multiple`` then split
+  evenly; experts either TP-split like dense weights (``ep == 1``) or whole, spread over the ranks
+  (``ep == tp``, vLLM's ``enable_expert_parallel``).
+Per-tensor split knowledge comes in ``TensorLayout`` (the minimal description the bridge's mapping
+types carry: split kind, split dim, head size for KV heads, layer and expert index).
+Contract: for every engine rank, the ``dst`` regions of its copies tile exactly the region it needs,
+each element once (tested for TP 1/2/4/8 → 1/2/4/8, PP and EP layouts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+SplitKind = Literal["replicated", "column", "row", "vocab", "kv_heads"]
+_SPLIT_DIM = {"column": 0, "row": 1, "vocab": 0, "kv_heads": 0}
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How one HF tensor is split (the same kind on both sides: column-parallel stays column-parallel)."""
+
+    hf_name: str
+    """HF parameter name as vLLM's loader accepts it."""
+    shape: tuple[int, ...]
+    """Full (unpadded) HF shape."""
+    split: SplitKind
+    """``column``: dim 0; ``row``: dim 1; ``vocab``: dim 0 with padding; ``kv_heads``: dim 0 by heads,
+    replicated on the engine when its TP exceeds the head count; ``replicated``: not split."""
+    layer: int | None = None
+    """Decoder layer index; None for the embedding (first PP stage) and final norm / head (last)."""
+    last_stage: bool = False
+    """A non-layer tensor of the last PP stage (final norm, LM head)."""
+    expert: int | None = None
+    """Global expert index of an expert tensor (split over EP, and over expert-TP instead of TP)."""
+    head_dim: int = 1
+    """Rows per head for ``kv_heads``."""
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    """Expert tensor-parallel size; None means ``tp``."""
+    num_layers: int = 1
+    num_experts: int = 0
+    vocab_pad_multiple: int = 128
+    """Megatron's ``make_vocab_size_divisible_by``; the padded vocab is a multiple of it × TP."""
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    tp: int = 1
+    ep: int = 1
+    """1: experts TP-split; equal to ``tp``: whole experts spread over the ranks (expert parallel)."""
+    vocab_pad_multiple: int = 64
+
+
+@dataclass(frozen=True)
+class ShardId:
+    """One trainer shard: pipeline stage, (expert-)TP rank, EP rank (0 for dense tensors)."""
+
+    pp: int
+    tp: int
+    ep: int = 0
+
+
+@dataclass(frozen=True)
+class SliceCopy:
+    """Copy ``source``'s local piece ``[src]`` into the full HF tensor ``hf_name`` at ``[dst]``."""
+
+    hf_name: str
+    source: ShardId
+    src: tuple[slice, ...]
+    """Region in the source shard's local piece of the HF tensor."""
+    dst: tuple[slice, ...]
+    """Region in full HF coordinates (what the engine rank's loader reads)."""
+
+
+Range = tuple[int, int]
+
+
+def _even(size: int, parts: int, index: int, padded: int | None = None) -> Range:
+    per = (padded if padded is not None else size) // parts
+    return min(index * per, size), min((index + 1) * per, size)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _check(t: TensorLayout, size: int, parts: int, side: str) -> None:
+    if t.split != "vocab" and size % parts:
+        raise ValueError(
+            f"{t.hf_name}: dim {_SPLIT_DIM[t.split]} of size {size} does not split over {side}={parts}"
+        )
+
+
+def trainer_range(t: TensorLayout, trainer: TrainerLayout, tp_rank: int) -> Range | None:
+    """Range along the split dim held by trainer (expert-)TP rank ``tp_rank``; None: not split."""
+    if t.split == "replicated":
+        return None
+    parts = (trainer.etp or trainer.tp) if t.expert is not None else trainer.tp
+    size = t.shape[_SPLIT_DIM[t.split]]
+    _check(t, size, parts, "trainer tp")
+    padded = _round_up(size, trainer.vocab_pad_multiple * parts) if t.split == "vocab" else None
+    return _even(size, parts, tp_rank, padded)
+
+
+def engine_range(t: TensorLayout, engine: EngineLayout, rank: int) -> Range | None:
+    """Range along the split dim that engine rank ``rank`` needs; None: the whole tensor."""
+    if t.split == "replicated" or (t.expert is not None and engine.ep > 1):
+        return None
+    size = t.shape[_SPLIT_DIM[t.split]]
+    if t.split == "kv_heads" and engine.tp > size // t.head_dim:
+        heads = size // t.head_dim
+        if engine.tp % heads:
+            raise ValueError(f"{t.hf_name}: engine tp={engine.tp} is not a multiple of its {heads} KV heads")
+        head = rank // (engine.tp // heads)
+        return head * t.head_dim, (head + 1) * t.head_dim
+    _check(t, size, engine.tp, "engine tp")
+    padded = _round_up(size, engine.vocab_pad_multiple) if t.split == "vocab" else None
+    if padded is not None and padded % engine.tp:
+        raise ValueError(f"{t.hf_name}: padded vocab {padded} does not split over engine tp={engine.tp}")
+    return _even(size, engine.tp, rank, padded)
+
+
+def _stage(t: TensorLayout, trainer: TrainerLayout) -> int:
+    if t.layer is None:
+        return trainer.pp - 1 if t.last_stage else 0
+    if trainer.num_layers % trainer.pp:
+        raise ValueError(f"num_layers={trainer.num_layers} does not split evenly over pp={trainer.pp}")
+    return t.layer // (trainer.num_layers // trainer.pp)
+
+
+def _full(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(0, s) for s in shape)
+
+
+def _along(shape: tuple[int, ...], dim: int, lo: int, hi: int) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) if d == dim else slice(0, s) for d, s in enumerate(shape))
+
+
+def plan_tensor(t: TensorLayout, trainer: TrainerLayout, engine: EngineLayout, rank: int) -> list[SliceCopy]:
+    """The copies that give engine rank ``rank`` its region of tensor ``t``."""
+    stage = _stage(t, trainer)
+    ep_rank = 0
+    if t.expert is not None:
+        if trainer.num_experts % trainer.ep:
+            raise ValueError(f"num_experts={trainer.num_experts} does not split over trainer ep={trainer.ep}")
+        ep_rank = t.expert // (trainer.num_experts // trainer.ep)
+    need = engine_range(t, engine, rank)
+    parts = (
+        ((trainer.etp or trainer.tp) if t.expert is not None else trainer.tp)
+        if t.split != "replicated"
+        else 1
+    )
+    copies = []
+    for tp_rank in range(parts):
+        have = trainer_range(t, trainer, tp_rank)
+        if have is None:  # replicated: spread the reads over the trainer's TP ranks
+            holders = trainer.tp if t.expert is None else (trainer.etp or trainer.tp)
+            source = ShardId(stage, rank % holders, ep_rank)
+            return [SliceCopy(t.hf_name, source, _full(t.shape), _full(t.shape))]
+        lo, hi = have if need is None else (max(have[0], need[0]), min(have[1], need[1]))
+        if lo >= hi:
+            continue
+        dim = _SPLIT_DIM[t.split]
+        copies.append(
+            SliceCopy(
+                t.hf_name,
+                ShardId(stage, tp_rank, ep_rank),
+                src=_along(_local_shape(t.shape, dim, have), dim, lo - have[0], hi - have[0]),
+                dst=_along(t.shape, dim, lo, hi),
+            )
+        )
+    return copies
+
+
+def _local_shape(shape: tuple[int, ...], dim: int, have: Range) -> tuple[int, ...]:
+    return tuple(have[1] - have[0] if d == dim else s for d, s in enumerate(shape))
+
+
+def plan_weight_sync(
+    tensors: list[TensorLayout], trainer: TrainerLayout, engine: EngineLayout
+) -> dict[int, list[SliceCopy]]:
+    """``{engine_rank: copies}`` for every engine rank, tensors in the given order."""
+    if engine.ep not in (1, engine.tp):
+        raise ValueError(f"engine ep={engine.ep} must be 1 or equal to engine tp={engine.tp}")
+    plan: dict[int, list[SliceCopy]] = {}
+    for rank in range(engine.tp):
+        copies: list[SliceCopy] = []
+        for t in tensors:
+            if t.expert is not None and engine.ep > 1:
+                if trainer.num_experts % engine.ep:
+                    raise ValueError(
+                        f"num_experts={trainer.num_experts} does not split over engine ep={engine.ep}"
+                    )
+                if t.expert // (trainer.num_experts // engine.ep) != rank:
+                    continue
+            copies += plan_tensor(t, trainer, engine, rank)
+        plan[rank] = copies
+    return plan
+
+
+def assemble(
+    copies: list[SliceCopy],
+    shapes: dict[str, tuple[int, ...]],
+    fetch: Callable[[ShardId, str], torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full-shaped HF tensors for one engine rank from its copies (grouped by tensor, in plan order).
+
+    ``fetch(shard, hf_name)`` returns that shard's local piece. Elements the rank does not need are
+    left uninitialized: vLLM's loader on that rank narrows them away.
+    """
+    by_name: dict[str, list[SliceCopy]] = {}
+    for c in copies:
+        by_name.setdefault(c.hf_name, []).append(c)
+    for name, group in by_name.items():
+        first = fetch(group[0].source, name)
+        out = torch.empty(shapes[name], dtype=first.dtype, device=first.device)
+        for c in group:
+            out[c.dst] = fetch(c.source, name)[c.src]
+        yield name, out
+
+
+def decoder_layouts(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tie_word_embeddings: bool,
+    num_experts: int = 0,
+) -> list[TensorLayout]:
+    """Layouts of a Llama-style decoder in HF naming (Qwen2-MoE-style experts when ``num_experts``)."""
+    h, q, kv = hidden_size, num_heads * head_dim, num_kv_heads * head_dim
+    out = [TensorLayout("model.embed_tokens.weight", (vocab_size, h), "vocab")]
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        out += [
+            TensorLayout(p + "input_layernorm.weight", (h,), "replicated", layer=i),
+            TensorLayout(p + "self_attn.q_proj.weight", (q, h), "column", layer=i),
+            TensorLayout(p + "self_attn.k_proj.weight", (kv, h), "kv_heads", layer=i, head_dim=head_dim),
+            TensorLayout(p + "self_attn.v_proj.weight", (kv, h), "kv_heads", layer=i, head_dim=head_dim),
+            TensorLayout(p + "self_attn.o_proj.weight", (h, q), "row", layer=i),
+            TensorLayout(p + "post_attention_layernorm.weight", (h,), "replicated", layer=i),
+        ]
+        if num_experts:
+            out.append(TensorLayout(p + "mlp.gate.weight", (num_experts, h), "replicated", layer=i))
+        for e in range(num_experts) if num_experts else [None]:
+            mlp = p + ("mlp." if e is None else f"mlp.experts.{e}.")
+            out += [
+                TensorLayout(mlp + "gate_proj.weight", (intermediate_size, h), "column", layer=i, expert=e),
+                TensorLayout(mlp + "up_proj.weight", (intermediate_size, h), "column", layer=i, expert=e),
+                TensorLayout(mlp + "down_proj.weight", (h, intermediate_size), "row", layer=i, expert=e),
+            ]
+    out.append(TensorLayout("model.norm.weight", (h,), "replicated", last_stage=True))
+    if not tie_word_embeddings:
+        out.append(TensorLayout("lm_head.weight", (vocab_size, h), "vocab", last_stage=True))
+    return out

@@ -1,0 +1,151 @@
+"""Planner coverage: every element of every engine rank's target region is covered exactly once, and
+copying through the plan reproduces the full tensor there. The reference shards are written here
+independently (torch.chunk on padded tensors, vLLM's KV-head replication rule)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rltrain.rollout.planner import (
+    EngineLayout,
+    ShardId,
+    TensorLayout,
+    TrainerLayout,
+    assemble,
+    decoder_layouts,
+    plan_weight_sync,
+)
+
+DIM = {"column": 0, "kv_heads": 0, "vocab": 0, "row": 1}
+
+
+def model(num_kv_heads: int = 8, num_experts: int = 0) -> list[TensorLayout]:
+    return decoder_layouts(
+        num_layers=4, hidden_size=32, num_heads=8, num_kv_heads=num_kv_heads, head_dim=4,
+        intermediate_size=64, vocab_size=1000, tie_word_embeddings=False, num_experts=num_experts,
+    )  # fmt: skip
+
+
+def full_tensor(t: TensorLayout) -> torch.Tensor:
+    n = 1
+    for s in t.shape:
+        n *= s
+    return torch.arange(n, dtype=torch.float64).reshape(t.shape) + 1.0  # no zeros: a hole shows
+
+
+def reference_piece(t: TensorLayout, trainer: TrainerLayout, shard: ShardId) -> torch.Tensor:
+    """The trainer shard's local piece, derived with torch.chunk over Megatron's padded tensor."""
+    full = full_tensor(t)
+    layers_per_stage = trainer.num_layers // trainer.pp
+    stage = (trainer.pp - 1 if t.last_stage else 0) if t.layer is None else t.layer // layers_per_stage
+    assert shard.pp == stage, f"{t.hf_name} read from stage {shard.pp}, it lives on {stage}"
+    if t.expert is not None:
+        assert shard.ep == t.expert // (trainer.num_experts // trainer.ep), f"{t.hf_name} wrong EP rank"
+    if t.split == "replicated":
+        return full
+    parts = (trainer.etp or trainer.tp) if t.expert is not None else trainer.tp
+    dim = DIM[t.split]
+    if t.split == "vocab":
+        multiple = trainer.vocab_pad_multiple * parts
+        pad = -(-t.shape[0] // multiple) * multiple - t.shape[0]
+        padded = torch.cat([full, torch.full((pad, *t.shape[1:]), float("nan"))])
+        piece = padded.chunk(parts, dim=0)[shard.tp]
+        return piece[~piece[:, 0].isnan()]
+    return full.chunk(parts, dim=dim)[shard.tp]
+
+
+def reference_need(t: TensorLayout, engine: EngineLayout, rank: int, num_experts: int) -> torch.Tensor:
+    """Bool mask of the full tensor that engine rank ``rank``'s loader reads (vLLM's sharding rules)."""
+    mask = torch.zeros(t.shape, dtype=torch.bool)
+    if t.expert is not None and engine.ep > 1:
+        if t.expert // (num_experts // engine.ep) == rank:
+            mask[...] = True
+        return mask
+    if t.split == "replicated":
+        mask[...] = True
+        return mask
+    dim = DIM[t.split]
+    size = t.shape[dim]
+    if t.split == "kv_heads" and engine.tp > size // t.head_dim:
+        head = rank // (engine.tp // (size // t.head_dim))
+        mask[head * t.head_dim : (head + 1) * t.head_dim] = True
+        return mask
+    if t.split == "vocab":
+        padded = -(-size // engine.vocab_pad_multiple) * engine.vocab_pad_multiple
+        per = padded // engine.tp
+        mask[rank * per : min((rank + 1) * per, size)] = True
+        return mask
+    index = torch.arange(size).chunk(engine.tp)[rank]
+    mask.narrow(dim, int(index[0]), len(index)).fill_(True)
+    return mask
+
+
+def check_plan(tensors: list[TensorLayout], trainer: TrainerLayout, engine: EngineLayout) -> None:
+    plan = plan_weight_sync(tensors, trainer, engine)
+    assert sorted(plan) == list(range(engine.tp))
+    shapes = {t.hf_name: t.shape for t in tensors}
+    by_name = {t.hf_name: t for t in tensors}
+    for rank, copies in plan.items():
+        assembled = dict(
+            assemble(copies, shapes, lambda shard, name: reference_piece(by_name[name], trainer, shard))
+        )
+        for t in tensors:
+            need = reference_need(t, engine, rank, trainer.num_experts)
+            counts = torch.zeros(t.shape, dtype=torch.int32)
+            for c in copies:
+                if c.hf_name == t.hf_name:
+                    counts[c.dst] += 1
+            assert torch.equal(counts, need.int()), f"rank {rank} {t.hf_name}: coverage is not exactly once"
+            if need.any():
+                assert torch.equal(assembled[t.hf_name][need], full_tensor(t)[need]), (
+                    f"rank {rank} {t.hf_name}"
+                )
+            else:
+                assert t.hf_name not in assembled
+
+
+@pytest.mark.parametrize(("trainer_tp", "engine_tp"), list(itertools.product([1, 2, 4, 8], repeat=2)))
+def test_dense_tp_to_tp(trainer_tp, engine_tp):
+    check_plan(model(), TrainerLayout(tp=trainer_tp, num_layers=4), EngineLayout(tp=engine_tp))
+
+
+@pytest.mark.parametrize(("trainer_tp", "pp", "engine_tp"), [(1, 2, 4), (2, 2, 1), (2, 4, 8), (4, 2, 2)])
+def test_dense_with_pipeline_stages(trainer_tp, pp, engine_tp):
+    check_plan(model(), TrainerLayout(tp=trainer_tp, pp=pp, num_layers=4), EngineLayout(tp=engine_tp))
+
+
+@pytest.mark.parametrize(("trainer_tp", "engine_tp"), [(1, 4), (2, 4), (2, 8), (1, 8)])
+def test_engine_replicates_kv_heads_beyond_their_count(trainer_tp, engine_tp):
+    check_plan(model(num_kv_heads=2), TrainerLayout(tp=trainer_tp, num_layers=4), EngineLayout(tp=engine_tp))
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep", "etp", "pp", "engine_tp", "engine_ep"),
+    [
+        (1, 2, None, 1, 1, 1),  # EP=2 trainer → single-rank engine
+        (2, 2, 1, 1, 2, 1),  # EP=2, expert-TP=1 → experts TP-split in the engine
+        (2, 2, 2, 1, 4, 4),  # EP×expert-TP → expert-parallel engine
+        (1, 4, None, 2, 2, 2),
+        (4, 2, 2, 1, 8, 1),
+        (2, 4, 1, 2, 4, 4),
+    ],
+)
+def test_moe_expert_parallel_layouts(tp, ep, etp, pp, engine_tp, engine_ep):
+    trainer = TrainerLayout(tp=tp, pp=pp, ep=ep, etp=etp, num_layers=4, num_experts=8)
+    check_plan(model(num_experts=8), trainer, EngineLayout(tp=engine_tp, ep=engine_ep))
+
+
+def test_replicated_reads_spread_over_trainer_ranks():
+    plan = plan_weight_sync(model(), TrainerLayout(tp=4, num_layers=4), EngineLayout(tp=4))
+    sources = {r: {c.source.tp for c in cs if c.hf_name == "model.norm.weight"} for r, cs in plan.items()}
+    assert sources == {0: {0}, 1: {1}, 2: {2}, 3: {3}}
+
+
+def test_errors_name_the_tensor_and_layout():
+    with pytest.raises(ValueError, match=r"embed_tokens.*padded vocab 1024 does not split over engine tp=3"):
+        plan_weight_sync(model(), TrainerLayout(num_layers=4), EngineLayout(tp=3))
+    with pytest.raises(ValueError, match="engine ep=2 must be 1 or equal to engine tp=4"):
+        plan_weight_sync(model(), TrainerLayout(num_layers=4), EngineLayout(tp=4, ep=2))
