@@ -1,0 +1,118 @@
+"""One rank of the Megatron (TP=2, gloo) → vLLM weight-sync test.
+
+Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set; python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT.
+The engine starts from ENGINE_DIR's weights, the actor from ACTOR_DIR's (a different seed), so the
+first sync has to move every weight. Each rank hosts an in-process engine (vLLM builds its groups
+collectively over the default group, so every rank must start one); the sync streams the actor's
+HF-named weights into each engine in turn, as the policy worker does. Rank 0 writes the numbers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150], [11, 12, 13, 14, 15, 16]]
+
+
+def token_batch(out, response_length: int, pad_id: int):
+    from rltrain.megatron.forward import TokenBatch
+
+    prompt_len = max(len(p) for p in out.prompt_ids)
+    rows = torch.full((out.num_samples, prompt_len + response_length), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(rows)
+    for s, ids in enumerate(out.response_ids):
+        prompt = out.sample_prompt_ids(s)
+        rows[s, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
+        rows[s, prompt_len : prompt_len + len(ids)] = torch.tensor(ids)
+        mask[s, prompt_len - len(prompt) : prompt_len + len(ids)] = 1
+    return TokenBatch(input_ids=rows, attention_mask=mask, response_len=response_length)
+
+
+def main(engine_dir: str, actor_dir: str, out_path: str) -> None:
+    from transformers import AutoConfig
+
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
+    from rltrain.config.optim import OptimConfig
+    from rltrain.config.parallel import ParallelConfig
+    from rltrain.megatron.parallel import ParallelContext
+    from rltrain.megatron.worker import MegatronWorker
+    from rltrain.rollout import checksum
+    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.mismatch import logprob_mismatch
+    from rltrain.rollout.transport import InProcessTransport
+    from rltrain.rollout.types import EngineSettings, SamplingConfig
+
+    ctx = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2))
+    hf_config = AutoConfig.from_pretrained(actor_dir)
+    actor = MegatronWorker(
+        hf_config, ctx=ctx, role="actor", optim=OptimConfig(lr=3e-3), params_dtype=torch.float32
+    )
+    bridge = bridge_for_chunks(hf_config, actor.chunks, ctx)
+    load_hf_weights(actor.chunks, ctx, bridge, HFCheckpointReader(actor_dir))
+    engine = RolloutEngine(engine_dir, settings=EngineSettings(max_model_len=128, kv_cache_space_gb=0.1))
+    transport = InProcessTransport(engine, bucket_bytes=1 << 20)
+    sampling = SamplingConfig(temperature=1.0, n=2, response_length=12, seed=11)
+    pad_id = engine.tokenizer.pad_token_id
+
+    def sync() -> dict:
+        stats = None
+        for engine_rank in range(ctx.world_size):
+            stream = export_hf_weights(actor.chunks, ctx, bridge, dst=engine_rank)
+            if engine_rank == ctx.rank:
+                stats = transport.send(stream)
+            else:
+                for _ in stream:
+                    pass
+        return {"num_tensors": stats.num_tensors, "seconds": stats.seconds}
+
+    def rollout_and_compare(tag: str) -> dict:
+        box = [engine.generate(PROMPTS, sampling) if ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        out = box[0]
+        batch = token_batch(out, sampling.response_length, pad_id)
+        trainer = actor.compute_log_prob(batch).logprobs
+        _, rollout, mask = out.padded(pad_token_id=pad_id)
+        rollout = torch.nn.functional.pad(rollout, (0, sampling.response_length - rollout.shape[1]))
+        mask = torch.nn.functional.pad(mask, (0, sampling.response_length - mask.shape[1]))
+        return {
+            "tag": tag,
+            **logprob_mismatch(trainer, rollout, mask, prefix=""),
+            "batch": batch,
+            "trainer": trainer,
+        }
+
+    before = rollout_and_compare("before_sync")
+    first = {**sync(), **rollout_and_compare("after_first_sync")}
+    expected = checksum.digests(export_hf_weights(actor.chunks, ctx, bridge, dst=0))
+    problems = checksum.compare_digests(expected, engine.weights_digests()) if ctx.rank == 0 else []
+
+    def loss_fn(output, mb):
+        mask = mb.response_mask.float()
+        return -(output.logprobs * mask).sum() / first["batch"].response_mask.sum(), {}
+
+    step = actor.update(first["batch"], loss_fn)
+    moved = actor.compute_log_prob(first["batch"]).logprobs
+    second = {**sync(), **rollout_and_compare("after_step_and_sync")}
+    if ctx.rank == 0:
+        mask = first["batch"].response_mask.bool()
+        result = {
+            "runs": [
+                {k: v for k, v in r.items() if k not in ("batch", "trainer")} for r in (before, first, second)
+            ],
+            "checksum_problems": problems,
+            "step_skipped": bool(step.skipped),
+            "step_logprob_change": float((moved - first["trainer"])[mask].abs().max()),
+        }
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    engine.shutdown()
+    ctx.destroy()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
