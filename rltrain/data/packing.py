@@ -29,17 +29,19 @@ class PackedRow:
     token_index: torch.Tensor
     """[batch, seq] long: packed position of each padded position, -1 where ``attention_mask`` is 0."""
     pad_tokens: int
-    """Tokens appended so that ``total_tokens`` is a multiple of ``pad_to_multiple``."""
+    """Tokens appended to reach ``min_length`` and a multiple of ``pad_to_multiple``."""
 
 
 def pack_sequences(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pad_to_multiple: int = 1
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pad_to_multiple: int = 1, min_length: int = 0
 ) -> PackedRow:
-    """input_ids, attention_mask: [batch, seq] → a ``PackedRow`` of the real tokens."""
+    """input_ids, attention_mask: [batch, seq] → a ``PackedRow`` of the real tokens, padded to at
+    least ``min_length`` tokens and to a multiple of ``pad_to_multiple``."""
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1)
     num_real = int(lengths.sum())
-    pad = (-num_real) % pad_to_multiple
+    target = max(num_real, min_length)
+    pad = target - num_real + (-target) % pad_to_multiple
     if pad:
         lengths = torch.cat([lengths, lengths.new_tensor([pad])])
     cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=input_ids.device)

@@ -84,6 +84,14 @@ def _sharded_state(
     return state
 
 
+def _has_state(optimizer: MegatronOptimizer | None) -> bool:
+    """Whether the optimizer has stepped (Megatron cannot save an Adam state that has no ``step``)."""
+    if optimizer is None:
+        return False
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(sub.optimizer.state) > 0 for sub in subs if getattr(sub, "optimizer", None) is not None)
+
+
 def _use_fork_write_queue() -> None:
     """Without CUDA, let Megatron's checkpoint writer use a fork-based result queue: its default spawn
     manager re-imports ``__main__`` and makes the first save take 8-13 s on a small machine."""
@@ -112,9 +120,16 @@ def save_checkpoint(
         tmp.mkdir()
     dist.barrier()
     _use_fork_write_queue()
-    state = _sharded_state(ctx, chunks, optimizer, loading=False)
+    # A never-stepped optimizer equals a fresh one: save the model alone and say so in the metadata.
+    with_optimizer = _has_state(optimizer)
+    state = _sharded_state(ctx, chunks, optimizer if with_optimizer else None, loading=False)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    state["meta"] = {"step": step, "layout": _layout(ctx), "num_chunks": len(chunks)}
+    state["meta"] = {
+        "step": step,
+        "layout": _layout(ctx),
+        "num_chunks": len(chunks),
+        "optimizer": with_optimizer,
+    }
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if ctx.rank == 0:
@@ -165,6 +180,9 @@ def load_checkpoint(
         return None
     meta = dist_checkpointing.load_common_state_dict(str(path))["meta"]
     same_layout = meta["layout"] == _layout(ctx)
+    if optimizer is not None and not meta["optimizer"]:
+        logger.info("%s was saved before the first optimizer step: optimizer state stays fresh", path)
+        optimizer = None
     state = _sharded_state(ctx, chunks, optimizer, loading=True)
     if not same_layout:
         del state["rng_state"]

@@ -132,21 +132,26 @@ def _build_groups_accepting_cpu(original: classmethod) -> classmethod:
     return classmethod(_marked(build))
 
 
-def _dtoh_without_streams(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
-    """``_maybe_dtoh_and_synchronize`` of the all-to-all dispatcher: on CPU the tensors are already
-    host tensors, so only the conversions (splits as numpy) remain."""
-    from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
+def _to_host(tensor: Any, as_numpy: bool = False) -> Any:
+    # Megatron's maybe_move_tensor_to_cpu leaves CPU tensors as tensors even with as_numpy=True, and
+    # all_to_all_single rejects tensors as split sizes (it takes the numpy arrays the GPU path makes).
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
 
+
+def _dtoh_without_streams(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    """``_maybe_dtoh_and_synchronize`` of the all-to-all dispatcher without CUDA streams: the same
+    host copies (split sizes as numpy) at the same point."""
     if not self.drop_and_pad and point == self.cuda_dtoh_point:
-        tokens_per_expert = maybe_move_tensor_to_cpu(tokens_per_expert)
-        self.input_splits = maybe_move_tensor_to_cpu(self.input_splits, as_numpy=True)
-        self.output_splits = maybe_move_tensor_to_cpu(self.output_splits, as_numpy=True)
-        self.output_splits_tp = maybe_move_tensor_to_cpu(self.output_splits_tp, as_numpy=True)
-        self.num_out_tokens = maybe_move_tensor_to_cpu(self.num_out_tokens)
+        tokens_per_expert = _to_host(tokens_per_expert)
+        self.input_splits = _to_host(self.input_splits, as_numpy=True)
+        self.output_splits = _to_host(self.output_splits, as_numpy=True)
+        self.output_splits_tp = _to_host(self.output_splits_tp, as_numpy=True)
+        self.num_out_tokens = _to_host(self.num_out_tokens)
         if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
-            self.num_global_tokens_per_local_expert = maybe_move_tensor_to_cpu(
-                self.num_global_tokens_per_local_expert
-            )
+            self.num_global_tokens_per_local_expert = _to_host(self.num_global_tokens_per_local_expert)
     return tokens_per_expert
 
 

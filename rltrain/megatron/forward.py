@@ -116,14 +116,18 @@ class _ModelInputs:
     token (0 where the response is padding)."""
 
 
-def _prepare(batch: TokenBatch, *, pack: bool, pad_to_multiple: int, device: torch.device) -> _ModelInputs:
+def _prepare(
+    batch: TokenBatch, *, pack: bool, pad_to_multiple: int, min_length: int, device: torch.device
+) -> _ModelInputs:
     input_ids = batch.input_ids.to(device)
     attention_mask = batch.attention_mask.to(device)
     seq, resp = input_ids.size(1), batch.response_len
     predictor_cols = torch.arange(seq - resp - 1, seq - 1, device=device)
     valid = attention_mask[:, -resp:].bool()
     if pack:
-        packed = pack_sequences(input_ids, attention_mask, pad_to_multiple=pad_to_multiple)
+        packed = pack_sequences(
+            input_ids, attention_mask, pad_to_multiple=pad_to_multiple, min_length=min_length
+        )
         cu = packed.cu_seqlens.to(device)
         params = PackedSeqParams(
             qkv_format="thd",
@@ -218,9 +222,20 @@ def run_model(
         raise NotImplementedError("context_parallel_size > 1: sequences are not split over CP ranks yet")
     splits = batching.split(batch)
     pad_to = ctx.tp_size if ctx.parallel.sequence_parallel else 1
+    # The interleaved (VPP) schedule cannot exchange micro-batches of different shapes between
+    # stages: pad every packed row to the longest one.
+    min_length = max(int(batch.attention_mask[idx].sum()) for idx in splits) if ctx.vpp_size else 0
+    if ctx.vpp_size and not batching.use_remove_padding and len({len(i) for i in splits}) > 1:
+        raise ValueError(
+            "virtual pipeline parallelism without use_remove_padding needs equal micro-batch sizes"
+        )
     micro = [
         _prepare(
-            batch.select(idx), pack=batching.use_remove_padding, pad_to_multiple=pad_to, device=ctx.device
+            batch.select(idx),
+            pack=batching.use_remove_padding,
+            pad_to_multiple=pad_to,
+            min_length=min_length,
+            device=ctx.device,
         )
         for idx in splits
     ]

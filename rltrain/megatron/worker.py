@@ -119,14 +119,21 @@ class MegatronWorker:
         )
 
     def load_checkpoint(self, root: str | Path, *, load_optimizer: bool = True) -> int | None:
-        """Load the newest complete checkpoint under ``root``; returns its step (None if none)."""
-        return load_checkpoint(
+        """Load the checkpoint ``root/latest`` names; returns its step (None if there is none).
+
+        ``load_optimizer=False`` loads the model only (e.g. across an EP change) and refreshes the
+        optimizer's main parameters from it.
+        """
+        step = load_checkpoint(
             root,
             ctx=self.ctx,
             chunks=self.chunks,
             optimizer=self.optimizer if load_optimizer else None,
             scheduler=self.scheduler if load_optimizer else None,
         )
+        if step is not None and self.optimizer is not None and not load_optimizer:
+            self.optimizer.reload_model_params()
+        return step
 
     def offload_to_cpu(self) -> None:
         """Free device memory of parameters and grads between phases (GPU only; no-op on CPU).

@@ -8,6 +8,7 @@ that rank's traceback.
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
 import traceback
 from collections.abc import Callable
@@ -53,15 +54,22 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     try:
         for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout_s)
-            if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            # After a failure, give the other ranks a moment to report theirs (the root cause may be there).
+            rank, status, value = queue.get(timeout=20 if errors else timeout_s)
+            (errors if status == "error" else results)[rank] = value
+    except queue_module.Empty:
+        if not errors:
+            raise AssertionError(
+                f"ranks {sorted(set(range(world_size)) - set(results))} did not finish"
+            ) from None
     finally:
         for proc in procs:
-            proc.join(timeout=30)
+            proc.join(timeout=5 if errors else 30)
             if proc.is_alive():
                 proc.kill()
+    if errors:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
