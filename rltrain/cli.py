@@ -38,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=_config)
 
     from rltrain.logging.plot import add_plot_subparser
+    from tools.convert_ckpt import add_subparser as add_convert_subparser
 
     add_plot_subparser(sub)
+    add_convert_subparser(sub)
 
     doctor = sub.add_parser("doctor", help="check installed packages against this release")
     doctor.add_argument(

@@ -30,18 +30,39 @@ _TMP = ".tmp-"
 
 
 class RunCheckpoints:
-    def __init__(self, root: str | Path, *, keep: int | None) -> None:
+    """``is_writer``/``barrier``: in the torchrun mode every rank runs the driver; rank 0 alone touches
+    the directory structure and the others wait at the barriers (the role saves are collective)."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        keep: int | None,
+        is_writer: bool = True,
+        barrier: Callable[[], None] = lambda: None,
+    ) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.is_writer = is_writer
+        self.barrier = barrier
 
     def save(self, step: int, *, write_roles: Callable[[Path], None], state: dict[str, Any]) -> Path:
         """Write roles (``write_roles(tmp_dir)``) and ``state`` as ``step_<step>``; returns its path."""
-        self.root.mkdir(parents=True, exist_ok=True)
         name = f"step_{step}"
         tmp, final = self.root / f"{_TMP}{name}", self.root / name
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if self.is_writer:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self.barrier()
         write_roles(tmp)
+        self.barrier()
+        if self.is_writer:
+            self._publish(tmp, final, name, state)
+        self.barrier()
+        return final
+
+    def _publish(self, tmp: Path, final: Path, name: str, state: dict[str, Any]) -> None:
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1) + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -51,7 +72,6 @@ class RunCheckpoints:
         os.replace(marker, self.root / LATEST)
         self._prune(keep_name=name)
         log.info("checkpoint %s written", final)
-        return final
 
     def _prune(self, *, keep_name: str) -> None:
         if self.keep is None:

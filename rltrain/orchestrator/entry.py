@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from rltrain.config import RLConfig, write_resolved
 from rltrain.data.dataset import PromptDataset, PromptFields
@@ -91,27 +90,49 @@ def total_steps_of(config: RLConfig, data: RunData) -> int:
     return config.trainer.total_training_steps or config.trainer.total_epochs * len(data.train)
 
 
+@dataclass
+class RunSetup:
+    model_dir: str
+    """HF directory every role starts from."""
+
+    tokenizer: object
+    """The model's tokenizer (decodes responses for the rewards)."""
+
+    data: RunData
+    """Prompts."""
+
+    total_steps: int
+    """PPO steps of the whole run."""
+
+
+def prepare_run(config: RLConfig, *, write_config: bool = True) -> RunSetup:
+    """Resolve the model, load the tokenizer and the prompts; write the resolved config."""
+    from transformers import AutoTokenizer
+
+    from rltrain.models.source import resolve_model_dir
+
+    if write_config:
+        write_resolved(config, config.run_dir())
+    model_dir = str(resolve_model_dir(config.model, data=config.data))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = build_data(config, tokenizer)
+    return RunSetup(
+        model_dir=model_dir, tokenizer=tokenizer, data=data, total_steps=total_steps_of(config, data)
+    )
+
+
 def train(config: RLConfig) -> int:
     """Run ``config`` to the end; returns the last step."""
     import ray
     from ray.util.placement_group import placement_group
-    from transformers import AutoTokenizer
 
-    from rltrain.logging.progress import StepProgress
-    from rltrain.logging.tracker import MetricsLogger
-    from rltrain.models.source import resolve_model_dir
-    from rltrain.orchestrator.driver import PPOTrainer, Roles
+    from rltrain.orchestrator.driver import Roles
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
     from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup
     from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
-    from rltrain.rewards import RewardManager
 
-    run_dir = config.run_dir()
-    write_resolved(config, run_dir)
-    model_dir = str(resolve_model_dir(config.model, data=config.data))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = build_data(config, tokenizer)
-    total_steps = total_steps_of(config, data)
+    setup = prepare_run(config)
+    model_dir, total_steps = setup.model_dir, setup.total_steps
     started_ray = connect_ray(config)
     world = config.cluster.world_size()
     gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
@@ -145,29 +166,42 @@ def train(config: RLConfig) -> int:
             groups.append(critic_group)
             critic = CriticRole(critic_group)
         roles = Roles(policy=PolicyRole(policy_group, engine_ranks=list(range(0, world, tp))), critic=critic)
-        tracker = MetricsLogger(run_dir, backends=config.trainer.logger, total_steps=total_steps)
-        tracker.log({"data/num_filtered_prompts": float(data.num_filtered)}, step=0)
-        rewards = RewardManager.from_config(config.reward)
-        trainer = PPOTrainer(
-            config,
-            roles=roles,
-            tokenizer=tokenizer,
-            data=data,
-            rewards=rewards,
-            tracker=tracker,
-            total_steps=total_steps,
-        )
-        with StepProgress(total_steps, disable=not os.isatty(2)) as progress:
-            last = trainer.fit(progress=progress)
-        tracker.close()
-        log.info("run finished at step %d: %s", last, Path(run_dir))
-        return last
+        return run_driver(config, setup, roles)
     finally:
         for group in groups:
             group.kill()
         ray.util.remove_placement_group(pg)
         if started_ray:
             ray.shutdown()
+
+
+def run_driver(config: RLConfig, setup: RunSetup, roles, *, checkpoints=None, is_logger: bool = True) -> int:
+    """Run the PPO loop over ``roles``; only ``is_logger`` writes metrics and shows progress."""
+    from rltrain.logging.progress import StepProgress
+    from rltrain.logging.tracker import MetricsLogger
+    from rltrain.orchestrator.driver import PPOTrainer
+    from rltrain.rewards import RewardManager
+
+    backends = config.trainer.logger if is_logger else ()
+    tracker = MetricsLogger(config.run_dir(), backends=backends, total_steps=setup.total_steps)
+    tracker.log({"data/num_filtered_prompts": float(setup.data.num_filtered)}, step=0)
+    trainer = PPOTrainer(
+        config,
+        roles=roles,
+        tokenizer=setup.tokenizer,
+        data=setup.data,
+        rewards=RewardManager.from_config(config.reward),
+        tracker=tracker,
+        total_steps=setup.total_steps,
+        checkpoints=checkpoints,
+    )
+    try:
+        with StepProgress(setup.total_steps, disable=not (is_logger and os.isatty(2))) as progress:
+            last = trainer.fit(progress=progress)
+    finally:
+        tracker.close()
+    log.info("run finished at step %d: %s", last, config.run_dir())
+    return last
 
 
 def _cuda() -> bool:

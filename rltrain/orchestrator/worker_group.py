@@ -125,17 +125,21 @@ class RayWorkerGroup:
         return self._gather(method, refs)
 
     def _gather(self, method: str, refs: list) -> list[Any]:
-        results, first_error = [], None
-        for rank, ref in enumerate(refs):
+        """Results in rank order; raises at the first failure as it arrives, without waiting for ranks
+        that may be blocked in a collective with the failed one (the caller then kills the group)."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[done[0]]
             try:
-                ok, value = ray.get(ref)
+                ok, value = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
                 ok, value = False, f"the worker process died ({type(err).__name__}: {err})"
-            if not ok and first_error is None:
-                first_error = WorkerError(self.role, rank, method, value)
-            results.append(value)
-        if first_error is not None:
-            raise first_error
+            if not ok:
+                raise WorkerError(self.role, rank, method, value)
+            results[rank] = value
         return results
 
     def kill(self) -> None:

@@ -96,16 +96,23 @@ def load_hf_into(worker, *, ctx, hf_config, model_dir: str) -> None:
 class _MegatronRankBase:
     """Shared set-up: process group, parallel context, HF config."""
 
-    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo, parallel) -> None:
-        _init_env(info)
+    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo | None, parallel, ctx=None) -> None:
+        """``info`` sets the rendezvous environment (Ray); None keeps the launcher's (torchrun).
+        ``ctx``: an existing parallel context to share (roles colocated in one process must have
+        one layout: Megatron keeps one parallel state per process)."""
+        if info is not None:
+            _init_env(info)
         from transformers import AutoConfig
 
         from rltrain.megatron.parallel import ParallelContext
 
         self.config = config
         self.model_dir = model_dir
-        self.info = info
-        self.ctx = ParallelContext.initialize(parallel, seed=config.trainer.seed)
+        if ctx is not None and ctx.parallel != parallel:
+            raise ValueError(
+                f"roles sharing a process need one parallel layout: {ctx.parallel} != {parallel}"
+            )
+        self.ctx = ctx or ParallelContext.initialize(parallel, seed=config.trainer.seed)
         self.hf_config = AutoConfig.from_pretrained(
             model_dir, trust_remote_code=config.model.trust_remote_code
         )
@@ -125,6 +132,11 @@ class _MegatronRankBase:
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank, dp_size=c.dp_size)
 
     def shutdown(self) -> None:
+        """Stop what this rank hosts (engine first, then Megatron's groups)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None
         self.ctx.destroy()
 
 
@@ -135,11 +147,13 @@ def _optimizer_steps(config: RLConfig, total_steps: int, *, mini_batch_size: int
 class PolicyWorker(_MegatronRankBase):
     """Actor (+ reference, + colocated rollout engine) on one rank."""
 
-    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo, *, total_steps: int) -> None:
-        super().__init__(config, model_dir, info, config.actor.parallel)
+    def __init__(
+        self, config: RLConfig, model_dir: str, info: RankInfo | None, *, total_steps: int, ctx=None
+    ) -> None:
+        super().__init__(config, model_dir, info, config.actor.parallel, ctx)
         tp = config.rollout.tensor_model_parallel_size
-        self.engine_ranks = list(range(0, info.world_size, tp))
-        engine_rank = info.rank in self.engine_ranks
+        self.engine_ranks = list(range(0, self.ctx.world_size, tp))
+        engine_rank = self.ctx.rank in self.engine_ranks
         from rltrain.megatron.worker import MegatronWorker
 
         actor = config.actor
@@ -290,8 +304,10 @@ class PolicyWorker(_MegatronRankBase):
 class CriticWorker(_MegatronRankBase):
     """Critic (value model) on one rank."""
 
-    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo, *, total_steps: int) -> None:
-        super().__init__(config, model_dir, info, config.critic.parallel)
+    def __init__(
+        self, config: RLConfig, model_dir: str, info: RankInfo | None, *, total_steps: int, ctx=None
+    ) -> None:
+        super().__init__(config, model_dir, info, config.critic.parallel, ctx)
         from rltrain.megatron.worker import MegatronWorker
 
         critic = config.critic

@@ -1,0 +1,115 @@
+"""The torchrun mode: every rank runs the same driver loop over roles hosted in its own process.
+
+``torchrun --nproc_per_node N -m rltrain.train RECIPE`` starts N processes; each builds its share of
+the actor, reference, critic and a rollout engine (roles share one parallel context: Megatron keeps
+one parallel state per process, so the critic must use the actor's layout). The role handles of the
+Ray mode run unchanged over :class:`SPMDGroup`, which calls the local worker and all-gathers the
+results, so every rank holds the full step batch and takes the same decisions. Only rank 0 writes
+metrics and the run-level checkpoint structure; role checkpoints are collective as in the Ray mode.
+A failure on any rank is raised on every rank as :class:`WorkerError` naming role, rank and method.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any
+
+import torch.distributed as dist
+
+from rltrain.config import RLConfig
+from rltrain.orchestrator.worker_group import WorkerError
+
+log = logging.getLogger(__name__)
+
+
+class SPMDGroup:
+    """This process's rank of a role; ``call`` results are gathered from all ranks, in rank order."""
+
+    def __init__(self, role: str, worker: Any) -> None:
+        self.role = role
+        self.worker = worker
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._run(method, args, kwargs)
+
+    def call_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]:
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(
+                f"{self.role}.{method}: {len(per_rank_args)} argument sets for {self.world_size} ranks"
+            )
+        return self._run(method, per_rank_args[self.rank], kwargs)
+
+    def _run(self, method: str, args: tuple, kwargs: dict) -> list[Any]:
+        try:
+            outcome = (True, getattr(self.worker, method)(*args, **kwargs))
+        except Exception as err:  # every rank learns of it below, naming this rank
+            outcome = (
+                False,
+                f"{type(err).__name__}: {err}\n--- worker traceback ---\n{traceback.format_exc()}",
+            )
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, outcome)
+        for rank, (ok, value) in enumerate(gathered):
+            if not ok:
+                raise WorkerError(self.role, rank, method, value)
+        return [value for _, value in gathered]
+
+
+def check_world(config: RLConfig) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.cluster.world_size():
+        raise ValueError(
+            f"torchrun started {world} processes but cluster.nnodes × cluster.n_gpus_per_node = "
+            f"{config.cluster.nnodes}×{config.cluster.n_gpus_per_node} = {config.cluster.world_size()}"
+        )
+    if config.critic_enabled() and config.critic.parallel != config.actor.parallel:
+        raise ValueError(
+            "torchrun mode hosts actor and critic in one process: critic.parallel must equal actor.parallel "
+            f"({config.critic.parallel} != {config.actor.parallel}); use the Ray mode for different layouts"
+        )
+
+
+def train_spmd(config: RLConfig) -> int:
+    """Run ``config`` on this torchrun rank; returns the last step."""
+    import torch
+
+    from rltrain.orchestrator.checkpoints import RunCheckpoints
+    from rltrain.orchestrator.driver import Roles
+    from rltrain.orchestrator.entry import prepare_run, run_driver
+    from rltrain.orchestrator.roles import CriticRole, PolicyRole
+    from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
+
+    check_world(config)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank()
+    # Rank 0 resolves (and may build) the model and writes the config; the others then read its cache.
+    setup = prepare_run(config, write_config=True) if rank == 0 else None
+    dist.barrier()
+    setup = setup or prepare_run(config, write_config=False)
+    worker = PolicyWorker(config, setup.model_dir, None, total_steps=setup.total_steps)
+    critic, critic_worker = None, None
+    if config.critic_enabled():
+        critic_worker = CriticWorker(
+            config, setup.model_dir, None, total_steps=setup.total_steps, ctx=worker.ctx
+        )
+        critic = CriticRole(SPMDGroup("critic", critic_worker))
+    policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), engine_ranks=worker.engine_ranks)
+    checkpoints = RunCheckpoints(
+        config.run_dir() / "checkpoints",
+        keep=config.trainer.checkpoint.max_ckpt_to_keep,
+        is_writer=rank == 0,
+        barrier=dist.barrier,
+    )
+    try:
+        return run_driver(
+            config, setup, Roles(policy=policy, critic=critic), checkpoints=checkpoints, is_logger=rank == 0
+        )
+    finally:
+        worker.shutdown()  # the engine first: it must not outlive the process group
+        dist.destroy_process_group()
