@@ -48,7 +48,16 @@ class Roles:
 
 class PPOTrainer:
     def __init__(
-        self, config: RLConfig, *, roles: Roles, tokenizer, data, rewards, tracker, total_steps: int
+        self,
+        config: RLConfig,
+        *,
+        roles: Roles,
+        tokenizer,
+        data,
+        rewards,
+        tracker,
+        total_steps: int,
+        checkpoints: RunCheckpoints | None = None,
     ) -> None:
         self.config, self.roles, self.tokenizer = config, roles, tokenizer
         self.data, self.rewards, self.tracker = data, rewards, tracker
@@ -57,7 +66,7 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(
             kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon
         )
-        self.checkpoints = RunCheckpoints(
+        self.checkpoints = checkpoints or RunCheckpoints(
             config.run_dir() / "checkpoints", keep=config.trainer.checkpoint.max_ckpt_to_keep
         )
         self.timer = StageTimer()

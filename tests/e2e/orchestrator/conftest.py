@@ -1,4 +1,10 @@
-"""A local Ray instance shared by the orchestrator tests (started once, 2 CPUs)."""
+"""A local Ray instance shared by the orchestrator tests (started once, 2 CPUs).
+
+Subprocesses that should join it get its address in ``RAY_ADDRESS`` (``ray_env``), so they never
+pick up some other cluster through ``address="auto"``.
+"""
+
+import os
 
 import pytest
 
@@ -13,3 +19,9 @@ def local_ray():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_env(local_ray):
+    address = local_ray.get_runtime_context().gcs_address
+    return {**os.environ, "RAY_ADDRESS": address, "PYTHONUNBUFFERED": "1"}

@@ -96,10 +96,10 @@ def _comparable(record):
     return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
 
 
-def test_kill_and_resume_repeats_uninterrupted_metrics(local_ray, tmp_path, model_cache):
+def test_kill_and_resume_repeats_uninterrupted_metrics(ray_env, tmp_path, model_cache):
     steps = 6
     reference_root, resumed_root = tmp_path / "uninterrupted", tmp_path / "resumed"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = ray_env
     subprocess.run(_cli(reference_root, model_cache, steps), check=True, env=env, cwd=ROOT, capture_output=True, timeout=900)
     run_dir = load_config(RECIPE, overrides(resumed_root, model_cache)).run_dir()
     latest = run_dir / "checkpoints" / "latest"

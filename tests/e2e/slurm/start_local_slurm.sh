@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install (Debian's slurm-wlm) and start a one-node Slurm cluster on this machine for the tests:
+# munged, slurmctld and slurmd on localhost, one partition holding this node. Idempotent: when
+# `sinfo` already answers, it does nothing. Needs root (apt-get, /etc/slurm, /run).
+set -euo pipefail
+if command -v sinfo >/dev/null 2>&1 && timeout 10 sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc'; then
+  exit 0
+fi
+if ! command -v slurmctld >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+fi
+HOST=$(hostname -s)
+CPUS=$(nproc)
+MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
+mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge /etc/munge
+cat > /etc/slurm/slurm.conf <<CONF
+ClusterName=rltrain-local
+SlurmctldHost=$HOST
+SlurmUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+ReturnToService=2
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+[ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+chown -R munge:munge /etc/munge /run/munge 2>/dev/null || true
+chmod 0400 /etc/munge/munge.key
+pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged 2>/dev/null || /usr/sbin/munged --force
+pgrep -x slurmctld >/dev/null || slurmctld
+pgrep -x slurmd >/dev/null || slurmd
+for _ in $(seq 60); do
+  if timeout 5 sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc'; then
+    scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true
+    exit 0
+  fi
+  sleep 1
+done
+echo "local Slurm did not come up; logs:" >&2
+tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
+exit 1
