@@ -43,7 +43,7 @@ def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path) -> Pat
     tiny = model.tiny
     assert tiny is not None
     warmup_source = asdict(data.generated) if (tiny.sft_warmup_steps and data.generated) else None
-    key_material = json.dumps({"tiny": asdict(tiny), "warmup_data": warmup_source, "v": 1}, sort_keys=True)
+    key_material = json.dumps({"tiny": asdict(tiny), "warmup_data": warmup_source, "v": 2}, sort_keys=True)
     out = cache / f"tiny-{tiny.model_type}-{hashlib.sha1(key_material.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out

@@ -171,7 +171,10 @@ def build_tiny_model(
     from transformers import AutoModelForCausalLM
 
     tokenizer = tokenizer or build_tiny_tokenizer()
-    config = tiny_hf_config(model_type, vocab_size=len(tokenizer), initializer_range=init_std, **overrides)
+    # Pad the embedding rows to a multiple of 64, as released models do (Qwen2: 151,643 tokens in
+    # 151,936 rows): tensor parallelism splits the vocabulary evenly, at TP up to 64.
+    vocab_size = -(-len(tokenizer) // 64) * 64
+    config = tiny_hf_config(model_type, vocab_size=vocab_size, initializer_range=init_std, **overrides)
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
