@@ -10,7 +10,7 @@ Contract: ``save_checkpoint`` is collective; every rank writes its shards into t
 directory, then rank 0 renames it to ``step_<n>`` and only then rewrites ``latest``. So a crash at
 any point leaves ``latest`` naming a complete checkpoint. ``load_checkpoint`` loads what ``latest``
 names into model chunks of any TP/PP (and EP, model only) layout, logging which incomplete or newer
-directories it ignored. Optimizer state reshards over TP/PP/DP (Megatron's model-space format); RNG
+directories it ignored. Optimizer state reshards over TP/PP/DP (Megatron's fully_reshardable format); RNG
 states are restored only when the layout is unchanged.
 """
 
@@ -73,7 +73,11 @@ def _sharded_state(
         _model_key(i, len(chunks)): chunk.sharded_state_dict() for i, chunk in enumerate(chunks)
     }
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading)
+        # The default model-space format fails in 0.16.1 ("ShardedTensor.flattened_range is not
+        # supported"); fully_reshardable gathers each DP group's shards and reshards over TP/PP/DP.
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
     state["rng_state"] = ShardedObject(
         "rng_state",
         _rng_state(),
@@ -92,13 +96,37 @@ def _has_state(optimizer: MegatronOptimizer | None) -> bool:
     return any(len(sub.optimizer.state) > 0 for sub in subs if getattr(sub, "optimizer", None) is not None)
 
 
-def _use_fork_write_queue() -> None:
-    """Without CUDA, let Megatron's checkpoint writer use a fork-based result queue: its default spawn
-    manager re-imports ``__main__`` and makes the first save take 8-13 s on a small machine."""
+def _allocate_optimizer_state(optimizer: MegatronOptimizer) -> None:
+    """A fresh Adam has no state to load into (``DistributedOptimizer.state_dict`` asserts on the missing
+    ``step``): take Megatron's own zero-gradient dummy step, whose values the load then overwrites."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        allocate = getattr(sub, "_init_optimizer_states_with_dummy_values", None)
+        if allocate is not None:
+            allocate()
+
+
+def _unshare_adam_steps(optimizer: MegatronOptimizer) -> None:
+    """Without Apex/TE, ``DistributedOptimizer.load_state_dict`` gives every parameter the *same* ``step``
+    tensor; torch's Adam increments it in place once per parameter, which corrupts the bias
+    correction of every later step. Give each parameter its own copy."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for state in inner.state.values() if inner is not None else []:
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _use_plain_write_queue() -> None:
+    """Give Megatron's checkpoint writer a plain queue instead of its spawn-context Manager queue.
+
+    Our saves are synchronous, so the results are put and read in this process; the Manager's server
+    process re-imports ``__main__`` (8-13 s on a small machine, and a hang without a main guard) and
+    outlives a killed trainer.
+    """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if not torch.cuda.is_available() and filesystem_async._results_queue is None:
-        filesystem_async._results_queue = torch.multiprocessing.get_context("fork").Manager().Queue()
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = torch.multiprocessing.get_context("fork").Queue()
 
 
 def save_checkpoint(
@@ -119,7 +147,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    _use_fork_write_queue()
+    _use_plain_write_queue()
     # A never-stepped optimizer equals a fresh one: save the model alone and say so in the metadata.
     with_optimizer = _has_state(optimizer)
     state = _sharded_state(ctx, chunks, optimizer if with_optimizer else None, loading=False)
@@ -183,6 +211,8 @@ def load_checkpoint(
     if optimizer is not None and not meta["optimizer"]:
         logger.info("%s was saved before the first optimizer step: optimizer state stays fresh", path)
         optimizer = None
+    if optimizer is not None and not _has_state(optimizer):
+        _allocate_optimizer_state(optimizer)
     state = _sharded_state(ctx, chunks, optimizer, loading=True)
     if not same_layout:
         del state["rng_state"]
@@ -194,6 +224,7 @@ def load_checkpoint(
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(optimizer)
     if scheduler is not None and loaded.get("scheduler") is not None:
         scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:

@@ -132,6 +132,22 @@ def _build_groups_accepting_cpu(original: classmethod) -> classmethod:
     return classmethod(_marked(build))
 
 
+def _set_states_present(original: Any) -> Any:
+    def set_states(self: Any, model_param: Any, tensors: dict) -> None:
+        """Copy only the states the checkpoint holds: torch's Adam keeps a per-parameter ``step``
+        that ``load_state_dict`` already restored from the param groups."""
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        for key, dst in {"param": main_param, **self.optimizer.state[main_param]}.items():
+            if key in tensors:
+                dst.copy_(tensors[key])
+        return None
+
+    return _marked(set_states)
+
+
 def _to_host(tensor: Any, as_numpy: bool = False) -> Any:
     # Megatron's maybe_move_tensor_to_cpu leaves CPU tensors as tensors even with as_numpy=True, and
     # all_to_all_single rejects tensors as split sizes (it takes the numpy arrays the GPU path makes).
@@ -237,6 +253,15 @@ REPLACEMENTS: tuple[Replacement, ...] = (
         f"{_MC}.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
         "elif model_param.type() == 'torch.cuda.FloatTensor':",
         _build_groups_accepting_cpu,
+    ),
+    # Loading a fully_reshardable distributed-optimizer checkpoint with torch's Adam (no Apex/TE):
+    #   KeyError: 'step'  (the checkpoint skips Adam's per-parameter step; the copy loop expects it)
+    Replacement(
+        f"{_MC}.optimizer.distrib_optimizer",
+        "DistributedOptimizer._set_main_param_and_optimizer_states",
+        f"{_MC}.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+        "dst_tensors[key].copy_(tensors[key])",
+        _set_states_present,
     ),
     # MoE router without Transformer Engine: NameError: name 'te_general_gemm' is not defined
     Replacement(

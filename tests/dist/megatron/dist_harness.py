@@ -73,3 +73,15 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
     if errors:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
+
+
+def run_until_exit(fn: Callable, *args: Any, timeout_s: float = 300) -> int | None:
+    """``fn(*args)`` on a single rank that is expected to die; returns its exit code."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()  # kept referenced until the child has started
+    proc = ctx.Process(target=_entry, args=(0, 1, _free_port(), fn, args, queue))
+    proc.start()
+    proc.join(timeout=timeout_s)
+    if proc.is_alive():
+        proc.kill()
+    return proc.exitcode

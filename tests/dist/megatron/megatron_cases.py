@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
-from megatron_fixtures import actor_round, critic_round, max_diffs, tiny_llama, tiny_mixtral
+import logging
+import os
+import signal
+
+import torch
+from megatron_fixtures import (
+    SEED,
+    actor_round,
+    critic_round,
+    dp_shard,
+    ensure_process_group,
+    make_batch,
+    max_diffs,
+    optim,
+    policy_loss,
+    tiny_llama,
+    tiny_mixtral,
+)
 
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.forward import MicroBatching
+from rltrain.megatron.parallel import ParallelContext
+from rltrain.megatron.worker import MegatronWorker
 
 
 def tp2_case() -> dict[str, dict[str, float]]:
@@ -44,3 +63,73 @@ def ep2_case(tmp: str) -> dict[str, dict[str, float]]:
     ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
     ep2 = actor_round(hf, ParallelConfig(expert_model_parallel_size=2), batching, load_from=f"{tmp}/ref")
     return {"ep2": max_diffs(ref, ep2)}
+
+
+def _actor(hf, parallel: ParallelConfig) -> tuple[ParallelContext, MegatronWorker]:
+    ensure_process_group()
+    ctx = ParallelContext.initialize(parallel, seed=SEED)
+    batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+    return ctx, MegatronWorker(hf, ctx=ctx, role="actor", batching=batching, optim=optim(), total_steps=4)
+
+
+def reshard_case(tmp: str) -> dict[str, float]:
+    """Save at TP=2 after one step (model, Adam state, scheduler), load at TP=1 (DP=2), continue."""
+    hf = tiny_llama()
+    batch = make_batch()
+    loss_fn = policy_loss(float(batch.response_mask.sum()))
+    ctx, worker = _actor(hf, ParallelConfig(tensor_model_parallel_size=2))
+    worker.update(dp_shard(batch, ctx), loss_fn)
+    worker.save_checkpoint(tmp, step=1)
+    saved = worker.compute_log_prob(batch).logprobs
+    cont = worker.update(dp_shard(batch, ctx), loss_fn)
+    after = worker.compute_log_prob(batch).logprobs
+    ctx.destroy()
+
+    ctx, worker = _actor(hf, ParallelConfig(tensor_model_parallel_size=1))
+    step = worker.load_checkpoint(tmp)
+    loaded = worker.compute_log_prob(batch).logprobs
+    cont1 = worker.update(dp_shard(batch, ctx), loss_fn)
+    after1 = worker.compute_log_prob(batch).logprobs
+    ctx.destroy()
+    scale = float(saved.abs().max())
+    return {
+        "step": step,
+        "logprobs": float((saved - loaded).abs().max()) / max(1.0, scale),
+        "loss_next": abs(cont.metrics["loss"] - cont1.metrics["loss"]),
+        "grad_norm_next": abs(cont.grad_norm - cont1.grad_norm) / max(1.0, cont.grad_norm),
+        "lr_next": abs(cont.lr - cont1.lr),
+        "logprobs_after_next": float((after - after1).abs().max()) / max(1.0, scale),
+    }
+
+
+def save_then_get_killed(tmp: str) -> None:
+    """Save step 1, then die by SIGKILL inside the save of step 2 (shards written, not committed)."""
+    import rltrain.megatron.checkpoint as checkpoint_module
+
+    _ctx, worker = _actor(tiny_llama(), ParallelConfig())
+    batch = make_batch()
+    worker.update(batch, policy_loss(float(batch.response_mask.sum())))
+    worker.save_checkpoint(tmp, step=1)
+    torch.save(worker.compute_log_prob(batch).logprobs, f"{tmp}/../logprobs_step1.pt")
+    worker.update(batch, policy_loss(float(batch.response_mask.sum())))
+    real_save = checkpoint_module.dist_checkpointing.save
+
+    def save_and_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint_module.dist_checkpointing.save = save_and_die
+    worker.save_checkpoint(tmp, step=2)
+
+
+def load_after_kill(tmp: str) -> dict[str, object]:
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("rltrain.megatron.checkpoint").addHandler(handler)
+    ctx, worker = _actor(tiny_llama(), ParallelConfig())
+    step = worker.load_checkpoint(tmp)
+    logprobs = worker.compute_log_prob(make_batch()).logprobs
+    ctx.destroy()
+    expected = torch.load(f"{tmp}/../logprobs_step1.pt")
+    return {"step": step, "logprobs": float((logprobs - expected).abs().max()), "messages": messages}
