@@ -133,3 +133,87 @@ def load_after_kill(tmp: str) -> dict[str, object]:
     ctx.destroy()
     expected = torch.load(f"{tmp}/../logprobs_step1.pt")
     return {"step": step, "logprobs": float((logprobs - expected).abs().max()), "messages": messages}
+
+
+def batching_case() -> dict[str, float]:
+    """One rank: packed vs padded rows, and dynamic vs fixed micro-batches, on the same weights."""
+    hf = tiny_llama(num_hidden_layers=2)
+    batch = make_batch(batch_size=6, seed=3)
+    tokens = float(batch.response_mask.sum())
+    ensure_process_group()
+    ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+    out: dict[str, float] = {}
+    try:
+        actor = MegatronWorker(hf, ctx=ctx, role="actor", optim=optim(), total_steps=4)
+        critic = MegatronWorker(hf, ctx=ctx, role="critic", optim=optim(), total_steps=4)
+        padded = MicroBatching(micro_batch_size=2, use_remove_padding=False)
+        packed = MicroBatching(micro_batch_size=3, use_remove_padding=True)
+        fixed = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+        dynamic = MicroBatching(use_dynamic_bsz=True, max_token_len=40, use_remove_padding=True)
+        results = {}
+        for name, batching in (
+            ("padded", padded),
+            ("packed", packed),
+            ("fixed", fixed),
+            ("dynamic", dynamic),
+        ):
+            actor.batching = critic.batching = batching
+            lp = actor.compute_log_prob(batch)
+            values = critic.compute_values(batch)
+            # Gradient only (no update): zero learning rate keeps the weights for the next variant.
+            for group in actor.optimizer.param_groups:
+                group["lr"] = 0.0
+            step = train_step_no_update(actor, batch, policy_loss(tokens))
+            results[name] = (lp.logprobs, lp.entropy, values, step)
+        ref = results["padded"]
+        for name in ("packed", "fixed", "dynamic"):
+            other = results[name]
+            for i, field in enumerate(("logprobs", "entropy", "values")):
+                out[f"{name}_{field}"] = float((ref[i] - other[i]).abs().max()) / max(
+                    1.0, float(ref[i].abs().max())
+                )
+            out[f"{name}_loss"] = abs(ref[3][0] - other[3][0])
+            out[f"{name}_grad_norm"] = abs(ref[3][1] - other[3][1]) / max(1.0, ref[3][1])
+        out["num_micro_fixed"] = len(fixed.split(batch))
+        out["num_micro_dynamic"] = len(dynamic.split(batch))
+        out["grad_norm"] = ref[3][1]
+    finally:
+        ctx.destroy()
+    return out
+
+
+def train_step_no_update(worker: MegatronWorker, batch, loss_fn) -> tuple[float, float]:
+    result = worker.update(batch, loss_fn)
+    return result.metrics["loss"], result.grad_norm
+
+
+def vocab_parallel_case() -> dict[str, float]:
+    """Each rank holds half the vocabulary; compare with log_softmax over the full logits."""
+    import torch.distributed as dist
+
+    from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
+
+    ensure_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    tokens, vocab = 37, 64
+    full = (torch.randn(tokens, vocab, generator=gen, dtype=torch.float64) * 4).float()
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    w_lp, w_ent = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
+
+    ref_logits = full.clone().requires_grad_()
+    log_p = torch.log_softmax(ref_logits, dim=-1)
+    ref_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    ref_ent = -(log_p.exp() * log_p).sum(-1)
+    (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
+
+    local = full.chunk(world, dim=-1)[rank].clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs_entropy(local, targets, tp_group=dist.group.WORLD, tp_rank=rank)
+    (lp * w_lp + ent * w_ent).sum().backward()
+    ref_grad = ref_logits.grad.chunk(world, dim=-1)[rank]
+    return {
+        "logprobs": float((lp - ref_lp).abs().max()),
+        "entropy": float((ent - ref_ent).abs().max()),
+        "grad": float((local.grad - ref_grad).abs().max()),
+        "local_vocab": local.size(-1),
+    }
