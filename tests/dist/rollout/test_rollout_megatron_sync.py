@@ -34,9 +34,8 @@ def save_tp2_model(out: Path, seed: int) -> Path:
     return out
 
 
-def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
-    engine_dir = save_tp2_model(tmp_path / "engine", seed=0)
-    actor_dir = save_tp2_model(tmp_path / "actor", seed=1)
+def run_sync_ranks(tmp_path: Path, engine_dir: Path, actor_dir: Path, layout: str) -> dict:
+    """Launch the two ranks of ``megatron_sync_worker.py`` and return rank 0's numbers."""
     out = tmp_path / "result.json"
     worker = Path(__file__).with_name("megatron_sync_worker.py")
     port = str(_free_port())
@@ -52,7 +51,7 @@ def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
             "MASTER_PORT": port,
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [sys.executable, str(worker), str(engine_dir), str(actor_dir), str(out)]
+        cmd = [sys.executable, str(worker), str(engine_dir), str(actor_dir), str(out), layout]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
@@ -66,11 +65,31 @@ def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-5000:]}"
     result = json.loads(out.read_text())
     print(json.dumps(result))
+    return result
+
+
+def check_sync(result: dict, num_tensors: int) -> None:
     before, first, second = result["runs"]
     assert before["logprob_abs_diff_max"] > 0.05  # engine and actor started from different weights
-    assert first["num_tensors"] == second["num_tensors"] == 21
+    assert first["num_tensors"] == second["num_tensors"] == num_tensors
     assert first["logprob_abs_diff_max"] < 1e-3, first
-    assert result["checksum_problems"] == []
     assert not result["step_skipped"] and result["step_logprob_change"] > 1e-2
     assert second["logprob_abs_diff_max"] < 1e-3, second
     assert abs(second["importance_ratio_mean"] - 1.0) < 1e-3
+
+
+def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
+    engine_dir = save_tp2_model(tmp_path / "engine", seed=0)
+    actor_dir = save_tp2_model(tmp_path / "actor", seed=1)
+    result = run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2")
+    check_sync(result, num_tensors=21)
+    assert result["checksum_problems"] == []
+
+
+def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
+    """Mixtral (4 experts, top-2) trained at EP=2; the CPU experts repack after reload is exercised."""
+    from rltrain.models.tiny import save_tiny_model
+
+    engine_dir = save_tiny_model(tmp_path / "engine", "mixtral", seed=0)
+    actor_dir = save_tiny_model(tmp_path / "actor", "mixtral", seed=1)
+    check_sync(run_sync_ranks(tmp_path, engine_dir, actor_dir, "ep2"), num_tensors=41)
