@@ -1,8 +1,12 @@
 """``rltrain`` command line: thin entry points, no logic.
 
-rltrain train RECIPE [key=value ...]     run a recipe (``--dry-run``: validate and print it)
-rltrain config RECIPE [key=value ...]    print the resolved config
-rltrain doctor                           check installed packages against this release
+rltrain train RECIPE [key=value ...]        run a recipe under Ray (``--dry-run``: validate, print)
+rltrain config RECIPE [key=value ...]       print the resolved config
+rltrain convert MODE SRC DST [--tp/pp/ep]   HF <-> Megatron checkpoints, verified by round trip
+rltrain plot RUN_DIR                        PNG of a run's main curves
+rltrain doctor                              installed packages vs the versions this release needs
+
+Under torchrun use ``python -m rltrain.train RECIPE``, which runs every rank without Ray.
 """
 
 from __future__ import annotations
