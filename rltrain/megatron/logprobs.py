@@ -27,13 +27,15 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         if group is not None:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
         local_target = targets - vocab_start
         in_slice = (local_target >= 0) & (local_target < local_vocab)
         index = local_target.clamp(0, local_vocab - 1).unsqueeze(-1)
         target_logit = shifted.gather(-1, index).squeeze(-1) * in_slice
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        sum_exp_shifted = exp.mul_(shifted).sum(-1)  # in place: at most two [tokens, vocab/tp] temporaries
         del exp, shifted
+        sums = torch.stack([sum_exp, sum_exp_shifted])
         stats = torch.cat([sums, target_logit.unsqueeze(0)])
         if group is not None:
             dist.all_reduce(stats, group=group)

@@ -217,3 +217,71 @@ def vocab_parallel_case() -> dict[str, float]:
         "grad": float((local.grad - ref_grad).abs().max()),
         "local_vocab": local.size(-1),
     }
+
+
+def _llama_to_megatron(hf_state: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
+    """HF Llama/Qwen2 names → Megatron GPTModel (TP=1) names; Q/K/V interleaved per query group."""
+    heads, groups = hf.num_attention_heads, hf.num_key_value_heads
+    dim = hf.hidden_size // heads
+    out = {
+        "embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": hf_state["model.norm.weight"],
+        "output_layer.weight": hf_state["lm_head.weight"],
+    }
+    for i in range(hf.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            if f"{src}self_attn.q_proj.{kind}" not in hf_state:
+                continue
+            q, k, v = (hf_state[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv")
+            tail = q.shape[1:]
+            q = q.reshape(groups, heads // groups * dim, *tail)
+            k, v = k.reshape(groups, dim, *tail), v.reshape(groups, dim, *tail)
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+        out[f"{dst}self_attention.linear_proj.weight"] = hf_state[f"{src}self_attn.o_proj.weight"]
+        out[f"{dst}input_layernorm.weight"] = hf_state[f"{src}input_layernorm.weight"]
+        out[f"{dst}pre_mlp_layernorm.weight"] = hf_state[f"{src}post_attention_layernorm.weight"]
+        gate, up = hf_state[f"{src}mlp.gate_proj.weight"], hf_state[f"{src}mlp.up_proj.weight"]
+        out[f"{dst}mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        out[f"{dst}mlp.linear_fc2.weight"] = hf_state[f"{src}mlp.down_proj.weight"]
+    return out
+
+
+def hf_parity_case() -> dict[str, float]:
+    """Megatron logprobs/entropy equal HF transformers' on the same Llama and Qwen2 weights."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    ensure_process_group()
+    qwen2 = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    out = {}
+    for name, hf in (("llama", tiny_llama(num_hidden_layers=2, rope_theta=500000.0)), ("qwen2", qwen2)):
+        torch.manual_seed(0)
+        reference = AutoModelForCausalLM.from_config(hf).float().eval()
+        for param in reference.parameters():  # larger weights than HF's init: a peaked distribution
+            param.data.normal_(0, 0.15) if param.dim() > 1 else param.data.uniform_(0.5, 1.5)
+        ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+        worker = MegatronWorker(hf, ctx=ctx, role="reference")
+        missing, unexpected = worker.chunks[0].load_state_dict(
+            _llama_to_megatron(reference.state_dict(), hf), strict=False
+        )
+        assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+        batch = make_batch(seed=5)
+        ours = worker.compute_log_prob(batch)
+        ctx.destroy()
+        with torch.no_grad():
+            mask = batch.attention_mask
+            logits = reference(
+                input_ids=batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+            ).logits[:, -batch.response_len - 1 : -1]
+        log_p = torch.log_softmax(logits.float(), -1)
+        ref_lp = log_p.gather(-1, batch.input_ids[:, -batch.response_len :, None]).squeeze(-1)
+        ref_ent = -(log_p.exp() * log_p).sum(-1)
+        resp = batch.response_mask.bool()
+        out[f"{name}_logprobs"] = float((ours.logprobs - ref_lp)[resp].abs().max())
+        out[f"{name}_entropy"] = float((ours.entropy - ref_ent)[resp].abs().max())
+        out[f"{name}_scale"] = float(ref_lp[resp].abs().max())
+    return out
