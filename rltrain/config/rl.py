@@ -94,7 +94,7 @@ class RLConfig:
         problems += self.critic.parallel.validate("critic.parallel", world)
         if self.ref.parallel is not None:
             problems += self.ref.parallel.validate("ref.parallel", world)
-        if world % self.rollout.tensor_model_parallel_size:
+        if self.rollout.mode == "colocated" and world % self.rollout.tensor_model_parallel_size:
             problems.append(
                 f"rollout.tensor_model_parallel_size={self.rollout.tensor_model_parallel_size} does not divide "
                 f"the {world} devices (cluster.nnodes × cluster.n_gpus_per_node)"

@@ -20,8 +20,10 @@ class ValKwargs:
 
 @dataclass
 class WeightSyncConfig:
-    transport: Literal["auto", "in_process", "cuda_ipc", "broadcast"] = "auto"
-    """How weights reach the engine: auto picks in-process/CUDA IPC when colocated, broadcast otherwise."""
+    transport: Literal["auto", "in_process", "broadcast"] = "auto"
+    """How weights reach the engines: ``in_process`` hands them to the colocated engine (its workers get
+    CUDA IPC handles on GPU); ``broadcast`` sends buckets over a process group (NCCL on GPU, gloo on
+    CPU) to engines on other devices; ``auto`` picks by ``rollout.mode``."""
 
     bucket_size_mb: int = 512
     """Weights are streamed in buckets of about this many MiB."""
@@ -37,6 +39,10 @@ class RolloutConfig:
 
     mode: Literal["colocated", "separate"] = "colocated"
     """``colocated``: engine shares the actor's devices (hybrid engine); ``separate``: own devices."""
+
+    num_devices: int = 0
+    """Devices of the engines with ``mode: separate`` (a multiple of ``tensor_model_parallel_size``,
+    one engine per TP group); 0 with ``mode: colocated``."""
 
     n: int = 1
     """Responses sampled per prompt (GRPO/RLOO need ≥ 2)."""
@@ -110,4 +116,26 @@ class RolloutConfig:
             problems.append(f"{prefix}.tensor_model_parallel_size must be >= 1")
         if self.weight_sync.bucket_size_mb < 1:
             problems.append(f"{prefix}.weight_sync.bucket_size_mb must be >= 1")
-        return problems
+        return problems + self._check_mode(prefix)
+
+    def _check_mode(self, prefix: str) -> list[str]:
+        tp, transport = self.tensor_model_parallel_size, self.weight_sync.transport
+        if self.mode == "separate":
+            if self.num_devices < tp or self.num_devices % tp:
+                return [
+                    f"{prefix}.mode=separate needs {prefix}.num_devices, a multiple of "
+                    f"{prefix}.tensor_model_parallel_size={tp}; got {self.num_devices}"
+                ]
+            if transport == "in_process":
+                return [
+                    f"{prefix}.weight_sync.transport=in_process cannot reach engines on other devices "
+                    f"({prefix}.mode=separate); use broadcast or auto"
+                ]
+        elif self.num_devices:
+            return [f"{prefix}.num_devices={self.num_devices} is only for {prefix}.mode=separate"]
+        elif transport == "broadcast":
+            return [
+                f"{prefix}.weight_sync.transport=broadcast is for {prefix}.mode=separate; colocated engines "
+                "load in place"
+            ]
+        return []

@@ -5,6 +5,8 @@ Ray: joins the cluster named by ``cluster.ray_address`` or ``RAY_ADDRESS``, else
 ``ray job submit`` runs in), else starts a local one with ``cluster.num_cpus`` CPUs.
 Placement: one placement-group bundle per device (``nnodes × n_gpus_per_node``); the policy worker
 (actor + reference + rollout engine) and the critic worker of rank i share bundle i (colocated).
+With ``rollout.mode: separate`` each engine gets a bundle of its own after those, and weights travel
+from actor rank 0 by broadcast.
 """
 
 from __future__ import annotations
@@ -129,21 +131,25 @@ def train(config: RLConfig) -> int:
     from rltrain.orchestrator.driver import Roles
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
     from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup
-    from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
+    from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RolloutWorker
 
     setup = prepare_run(config)
     model_dir, total_steps = setup.model_dir, setup.total_steps
     started_ray = connect_ray(config)
     world = config.cluster.world_size()
     gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
-    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+    tp = config.rollout.tensor_model_parallel_size
+    separate = config.rollout.mode == "separate"
+    num_engines = config.rollout.num_devices // tp if separate else 0
+    # Bundles: one per trainer device, then (separate rollout) one per engine holding its TP devices.
+    bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
+    bundles += [{"CPU": 1, "GPU": tp} if gpu else {"CPU": 1} for _ in range(num_engines)]
+    pg = placement_group(bundles, strategy="PACK")
     ray.get(pg.ready())
     share = 0.5 if config.critic_enabled() else 1.0
     placement = Placement(pg, num_cpus=share, num_gpus=share if gpu else 0.0)
     groups = []
     try:
-        tp = config.rollout.tensor_model_parallel_size
         policy_group = RayWorkerGroup(
             "actor_rollout_ref",
             PolicyWorker,
@@ -153,6 +159,25 @@ def train(config: RLConfig) -> int:
             kwargs={"total_steps": total_steps},
         )
         groups.append(policy_group)
+        rollout_group = None
+        if separate:
+            engine_placement = Placement(
+                pg, first_bundle=world, num_cpus=1.0, num_gpus=float(tp) if gpu else 0.0
+            )
+            rollout_group = RayWorkerGroup(
+                "rollout",
+                RolloutWorker,
+                world_size=num_engines,
+                placement=engine_placement,
+                args=(config, model_dir),
+            )
+            groups.append(rollout_group)
+            address = policy_group.free_address()
+            joining = rollout_group.submit("connect_weight_sync", address, num_engines)
+            policy_group.call_each(
+                "connect_weight_sync", [(address if r == 0 else None, num_engines) for r in range(world)]
+            )
+            rollout_group.wait("connect_weight_sync", joining)
         critic = None
         if config.critic_enabled():
             critic_group = RayWorkerGroup(
@@ -165,7 +190,10 @@ def train(config: RLConfig) -> int:
             )
             groups.append(critic_group)
             critic = CriticRole(critic_group)
-        roles = Roles(policy=PolicyRole(policy_group, engine_ranks=list(range(0, world, tp))), critic=critic)
+        engine_ranks = [] if separate else list(range(0, world, tp))
+        roles = Roles(
+            policy=PolicyRole(policy_group, engine_ranks=engine_ranks, separate=rollout_group), critic=critic
+        )
         return run_driver(config, setup, roles)
     finally:
         for group in groups:

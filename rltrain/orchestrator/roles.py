@@ -60,21 +60,25 @@ class _DataParallelRole:
 
 
 class PolicyRole(_DataParallelRole):
-    """Actor + reference + colocated rollout engines."""
+    """Actor + reference, and the rollout engines: colocated on the actor's ranks (``engine_ranks``),
+    or a separate engine group (``separate``, weights broadcast from actor rank 0)."""
 
-    def __init__(self, group: Group, *, engine_ranks: list[int]) -> None:
+    def __init__(self, group: Group, *, engine_ranks: list[int], separate: Any = None) -> None:
         super().__init__(group)
         self.engine_ranks = engine_ranks
+        self.separate = separate
 
     def generate(self, prompts: list[list[int]], sampling) -> Any:
         """n samples per prompt; prompts are split contiguously over the engines, outputs merged."""
         from rltrain.rollout.types import RolloutOutput
 
-        shares = _split_even(prompts, len(self.engine_ranks))
-        args = [((), sampling)] * self.group.world_size
-        for share, rank in zip(shares, self.engine_ranks):
+        group = self.separate or self.group
+        engines = list(range(self.separate.world_size)) if self.separate else self.engine_ranks
+        shares = _split_even(prompts, len(engines))
+        args = [((), sampling)] * group.world_size
+        for share, rank in zip(shares, engines):
             args[rank] = (share, sampling)
-        outputs = [o for o in self.group.call_each("generate", args) if o is not None]
+        outputs = [o for o in group.call_each("generate", args) if o is not None]
         return RolloutOutput(
             prompt_ids=[p for o in outputs for p in o.prompt_ids],
             response_ids=[r for o in outputs for r in o.response_ids],
@@ -95,10 +99,15 @@ class PolicyRole(_DataParallelRole):
         return self._update("update_actor", mini_batches)
 
     def sync_weights(self) -> dict[str, float]:
+        receiving = self.separate.submit("receive_weights") if self.separate else None
         metrics: dict[str, float] = {}
         for rank_metrics in self.group.call("sync_weights"):
             for key, value in rank_metrics.items():
                 metrics[key] = max(metrics.get(key, value), value)
+        if receiving is not None:
+            for rank_metrics in self.separate.wait("receive_weights", receiving):
+                for key, value in rank_metrics.items():
+                    metrics[key] = max(metrics.get(key, value), value)
         return metrics
 
 

@@ -66,6 +66,10 @@ def check_world(config: RLConfig) -> None:
             f"torchrun started {world} processes but cluster.nnodes × cluster.n_gpus_per_node = "
             f"{config.cluster.nnodes}×{config.cluster.n_gpus_per_node} = {config.cluster.world_size()}"
         )
+    if config.rollout.mode != "colocated":
+        raise ValueError(
+            "torchrun mode runs each rank's engine beside its trainer: rollout.mode must be colocated"
+        )
     if config.critic_enabled() and config.critic.parallel != config.actor.parallel:
         raise ValueError(
             "torchrun mode hosts actor and critic in one process: critic.parallel must equal actor.parallel "

@@ -124,6 +124,17 @@ class RayWorkerGroup:
         refs = [h.run.remote(method, a, kwargs) for h, a in zip(self.hosts, per_rank_args)]
         return self._gather(method, refs)
 
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Start ``method`` on every rank without waiting; finish with :meth:`wait`."""
+        return [h.run.remote(method, args, kwargs) for h in self.hosts]
+
+    def wait(self, method: str, refs: list) -> list[Any]:
+        return self._gather(method, refs)
+
+    def free_address(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (a rendezvous for a group of our own)."""
+        return ray.get(self.hosts[0].address.remote())
+
     def _gather(self, method: str, refs: list) -> list[Any]:
         """Results in rank order; raises at the first failure as it arrives, without waiting for ranks
         that may be blocked in a collective with the failed one (the caller then kills the group)."""

@@ -152,7 +152,8 @@ class PolicyWorker(_MegatronRankBase):
     ) -> None:
         super().__init__(config, model_dir, info, config.actor.parallel, ctx)
         tp = config.rollout.tensor_model_parallel_size
-        self.engine_ranks = list(range(0, self.ctx.world_size, tp))
+        colocated = config.rollout.mode == "colocated"
+        self.engine_ranks = list(range(0, self.ctx.world_size, tp)) if colocated else []
         engine_rank = self.ctx.rank in self.engine_ranks
         from rltrain.megatron.worker import MegatronWorker
 
@@ -183,18 +184,9 @@ class PolicyWorker(_MegatronRankBase):
                 params_dtype=dtype,
             )
             load_hf_into(self.ref, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
-        self.engine = None
-        if engine_rank:
-            from rltrain.rollout.engine import RolloutEngine
-            from rltrain.rollout.types import EngineSettings
-
-            settings = EngineSettings.from_rollout_config(config.rollout)
-            max_len = (
-                config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
-            )
-            self.engine = RolloutEngine(
-                model_dir, settings=_with(settings, max_model_len=max_len, dtype=config.model.dtype)
-            )
+        self.engine = build_engine(config, model_dir) if engine_rank else None
+        self.transport = None
+        """Broadcast transport to engines on other devices (``rollout.mode: separate``), on rank 0."""
 
     def _export(self, dst: int):
         """HF-named full tensors of the actor, yielded on rank ``dst`` (collective: all ranks iterate)."""
@@ -217,19 +209,32 @@ class PolicyWorker(_MegatronRankBase):
             self.engine.sleep()
         return output
 
-    def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's weights (HF names, gathered over TP/PP/EP) into the colocated engines.
+    def connect_weight_sync(self, address: tuple[str, int] | None, num_engines: int) -> None:
+        """Rank 0 joins the broadcast group of the separate engines (``address`` = its rendezvous)."""
+        if address is not None:
+            self.transport = _broadcast_transport(
+                self.config, address, group_rank=0, world_size=1 + num_engines
+            )
 
-        Collective over the actor's ranks: one gather per engine, each rank taking part in all.
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's weights (HF names, gathered over TP/PP/EP) to the engines.
+
+        Collective over the actor's ranks. Colocated: one gather per engine, each into the engine of
+        its rank. Separate: one gather onto rank 0, which broadcasts buckets to the engines.
         """
         start = time.perf_counter()
         stats = None
+        bucket = self.config.rollout.weight_sync.bucket_size_mb << 20
+        if self.config.rollout.mode == "separate":
+            stream = self._export(dst=0)
+            if self.transport is not None:
+                stats = self.transport.send(stream)
+            else:
+                _drain(stream)
         for engine_rank in self.engine_ranks:
             stream = self._export(dst=engine_rank)
             if engine_rank == self.ctx.rank:
-                stats = self.engine.load_weights(
-                    stream, bucket_bytes=self.config.rollout.weight_sync.bucket_size_mb << 20
-                )
+                stats = self.engine.load_weights(stream, bucket_bytes=bucket)
             else:
                 _drain(stream)
         metrics = {}
@@ -239,7 +244,7 @@ class PolicyWorker(_MegatronRankBase):
                 "weight_sync/gbytes": stats.num_bytes / 1e9,
                 "weight_sync/num_tensors": float(stats.num_tensors),
             }
-        if self.config.rollout.weight_sync.verify_checksums:
+        if self.config.rollout.weight_sync.verify_checksums and self.engine_ranks:
             mismatched = self._verify_engine_weights()
             if stats is not None:
                 metrics["weight_sync/checksum_mismatches"] = float(len(mismatched))
@@ -350,6 +355,66 @@ class CriticWorker(_MegatronRankBase):
 
     def load_checkpoint(self, root: str) -> int | None:
         return self.critic.load_checkpoint(Path(root) / "critic", load_optimizer=True)
+
+
+def build_engine(config: RLConfig, model_dir: str):
+    """The vLLM engine of ``config.rollout`` for ``model_dir`` (context length from the data if unset)."""
+    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.types import EngineSettings
+
+    settings = EngineSettings.from_rollout_config(config.rollout)
+    max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
+    return RolloutEngine(model_dir, settings=_with(settings, max_model_len=max_len, dtype=config.model.dtype))
+
+
+def _broadcast_transport(config: RLConfig, address: tuple[str, int], *, group_rank: int, world_size: int):
+    import torch
+
+    from rltrain.rollout.transport import BroadcastTransport, standalone_group
+
+    cuda = torch.cuda.is_available()
+    group = standalone_group(
+        host=address[0],
+        port=address[1],
+        rank=group_rank,
+        world_size=world_size,
+        backend="nccl" if cuda else "gloo",
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return BroadcastTransport(
+        group=group, src_rank=0, bucket_bytes=config.rollout.weight_sync.bucket_size_mb << 20, device=device
+    )
+
+
+class RolloutWorker:
+    """A vLLM engine on its own devices (``rollout.mode: separate``); weights arrive by broadcast."""
+
+    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo) -> None:
+        self.config = config
+        self.rank = info.rank
+        self.engine = build_engine(config, model_dir)
+        self.transport = None
+
+    def connect_weight_sync(self, address: tuple[str, int], num_engines: int) -> None:
+        self.transport = _broadcast_transport(
+            self.config, address, group_rank=1 + self.rank, world_size=1 + num_engines
+        )
+
+    def receive_weights(self) -> dict[str, float]:
+        stats = self.transport.receive(self.engine)
+        return {"weight_sync/receive_seconds": stats.seconds, "weight_sync/buckets": float(stats.num_buckets)}
+
+    def generate(self, prompts: list[list[int]], sampling) -> Any:
+        if not prompts:
+            return None
+        self.engine.wake_up()
+        output = self.engine.generate(prompts, sampling)
+        if self.config.rollout.free_cache_engine:
+            self.engine.sleep()
+        return output
+
+    def rank_info(self) -> dict[str, int]:
+        return {"rank": self.rank}
 
 
 def _step_metrics(role: str, result) -> dict[str, float]:

@@ -29,13 +29,31 @@ def ray_head():
     gcs, dash = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     head = subprocess.Popen(
-        [*RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--disable-usage-stats"],
-        env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            *RAY,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--num-cpus=2",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.monotonic() + 180
-    while subprocess.run([*RAY, "job", "list", "--address", address], env=env, capture_output=True).returncode != 0:
+    while (
+        subprocess.run([*RAY, "job", "list", "--address", address], env=env, capture_output=True).returncode
+        != 0
+    ):
         assert head.poll() is None, head.stdout.read()
         assert time.monotonic() < deadline, "Ray head did not accept job submissions within 3 minutes"
         time.sleep(2)
@@ -48,22 +66,49 @@ def test_ray_job_submit_runs_the_quickstart(ray_head, tmp_path):
     address, env = ray_head
     run_root = tmp_path / "runs"
     submit = subprocess.run(
-        [*RAY, "job", "submit", "--address", address, "--no-wait", "--working-dir", str(ROOT),
-         "--", sys.executable, "-m", "rltrain.cli", "train", "recipes/quickstart_cpu.yaml",
-         f"trainer.default_local_dir={run_root}", f"model.cache_dir={tmp_path / 'cache'}",
-         "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=0"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            *RAY,
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--no-wait",
+            "--working-dir",
+            str(ROOT),
+            "--",
+            sys.executable,
+            "-m",
+            "rltrain.cli",
+            "train",
+            "recipes/quickstart_cpu.yaml",
+            f"trainer.default_local_dir={run_root}",
+            f"model.cache_dir={tmp_path / 'cache'}",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=2",
+            "trainer.test_freq=0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert submit.returncode == 0, submit.stdout + submit.stderr
-    job_id = next(w for line in submit.stdout.splitlines() for w in line.split() if w.startswith("raysubmit_"))
+    job_id = next(
+        w for line in submit.stdout.splitlines() for w in line.split() if w.startswith("raysubmit_")
+    )
     deadline = time.monotonic() + 900
     while True:
-        status = subprocess.run([*RAY, "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True)
+        status = subprocess.run(
+            [*RAY, "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True
+        )
         if "SUCCEEDED" in status.stdout or "FAILED" in status.stdout or "STOPPED" in status.stdout:
             break
         assert time.monotonic() < deadline, "job did not finish within 15 minutes"
         time.sleep(3)
-    logs = subprocess.run([*RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True, text=True).stdout
+    logs = subprocess.run(
+        [*RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True, text=True
+    ).stdout
     assert "SUCCEEDED" in status.stdout, logs[-5000:]
     assert "joined the running Ray cluster" in logs  # the job's driver used the submitted-to cluster
     run_dir = run_root / "quickstart" / "tiny_llama_arith"

@@ -26,8 +26,12 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def slurm():
-    subprocess.run(["bash", str(ROOT / "tests" / "e2e" / "slurm" / "start_local_slurm.sh")], check=True, timeout=900)
-    return subprocess.run(["sinfo", "-h", "-o", "%n %c"], capture_output=True, text=True, check=True).stdout.split()
+    subprocess.run(
+        ["bash", str(ROOT / "tests" / "e2e" / "slurm" / "start_local_slurm.sh")], check=True, timeout=900
+    )
+    return subprocess.run(
+        ["sinfo", "-h", "-o", "%n %c"], capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
@@ -36,11 +40,25 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
     gcs = free_port()
     env_vars = f"ALL,RAY_PORT={gcs},RAY_DASHBOARD_PORT={free_port()},RLTRAIN_PYTHON={ROOT / '.venv' / 'bin' / 'python'}"
     job = subprocess.run(
-        ["sbatch", "--wait", f"--export={env_vars}", "--nodes=1", f"--cpus-per-task={cpus}", f"--output={out}",
-         f"--chdir={ROOT}", str(ROOT / "tools" / "slurm" / "ray_cluster.sbatch"), "recipes/quickstart_cpu.yaml",
-         f"trainer.default_local_dir={run_root}", f"model.cache_dir={tmp_path / 'cache'}",
-         "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=0"],
-        capture_output=True, text=True, timeout=1200,
+        [
+            "sbatch",
+            "--wait",
+            f"--export={env_vars}",
+            "--nodes=1",
+            f"--cpus-per-task={cpus}",
+            f"--output={out}",
+            f"--chdir={ROOT}",
+            str(ROOT / "tools" / "slurm" / "ray_cluster.sbatch"),
+            "recipes/quickstart_cpu.yaml",
+            f"trainer.default_local_dir={run_root}",
+            f"model.cache_dir={tmp_path / 'cache'}",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=2",
+            "trainer.test_freq=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     log = out.read_text() if out.exists() else ""
     assert job.returncode == 0, job.stdout + job.stderr + log[-6000:]

@@ -50,9 +50,12 @@ def test_quickstart_tp2_end_to_end(local_ray, tmp_path, model_cache):
     config = load_config(
         RECIPE,
         overrides(
-            tmp_path, model_cache,
-            "cluster.n_gpus_per_node=2", "actor.parallel.tensor_model_parallel_size=2",
-            "actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=4",
+            tmp_path,
+            model_cache,
+            "cluster.n_gpus_per_node=2",
+            "actor.parallel.tensor_model_parallel_size=2",
+            "actor.ppo_micro_batch_size_per_gpu=8",
+            "critic.ppo_micro_batch_size_per_gpu=4",
         ),
     )
     assert train(config) == 4
@@ -100,12 +103,23 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(ray_env, tmp_path, model_
     steps = 6
     reference_root, resumed_root = tmp_path / "uninterrupted", tmp_path / "resumed"
     env = ray_env
-    subprocess.run(_cli(reference_root, model_cache, steps), check=True, env=env, cwd=ROOT, capture_output=True, timeout=900)
+    subprocess.run(
+        _cli(reference_root, model_cache, steps),
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=900,
+    )
     run_dir = load_config(RECIPE, overrides(resumed_root, model_cache)).run_dir()
     latest = run_dir / "checkpoints" / "latest"
     victim = subprocess.Popen(
-        _cli(resumed_root, model_cache, steps), env=env, cwd=ROOT, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        _cli(resumed_root, model_cache, steps),
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 600
     while not (latest.exists() and latest.read_text().strip() == "step_2"):
@@ -116,7 +130,14 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(ray_env, tmp_path, model_
     victim.wait()
     killed_at = max(r["step"] for r in read_metrics(run_dir))
     assert killed_at < steps, "the run finished before it was killed"
-    subprocess.run(_cli(resumed_root, model_cache, steps), check=True, env=env, cwd=ROOT, capture_output=True, timeout=900)
+    subprocess.run(
+        _cli(resumed_root, model_cache, steps),
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        timeout=900,
+    )
     reference = {r["step"]: r for r in read_metrics(reference_root / run_dir.relative_to(resumed_root))}
     resumed = {r["step"]: r for r in read_metrics(run_dir)}
     resumed_from = int((run_dir / "checkpoints" / "step_2" / "driver_state.json").exists()) and 2
@@ -126,3 +147,31 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(ray_env, tmp_path, model_
         assert want.keys() == got.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], abs=1e-6), (step, key)
+
+
+def test_rollout_on_its_own_devices_gets_weights_by_broadcast(local_ray, tmp_path, model_cache):
+    from rltrain.orchestrator.entry import train
+
+    config = load_config(
+        RECIPE,
+        [
+            *overrides(
+                tmp_path,
+                model_cache,
+                "rollout.mode=separate",
+                "rollout.num_devices=1",
+                "trainer.total_training_steps=2",
+            ),
+            "trainer.save_freq=0",
+            "trainer.test_freq=0",
+            "rollout.weight_sync.bucket_size_mb=1",
+        ],
+    )
+    assert train(config) == 2
+    records = {r["step"]: r for r in read_metrics(config.run_dir())}
+    for step in (1, 2):
+        r = records[step]
+        # the engine's own logprobs equal the trainer's: the broadcast weights are exact
+        assert r["rollout/logprob_abs_diff_max"] < 1e-3
+        assert r["weight_sync/num_tensors"] == 21 and r["weight_sync/buckets"] >= 2  # 1 MiB buckets
+    assert abs(records[2]["actor/kl"]) > 1e-6

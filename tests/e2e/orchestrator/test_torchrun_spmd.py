@@ -20,11 +20,23 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path):
     run_root = tmp_path / "runs"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "rltrain.train", str(ROOT / "recipes" / "quickstart_cpu.yaml"),
-        f"trainer.default_local_dir={run_root}", f"model.cache_dir={tmp_path / 'cache'}",
-        "cluster.n_gpus_per_node=2", "trainer.total_training_steps=3", "trainer.save_freq=3", "trainer.test_freq=0",
-        "actor.parallel.tensor_model_parallel_size=2", "critic.parallel.tensor_model_parallel_size=2",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "rltrain.train",
+        str(ROOT / "recipes" / "quickstart_cpu.yaml"),
+        f"trainer.default_local_dir={run_root}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        "cluster.n_gpus_per_node=2",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=3",
+        "trainer.test_freq=0",
+        "actor.parallel.tensor_model_parallel_size=2",
+        "critic.parallel.tensor_model_parallel_size=2",
         "trainer.logger=[jsonl]",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -41,4 +53,6 @@ def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path):
     assert abs(records[3]["actor/kl"]) > 1e-6, "the policy moved away from the reference"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
     assert (run_dir / "checkpoints" / "step_3" / "critic" / "latest").exists()
-    assert "Started a local Ray instance" not in result.stderr and "joined the running Ray" not in result.stderr
+    assert (
+        "Started a local Ray instance" not in result.stderr and "joined the running Ray" not in result.stderr
+    )

@@ -56,8 +56,17 @@ def test_exception_names_role_rank_method_and_cause(placement):
 
 
 def test_constructor_failure_and_dead_process_are_named(placement):
-    with pytest.raises(WorkerError, match=r"^actor_rollout_ref rank 1: __init__ failed: ValueError: cannot build on rank 1"):
-        RayWorkerGroup("actor_rollout_ref", RankedWorker, world_size=2, placement=placement, args=(1,), kwargs={"fail_init_rank": 1})
+    with pytest.raises(
+        WorkerError, match=r"^actor_rollout_ref rank 1: __init__ failed: ValueError: cannot build on rank 1"
+    ):
+        RayWorkerGroup(
+            "actor_rollout_ref",
+            RankedWorker,
+            world_size=2,
+            placement=placement,
+            args=(1,),
+            kwargs={"fail_init_rank": 1},
+        )
     group = RayWorkerGroup("reward", RankedWorker, world_size=2, placement=placement, args=(1,))
     with pytest.raises(WorkerError, match=r"^reward rank 1: die failed: the worker process died"):
         group.call("die")
