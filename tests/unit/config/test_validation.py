@@ -88,3 +88,23 @@ def test_valid_group_estimator_without_critic(tmp_path):
     path = write(tmp_path, "r.yaml", MINIMAL)
     config = load_config(path, ["algorithm.adv_estimator=grpo", "rollout.n=4"])
     assert not config.critic_enabled()
+
+
+def test_rollout_mode_and_transport_must_agree(tmp_path):
+    assert problems(tmp_path, ["rollout.mode=separate"]) == [
+        "rollout.mode=separate needs rollout.num_devices, a multiple of rollout.tensor_model_parallel_size=1; got 0"
+    ]
+    assert problems(
+        tmp_path,
+        ["rollout.mode=separate", "rollout.num_devices=1", "rollout.weight_sync.transport=in_process"],
+    ) == [
+        "rollout.weight_sync.transport=in_process cannot reach engines on other devices (rollout.mode=separate); use broadcast or auto"
+    ]
+    assert problems(tmp_path, ["rollout.num_devices=2"]) == [
+        "rollout.num_devices=2 is only for rollout.mode=separate"
+    ]
+    path = write(tmp_path, "r.yaml", MINIMAL)
+    config = load_config(
+        path, ["rollout.mode=separate", "rollout.num_devices=2", "rollout.tensor_model_parallel_size=2"]
+    )
+    assert config.rollout.num_devices == 2  # engine TP need not divide the trainer's devices
