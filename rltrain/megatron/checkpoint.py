@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import shutil
 from pathlib import Path
@@ -119,14 +120,15 @@ def _unshare_adam_steps(optimizer: MegatronOptimizer) -> None:
 def _use_plain_write_queue() -> None:
     """Give Megatron's checkpoint writer a plain queue instead of its spawn-context Manager queue.
 
-    Our saves are synchronous, so the results are put and read in this process; the Manager's server
-    process re-imports ``__main__`` (8-13 s on a small machine, and a hang without a main guard) and
-    outlives a killed trainer.
+    Our saves are synchronous, so the results are put and read in this process (a thread-safe
+    ``queue.Queue`` suffices; an ``mp.Queue`` is read back before its feeder thread delivers); the
+    Manager's server process re-imports ``__main__`` (8-13 s on a small machine, and a hang without a
+    main guard) and outlives a killed trainer.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = torch.multiprocessing.get_context("fork").Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(
