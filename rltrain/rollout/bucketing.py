@@ -86,7 +86,8 @@ def iter_buckets(
             if key in closed:
                 raise ValueError(
                     f"weight stream is not grouped: {name!r} belongs to fused module {key!r}, "
-                    f"which already ended before {group[-1][0] if group else '?'}"
+                    f"which already ended before {group[-1][0] if group else '?'}; send the members of a fused "
+                    "module adjacently (grouped_order() reorders a state dict)"
                 )
             if group_key is not None:
                 closed.add(group_key)
