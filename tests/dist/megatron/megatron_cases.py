@@ -285,3 +285,38 @@ def hf_parity_case() -> dict[str, float]:
         out[f"{name}_entropy"] = float((ours.entropy - ref_ent)[resp].abs().max())
         out[f"{name}_scale"] = float(ref_lp[resp].abs().max())
     return out
+
+
+def switches_case() -> dict[str, float]:
+    """One rank: a non-finite gradient skips the step; recomputation and offload switches are harmless."""
+    hf = tiny_llama(num_hidden_layers=2)
+    batch = make_batch(seed=4)
+    loss_fn = policy_loss(float(batch.response_mask.sum()))
+    ensure_process_group()
+    out: dict[str, float] = {}
+    for recompute in (False, True):
+        ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+        worker = MegatronWorker(
+            hf, ctx=ctx, role="actor", optim=optim(), recompute_activations=recompute, offload_optimizer=True
+        )
+        worker.offload_to_cpu()
+        worker.reload_to_device()
+        if not recompute:
+            before = [p.detach().clone() for p in worker.chunks[0].parameters()]
+
+            def nan_loss(o, mb):
+                loss, metrics = loss_fn(o, mb)
+                return loss * float("nan"), metrics
+
+            skipped = worker.update(batch, nan_loss)
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, worker.chunks[0].parameters()))
+            out["nan_skipped"] = float(skipped.skipped)
+            out["nan_params_unchanged"] = float(unchanged)
+            out["nan_grad_norm_finite"] = float(torch.isfinite(torch.tensor(skipped.grad_norm)))
+        first = worker.update(batch, loss_fn)
+        second = worker.update(batch, loss_fn)
+        out[f"recompute={recompute}_loss"] = second.metrics["loss"]
+        out[f"recompute={recompute}_grad_norm"] = second.grad_norm
+        out[f"recompute={recompute}_first_skipped"] = float(first.skipped)
+        ctx.destroy()
+    return out

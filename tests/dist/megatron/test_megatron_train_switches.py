@@ -1,0 +1,21 @@
+"""Train-step switches on CPU: a non-finite gradient norm skips the update and says so; activation
+recomputation gives the same loss and gradient norm; offload switches do not break a step."""
+
+from __future__ import annotations
+
+import pytest
+from dist_harness import run_ranks
+from megatron_cases import switches_case
+
+pytestmark = pytest.mark.dist
+
+
+def test_nan_skips_and_recompute_matches() -> None:
+    (result,) = run_ranks(switches_case, 1)
+    print(result)
+    assert result["nan_skipped"] == 1.0 and result["nan_params_unchanged"] == 1.0
+    assert result["nan_grad_norm_finite"] == 0.0
+    assert result["recompute=False_first_skipped"] == 0.0 and result["recompute=True_first_skipped"] == 0.0
+    for name in ("loss", "grad_norm"):
+        plain, recomputed = result[f"recompute=False_{name}"], result[f"recompute=True_{name}"]
+        assert abs(plain - recomputed) <= 1e-6 * max(1.0, abs(plain)), (name, plain, recomputed)
