@@ -219,10 +219,13 @@ def vocab_parallel_case() -> dict[str, float]:
     }
 
 
-def _llama_to_megatron(hf_state: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
-    """HF Llama/Qwen2 names → Megatron GPTModel (TP=1) names; Q/K/V interleaved per query group."""
+def _hf_to_megatron(hf_state: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
+    """HF Llama/Qwen2/Qwen3/Mixtral/Qwen2-MoE/Qwen3-MoE names → Megatron GPTModel (TP=1, local spec).
+
+    Q/K/V are interleaved per query group; gate/up are stacked (HF's fused ``gate_up_proj`` already is).
+    """
     heads, groups = hf.num_attention_heads, hf.num_key_value_heads
-    dim = hf.hidden_size // heads
+    dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     out = {
         "embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
         "decoder.final_layernorm.weight": hf_state["model.norm.weight"],
@@ -238,27 +241,63 @@ def _llama_to_megatron(hf_state: dict[str, torch.Tensor], hf) -> dict[str, torch
             q = q.reshape(groups, heads // groups * dim, *tail)
             k, v = k.reshape(groups, dim, *tail), v.reshape(groups, dim, *tail)
             out[f"{dst}self_attention.linear_qkv.{kind}"] = torch.cat([q, k, v], dim=1).reshape(-1, *tail)
-        out[f"{dst}self_attention.linear_proj.weight"] = hf_state[f"{src}self_attn.o_proj.weight"]
-        out[f"{dst}input_layernorm.weight"] = hf_state[f"{src}input_layernorm.weight"]
-        out[f"{dst}pre_mlp_layernorm.weight"] = hf_state[f"{src}post_attention_layernorm.weight"]
-        gate, up = hf_state[f"{src}mlp.gate_proj.weight"], hf_state[f"{src}mlp.up_proj.weight"]
-        out[f"{dst}mlp.linear_fc1.weight"] = torch.cat([gate, up])
-        out[f"{dst}mlp.linear_fc2.weight"] = hf_state[f"{src}mlp.down_proj.weight"]
+        renames = {
+            "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+            "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+            "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+            "input_layernorm.weight": "input_layernorm.weight",
+            "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+            "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+            "mlp.gate.weight": "mlp.router.weight",
+            "mlp.shared_expert.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
+            "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight",
+        }
+        out.update({dst + b: hf_state[src + a] for a, b in renames.items() if src + a in hf_state})
+        for prefix, target in (("mlp.", "mlp."), ("mlp.shared_expert.", "mlp.shared_experts.")):
+            if f"{src}{prefix}gate_proj.weight" in hf_state:
+                gate, up = (
+                    hf_state[f"{src}{prefix}gate_proj.weight"],
+                    hf_state[f"{src}{prefix}up_proj.weight"],
+                )
+                out[f"{dst}{target}linear_fc1.weight"] = torch.cat([gate, up])
+        if f"{src}mlp.experts.gate_up_proj" in hf_state:
+            gate_up, down = (
+                hf_state[f"{src}mlp.experts.gate_up_proj"],
+                hf_state[f"{src}mlp.experts.down_proj"],
+            )
+            for e in range(gate_up.size(0)):
+                out[f"{dst}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+                out[f"{dst}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
     return out
 
 
+def _hf_families() -> dict[str, object]:
+    from transformers import Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return {
+        "llama": tiny_llama(num_hidden_layers=2, rope_theta=500000.0),
+        "qwen2": Qwen2Config(**common, rms_norm_eps=1e-5, rope_theta=50000.0),
+        "qwen3": Qwen3Config(**common, head_dim=24),
+        "mixtral": tiny_mixtral(),
+        "qwen2_moe": Qwen2MoeConfig(
+            **common, **moe, shared_expert_intermediate_size=48, norm_topk_prob=False
+        ),
+        "qwen3_moe": Qwen3MoeConfig(**common, **moe, norm_topk_prob=True),
+    }
+
+
 def hf_parity_case() -> dict[str, float]:
-    """Megatron logprobs/entropy equal HF transformers' on the same Llama and Qwen2 weights."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """Megatron logprobs/entropy equal HF transformers' on the same weights, for every family."""
+    from transformers import AutoModelForCausalLM
 
     ensure_process_group()
-    qwen2 = Qwen2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=False,
-    )  # fmt: skip
     out = {}
-    for name, hf in (("llama", tiny_llama(num_hidden_layers=2, rope_theta=500000.0)), ("qwen2", qwen2)):
+    for name, hf in _hf_families().items():
         torch.manual_seed(0)
         reference = AutoModelForCausalLM.from_config(hf).float().eval()
         for param in reference.parameters():  # larger weights than HF's init: a peaked distribution
@@ -266,9 +305,9 @@ def hf_parity_case() -> dict[str, float]:
         ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
         worker = MegatronWorker(hf, ctx=ctx, role="reference")
         missing, unexpected = worker.chunks[0].load_state_dict(
-            _llama_to_megatron(reference.state_dict(), hf), strict=False
+            _hf_to_megatron(reference.state_dict(), hf), strict=False
         )
-        assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+        assert not unexpected and all("_extra_state" in k for k in missing), (name, missing, unexpected)
         batch = make_batch(seed=5)
         ours = worker.compute_log_prob(batch)
         ctx.destroy()

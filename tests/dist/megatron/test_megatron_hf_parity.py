@@ -1,7 +1,10 @@
 """The Megatron model built from an HF config computes what HF transformers computes (same weights).
 
-An independent reference for the config translation: RoPE base, RMSNorm eps, SwiGLU, GQA, Q/K/V
-biases (Qwen2) and the response-token alignment of the logprobs.
+An independent reference for the config translation of every supported family: RoPE base, RMSNorm
+eps, SwiGLU, GQA, Q/K/V biases (Qwen2), QK-norm and head_dim (Qwen3), MoE routing (Mixtral top-k
+softmax, Qwen2-MoE full softmax with a gated shared expert, Qwen3-MoE renormalized top-k) and the
+response-token alignment of the logprobs. The HF → Megatron renames here are test scaffolding; the
+product mapping lives in megatron_bridge.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ pytestmark = pytest.mark.dist
 def test_logprobs_match_hf_transformers() -> None:
     (result,) = run_ranks(hf_parity_case, 1)
     print(result)
-    for name in ("llama", "qwen2"):
+    for name in ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"):
         assert result[f"{name}_scale"] > 1.0
         for field in ("logprobs", "entropy"):
             assert result[f"{name}_{field}"] < 1e-5, f"{name} {field}: {result[f'{name}_{field}']:.3g}"
