@@ -182,3 +182,40 @@ class BroadcastTransport:
         start = time.perf_counter()
         load = engine.load_weights(self.receive_iter(), bucket_bytes=self.bucket_bytes)
         return SyncStats(load.num_tensors, load.num_bytes, self.buckets_received, time.perf_counter() - start)
+
+
+def make_transport(
+    kind: str,
+    *,
+    bucket_bytes: int,
+    engine: Any | None = None,
+    group: dist.ProcessGroup | None = None,
+    src_rank: int = 0,
+) -> InProcessTransport | BroadcastTransport:
+    """The transport ``weight_sync.transport`` names (``auto``, ``in_process``, ``cuda_ipc``, ``broadcast``).
+
+    ``auto`` is in-process when this process drives the engine (``engine`` given), broadcast otherwise.
+    ``cuda_ipc`` is the in-process transport of a GPU engine whose workers run in other processes (the
+    engine then ships each bucket by CUDA IPC handle); it is refused for an engine it would not reach so.
+    """
+    if kind == "auto":
+        kind = "in_process" if engine is not None else "broadcast"
+    if kind in ("in_process", "cuda_ipc"):
+        if engine is None:
+            raise ValueError(
+                f"weight_sync.transport={kind!r} needs the engine in this process; none was given"
+            )
+        if kind == "cuda_ipc" and (engine.in_process or not engine.on_gpu):
+            raise ValueError(
+                "weight_sync.transport='cuda_ipc' needs a GPU engine with workers in other processes "
+                f"(this one: on_gpu={engine.on_gpu}, in_process={engine.in_process}); use 'in_process'"
+            )
+        return InProcessTransport(engine, bucket_bytes=bucket_bytes)
+    if kind == "broadcast":
+        if group is None:
+            raise ValueError("weight_sync.transport='broadcast' needs a process group (see standalone_group)")
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        return BroadcastTransport(group=group, src_rank=src_rank, bucket_bytes=bucket_bytes, device=device)
+    raise ValueError(
+        f"weight_sync.transport={kind!r} is not one of 'auto', 'in_process', 'cuda_ipc', 'broadcast'"
+    )
