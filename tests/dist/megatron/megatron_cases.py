@@ -42,8 +42,11 @@ def tp2_case() -> dict[str, dict[str, float]]:
 
 
 def pp2_case(tmp: str) -> dict[str, dict[str, float]]:
-    """PP=2 and PP=2×VPP=2 load the weights a TP=1/DP=2 run saved, then must match it."""
-    hf = tiny_llama()
+    """PP=2 and PP=2×VPP=2 load the weights a TP=1/DP=2 run saved, then must match it.
+
+    Tied embeddings: the first and last stages each hold a copy, kept equal by Megatron's embedding group.
+    """
+    hf = tiny_llama(tie_word_embeddings=True)
     batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
     ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
     pp2 = actor_round(hf, ParallelConfig(pipeline_model_parallel_size=2), batching, load_from=f"{tmp}/ref")
