@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+MEGATRON_CORE_VERSION = "0.16.1"
+"""The megatron-core release these replacements (and the rest of rltrain.megatron) were written for."""
+
 _MARK = "_rltrain_cpu_compat"
 _ORIGINAL = "_rltrain_original"
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
@@ -313,7 +316,13 @@ def check_cpu_compat() -> list[str]:
 
     Reads sources only; works before or after ``apply_cpu_compat``.
     """
+    from megatron.core.package_info import __version__ as installed
+
     problems = []
+    if installed != MEGATRON_CORE_VERSION:
+        problems.append(
+            f"megatron-core {installed} is installed; rltrain.megatron pins {MEGATRON_CORE_VERSION}"
+        )
     for rep in REPLACEMENTS:
         try:
             owner, name = _resolve(rep.module, rep.attribute)
