@@ -149,3 +149,41 @@ def test_errors_name_the_tensor_and_layout():
         plan_weight_sync(model(), TrainerLayout(num_layers=4), EngineLayout(tp=3))
     with pytest.raises(ValueError, match="engine ep=2 must be 1 or equal to engine tp=4"):
         plan_weight_sync(model(), TrainerLayout(num_layers=4), EngineLayout(tp=4, ep=2))
+
+
+def _bridge_layouts(model_type: str, tmp_path):
+    """Layouts from the bridge's table and the shapes of a saved HF checkpoint (its on-disk names)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from megatron_bridge.bridge import Bridge
+    from rltrain.models.tiny import save_tiny_model
+    from rltrain.rollout.bridge_layouts import layouts_from_bridge
+
+    path = save_tiny_model(tmp_path / model_type, model_type)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    config = AutoConfig.from_pretrained(path)
+    layouts = layouts_from_bridge(Bridge.from_hf_config(config), shapes)
+    assert {t.hf_name for t in layouts} == set(shapes)  # every checkpoint tensor, nothing else
+    return layouts, config
+
+
+def test_bridge_tables_give_the_same_layouts_as_the_hand_description(tmp_path):
+    layouts, cfg = _bridge_layouts("llama", tmp_path)
+    hand = decoder_layouts(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size, tie_word_embeddings=False,
+    )  # fmt: skip
+    assert sorted(layouts, key=lambda t: t.hf_name) == sorted(hand, key=lambda t: t.hf_name)
+
+
+@pytest.mark.parametrize(("tp", "ep", "engine_tp", "engine_ep"), [(1, 2, 1, 1), (2, 2, 2, 2), (1, 4, 2, 1)])
+def test_bridge_layouts_of_a_moe_model_plan_exactly_once(tp, ep, engine_tp, engine_ep, tmp_path):
+    layouts, cfg = _bridge_layouts("mixtral", tmp_path)
+    experts = {t.expert for t in layouts if t.expert is not None}
+    assert experts == set(range(cfg.num_local_experts))
+    assert {t.split for t in layouts if "block_sparse_moe.gate" in t.hf_name} == {"replicated"}
+    trainer = TrainerLayout(tp=tp, ep=ep, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts)
+    check_plan(layouts, trainer, EngineLayout(tp=engine_tp, ep=engine_ep))
