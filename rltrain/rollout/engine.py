@@ -76,6 +76,7 @@ class RolloutEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._sleep_warned = False
         self._asleep = False
+        self._weights_awake = False  # asleep, but weights woken for a load (KV cache still released)
 
     def _engine_kwargs(self) -> dict[str, Any]:
         s = self.settings
@@ -173,25 +174,30 @@ class RolloutEngine:
         """Release the KV cache (level 1: offload weights to host; level 2: drop them too)."""
         if self._sleep_supported():
             self.llm.sleep(level=level)
-            self._asleep = True
+            self._asleep, self._weights_awake = True, False
 
     def wake_up(self) -> None:
-        """Restore what ``sleep`` released; after a level-2 sleep, load weights next."""
+        """Restore what ``sleep`` released (a ``load_weights`` meanwhile already woke the weights)."""
         if self._sleep_supported():
-            self.llm.wake_up()
-            self._asleep = False
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+            self._asleep, self._weights_awake = False, False
 
     # -------------------------------------------------------------------------------------- weights
 
     def load_weights(
         self, named_tensors: Iterable[NamedTensor], *, bucket_bytes: int = 256 << 20
     ) -> LoadStats:
-        """Load HF-named tensors in place, then reset the prefix cache.
+        """Load HF-named tensors in place, then reset the prefix cache (a sleeping GPU engine gets its
+        weight memory back first; its KV cache waits for ``wake_up``).
 
         ``bucket_bytes`` sizes the units handed to multi-process workers; an in-process engine streams
         the iterator through a single reload call and ignores it.
         """
         start = time.perf_counter()
+        if self._asleep and not self._weights_awake:
+            # Weights first, KV cache at wake_up(): the load never competes with the cache for memory.
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
         counter = _Counter(named_tensors)
         if self.in_process:
             self.llm.collective_rpc(
