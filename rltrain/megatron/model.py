@@ -146,6 +146,11 @@ def transformer_config_from_hf(
     if _get(hf_config, "use_sliding_window", default=False):
         raise NotImplementedError(f"{model_type}: sliding-window attention is not supported")
     on_gpu = torch.cuda.is_available()
+    if parallel.sequence_parallel and not on_gpu:
+        raise NotImplementedError(
+            "sequence_parallel=true needs the Transformer Engine layer spec (GPU); Megatron's local "
+            "spec asserts 'sequence parallel not supported by torch LayerNorm'"
+        )
     kwargs: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,

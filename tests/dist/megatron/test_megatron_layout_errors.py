@@ -55,3 +55,9 @@ def test_qwen2_moe_uses_pre_softmax_routing_and_a_gated_shared_expert() -> None:
     config = _config(hf)
     assert config.moe_router_pre_softmax and config.add_qkv_bias
     assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate) == (48, True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Transformer Engine spec supports it")
+def test_sequence_parallel_on_cpu_is_refused_with_the_reason() -> None:
+    with pytest.raises(NotImplementedError, match="sequence_parallel=true needs the Transformer Engine"):
+        _config(tiny_llama(), tensor_model_parallel_size=2, sequence_parallel=True)
