@@ -2,7 +2,7 @@
 
 A small Llama-shaped actor (hidden 256, 4 layers, 8 heads / 4 KV groups, vocab 8192) runs Megatron's
 forward-backward schedule over packed micro-batches with a policy-gradient loss (vocab-parallel
-logprobs + entropy), as ``update_policy`` does, without the optimizer step. TP=1 is one process with
+logprobs + entropy), as ``MegatronWorker.update`` does, without the optimizer step. TP=1 is one process with
 one thread; TP=2 is two processes with one thread each. Prints tokens/s of each and TP=2 / TP=1.
 
 Usage (from the repository root): python -m bench.megatron_tp_throughput [--iters 5]

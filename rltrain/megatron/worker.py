@@ -1,20 +1,22 @@
 """``MegatronWorker``: the surface the orchestrator calls, on every rank, for one role.
 
     worker = MegatronWorker(hf_config, ctx=ctx, role="actor", optim=optim_config, total_steps=100)
-    worker.load_state_dict(...) / bridge loads weights into worker.chunks
+    (the weight bridge loads HF weights into worker.chunks)
     out = worker.compute_log_prob(batch)        # ModelOutput: logprobs, entropy [batch, response_len]
-    res = worker.update_policy(batch, loss_fn)  # TrainStepResult: metrics, grad_norm, skipped, lr
-    worker.save_checkpoint(root); worker.load_checkpoint(root)
+    res = worker.update(batch, loss_fn)         # TrainStepResult: metrics, grad_norm, skipped, lr
+    worker.save_checkpoint(root, step=n); worker.load_checkpoint(root)
     for name, tensor in worker.named_parameters(): ...   # local shards for weight sync
 
-The critic (``role="critic"``) has ``compute_values`` and ``update_critic``; the reference
+The critic (``role="critic"``) has ``compute_values`` instead of ``compute_log_prob``; the reference
 (``role="reference"``) has no optimizer.
 
 Data: every rank of one data-parallel replica (its TP/PP/CP ranks) must receive the same batch; each
 data-parallel rank receives its own share. Forward outputs come back on every rank of the replica.
 The loss callable must use global denominators (e.g. the response-token count of the whole
-mini-batch over all DP ranks) so that the gradient is the full mini-batch's. Trainable roles hold their chunks inside Megatron's DDP;
-``chunks`` always returns the bare ``GPTModel`` chunks (what the weight bridge maps).
+mini-batch over all DP ranks) so that the gradient is the full mini-batch's.
+
+Trainable roles hold their chunks inside Megatron's DDP; ``chunks`` always returns the bare
+``GPTModel`` chunks (what the weight bridge maps).
 """
 
 from __future__ import annotations
@@ -97,19 +99,9 @@ class MegatronWorker:
             raise ValueError(f"compute_values on role={self.role!r}; only the critic has a value head")
         return run_model(self.model, batch, ctx=self.ctx, batching=self.batching, critic=True).output.values
 
-    def update_policy(self, batch: TokenBatch, loss_fn: LossFn) -> TrainStepResult:
-        """One actor optimizer step on this data-parallel rank's share of the mini-batch."""
-        if self.role != "actor":
-            raise ValueError(f"update_policy on role={self.role!r}; only the actor has a policy loss")
-        return self._update(batch, loss_fn)
-
-    def update_critic(self, batch: TokenBatch, loss_fn: LossFn) -> TrainStepResult:
-        """One critic optimizer step on this data-parallel rank's share of the mini-batch."""
-        if self.role != "critic":
-            raise ValueError(f"update_critic on role={self.role!r}")
-        return self._update(batch, loss_fn)
-
-    def _update(self, batch: TokenBatch, loss_fn: LossFn) -> TrainStepResult:
+    def update(self, batch: TokenBatch, loss_fn: LossFn) -> TrainStepResult:
+        """One optimizer step on this data-parallel rank's share of the mini-batch (actor: policy loss
+        on logprobs/entropy; critic: value loss on values)."""
         if self.optimizer is None:
             raise ValueError(f"role={self.role!r} has no optimizer (constructed with optim=None)")
         return train_step(

@@ -81,17 +81,17 @@ def reshard_case(tmp: str) -> dict[str, float]:
     batch = make_batch()
     loss_fn = policy_loss(float(batch.response_mask.sum()))
     ctx, worker = _actor(hf, ParallelConfig(tensor_model_parallel_size=2))
-    worker.update_policy(dp_shard(batch, ctx), loss_fn)
+    worker.update(dp_shard(batch, ctx), loss_fn)
     worker.save_checkpoint(tmp, step=1)
     saved = worker.compute_log_prob(batch).logprobs
-    cont = worker.update_policy(dp_shard(batch, ctx), loss_fn)
+    cont = worker.update(dp_shard(batch, ctx), loss_fn)
     after = worker.compute_log_prob(batch).logprobs
     ctx.destroy()
 
     ctx, worker = _actor(hf, ParallelConfig(tensor_model_parallel_size=1))
     step = worker.load_checkpoint(tmp)
     loaded = worker.compute_log_prob(batch).logprobs
-    cont1 = worker.update_policy(dp_shard(batch, ctx), loss_fn)
+    cont1 = worker.update(dp_shard(batch, ctx), loss_fn)
     after1 = worker.compute_log_prob(batch).logprobs
     ctx.destroy()
     scale = float(saved.abs().max())
@@ -111,10 +111,10 @@ def save_then_get_killed(tmp: str) -> None:
 
     _ctx, worker = _actor(tiny_llama(), ParallelConfig())
     batch = make_batch()
-    worker.update_policy(batch, policy_loss(float(batch.response_mask.sum())))
+    worker.update(batch, policy_loss(float(batch.response_mask.sum())))
     worker.save_checkpoint(tmp, step=1)
     torch.save(worker.compute_log_prob(batch).logprobs, f"{tmp}/../logprobs_step1.pt")
-    worker.update_policy(batch, policy_loss(float(batch.response_mask.sum())))
+    worker.update(batch, policy_loss(float(batch.response_mask.sum())))
     real_save = checkpoint_module.dist_checkpointing.save
 
     def save_and_die(*args, **kwargs):
@@ -186,7 +186,7 @@ def batching_case() -> dict[str, float]:
 
 
 def train_step_no_update(worker: MegatronWorker, batch, loss_fn) -> tuple[float, float]:
-    result = worker.update_policy(batch, loss_fn)
+    result = worker.update(batch, loss_fn)
     return result.metrics["loss"], result.grad_norm
 
 
@@ -350,13 +350,13 @@ def switches_case() -> dict[str, float]:
                 loss, metrics = loss_fn(o, mb)
                 return loss * float("nan"), metrics
 
-            skipped = worker.update_policy(batch, nan_loss)
+            skipped = worker.update(batch, nan_loss)
             unchanged = all(torch.equal(a, b) for a, b in zip(before, worker.chunks[0].parameters()))
             out["nan_skipped"] = float(skipped.skipped)
             out["nan_params_unchanged"] = float(unchanged)
             out["nan_grad_norm_finite"] = float(torch.isfinite(torch.tensor(skipped.grad_norm)))
-        first = worker.update_policy(batch, loss_fn)
-        second = worker.update_policy(batch, loss_fn)
+        first = worker.update(batch, loss_fn)
+        second = worker.update(batch, loss_fn)
         out[f"recompute={recompute}_loss"] = second.metrics["loss"]
         out[f"recompute={recompute}_grad_norm"] = second.grad_norm
         out[f"recompute={recompute}_first_skipped"] = float(first.skipped)

@@ -136,9 +136,9 @@ def actor_round(
         batch = make_batch()
         tokens = float(batch.response_mask.sum())
         before = worker.compute_log_prob(batch)
-        first = worker.update_policy(dp_shard(batch, ctx), policy_loss(tokens))
+        first = worker.update(dp_shard(batch, ctx), policy_loss(tokens))
         after = worker.compute_log_prob(batch)
-        second = worker.update_policy(dp_shard(batch, ctx), policy_loss(tokens))
+        second = worker.update(dp_shard(batch, ctx), policy_loss(tokens))
         return {
             "logprobs": before.logprobs,
             "entropy": before.entropy,
@@ -169,9 +169,9 @@ def critic_round(
         batch = make_batch()
         tokens = float(batch.response_mask.sum())
         values = worker.compute_values(batch)
-        first = worker.update_critic(dp_shard(batch, ctx), value_loss(tokens))
+        first = worker.update(dp_shard(batch, ctx), value_loss(tokens))
         after = worker.compute_values(batch)
-        second = worker.update_critic(dp_shard(batch, ctx), value_loss(tokens))
+        second = worker.update(dp_shard(batch, ctx), value_loss(tokens))
         return {
             "values": values,
             "loss": torch.tensor([first.metrics["loss"], second.metrics["loss"]]),
