@@ -14,7 +14,7 @@ embeddings; ~135 M parameters, ~540 MB) are synced into one in-process vLLM engi
   it with its own engine call (fused q/k/v and gate/up modules get one call each, as they must).
 - (c) disk: save a safetensors checkpoint, then have vLLM reload it from the path.
 
-Every variant is timed ``--repeats`` times, the median is printed with GB/s and ratios. After the
+Every variant runs ``--repeats`` interleaved rounds; the best time is printed with GB/s and ratios. After the
 run the engine's weights are read back and compared bit for bit with what was sent.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,13 +60,74 @@ def build_model_dir(root: Path) -> Path:
     return out
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    times = []
+def best_times(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Best-of-``repeats`` seconds per variant, rounds interleaved so every path sees the same machine
+    load (this machine is shared; the minimum is the least disturbed run)."""
+    for fn in variants.values():
+        fn()  # warm up (first-touch allocation, page cache)
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def sync_variants(engine, weights: dict[str, torch.Tensor], *, ckpt: Path, bucket_bytes: int) -> dict:
+    """``{name: zero-argument function}`` of every way to move ``weights`` into ``engine``."""
+    from safetensors.torch import save_file
+
+    from rltrain.rollout.bucketing import iter_buckets, pack_bucket, unpack_bucket
+    from rltrain.rollout.transport import InProcessTransport
+
+    transport = InProcessTransport(engine, bucket_bytes=bucket_bytes)
+    targets = {n: torch.empty_like(t) for n, t in weights.items()}
+    shards = {n: (t.chunk(2, dim=0) if t.dim() == 2 else (t,)) for n, t in weights.items()}
+
+    def memcpy() -> None:
+        for n, t in weights.items():
+            targets[n].copy_(t)
+
+    def ours_buckets() -> None:  # what BroadcastTransport.receive feeds the engine, minus the network
+        buckets = iter_buckets(weights.items(), bucket_bytes)
+        engine.load_weights(t for bucket in buckets for t in unpack_bucket(pack_bucket(bucket)))
+
+    def naive() -> None:
+        pending: list[tuple[str, torch.Tensor]] = []
+        for n in weights:
+            pending.append((n, torch.cat(shards[n], dim=0)))  # gather TP shards into a fresh tensor
+            if n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")):
+                continue  # fused modules wait for their last member
+            engine.load_weights(pending)
+            pending = []
+
+    def disk() -> None:
+        save_file(weights, str(ckpt / "model.safetensors"))
+        engine.llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_path=str(ckpt), is_checkpoint_format=True)
+        )
+        engine.reset_prefix_cache()
+
+    return {
+        "(a) memcpy": memcpy,
+        "ours (stream)": lambda: transport.send(weights.items()),
+        f"ours ({bucket_bytes >> 20} MiB buckets)": ours_buckets,
+        "(b) naive gather+load": naive,
+        "(c) disk save+reload": disk,
+    }
+
+
+def report(results: dict[str, float], num_bytes: int) -> None:
+    print(f"{'path':<28}{'seconds':>10}{'GB/s':>8}{'vs memcpy':>11}{'vs disk':>9}")
+    limit, slow = results["(a) memcpy"], results["(c) disk save+reload"]
+    for name, sec in results.items():
+        print(f"{name:<28}{sec:>10.3f}{num_bytes / sec / 1e9:>8.2f}{sec / limit:>10.1f}x{slow / sec:>8.1f}x")
+    ours = results["ours (stream)"]
+    print(
+        f"goal: >= 5x faster than (c): {slow / ours:.1f}x ({'met' if slow / ours >= 5 else 'NOT met'}); "
+        f"within 3x of (a): {ours / limit:.1f}x ({'met' if ours / limit <= 3 else 'NOT met'})"
+    )
 
 
 def main() -> None:
@@ -76,90 +136,35 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from safetensors.torch import load_file
 
-    from safetensors.torch import load_file, save_file
-
-    from rltrain.rollout.bucketing import grouped_order, iter_buckets, pack_bucket, unpack_bucket
+    from rltrain.rollout.bucketing import grouped_order
     from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.transport import InProcessTransport
     from rltrain.rollout.types import EngineSettings, SamplingConfig
 
     root = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
     try:
         model_dir = build_model_dir(root)
+        shutil.copytree(model_dir, root / "ckpt")
         gen = torch.Generator().manual_seed(1)
+        checkpoint = load_file(str(model_dir / "model.safetensors"))
         weights = {
-            n: t + 1e-3 * torch.randn(t.shape, generator=gen)
-            for n, t in grouped_order(load_file(str(model_dir / "model.safetensors")).items())
+            n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in grouped_order(checkpoint.items())
         }
         num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         engine = RolloutEngine(
             str(model_dir), settings=EngineSettings(max_model_len=256, kv_cache_space_gb=0.25)
         )
-        transport = InProcessTransport(engine, bucket_bytes=args.bucket_mb << 20)
-
-        targets = {n: torch.empty_like(t) for n, t in weights.items()}
-        shards = {n: (t.chunk(2, dim=0) if t.dim() == 2 else (t,)) for n, t in weights.items()}
-
-        def memcpy() -> None:
-            for n, t in weights.items():
-                targets[n].copy_(t)
-
-        def ours_stream() -> None:
-            transport.send(weights.items())
-
-        def ours_buckets() -> None:  # what BroadcastTransport.receive feeds the engine, minus the network
-            buckets = iter_buckets(weights.items(), args.bucket_mb << 20)
-            engine.load_weights(t for bucket in buckets for t in unpack_bucket(pack_bucket(bucket)))
-
-        def naive() -> None:
-            pending: list[tuple[str, torch.Tensor]] = []
-            for n in weights:
-                pending.append((n, torch.cat(shards[n], dim=0)))  # gather TP shards into a fresh tensor
-                if n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")):
-                    continue  # fused modules wait for their last member
-                engine.load_weights(pending)
-                pending = []
-
-        ckpt = root / "ckpt"
-        shutil.copytree(model_dir, ckpt)
-
-        def disk() -> None:
-            save_file(weights, str(ckpt / "model.safetensors"))
-            engine.llm.collective_rpc(
-                "reload_weights", kwargs=dict(weights_path=str(ckpt), is_checkpoint_format=True)
-            )
-            engine.reset_prefix_cache()
-
-        results = {}
-        for name, fn in [
-            ("(a) memcpy", memcpy),
-            ("ours (stream)", ours_stream),
-            (f"ours ({args.bucket_mb} MiB buckets)", ours_buckets),
-            ("(b) naive gather+load", naive),
-            ("(c) disk save+reload", disk),
-        ]:
-            fn()  # warm up (first-touch allocation, page cache)
-            results[name] = timed(fn, args.repeats)
-
-        ours_stream()
+        variants = sync_variants(engine, weights, ckpt=root / "ckpt", bucket_bytes=args.bucket_mb << 20)
+        results = best_times(variants, args.repeats)
+        engine.load_weights(weights.items())
         back = engine.hf_weights()
         exact = all(torch.equal(back[n], t) for n, t in weights.items())
         greedy = engine.generate([[5, 6, 7]], SamplingConfig(temperature=0.0, response_length=4)).response_ids
         print(f"model: SmolLM2-135M shape, {sum(t.numel() for t in weights.values()) / 1e6:.1f} M params, "
-              f"{num_bytes / 1e6:.0f} MB fp32, {len(weights)} tensors; engine weights bit-exact after sync: {exact}; "
-              f"greedy sample {greedy[0]}")  # fmt: skip
-        print(f"{'path':<28}{'seconds':>10}{'GB/s':>8}{'vs memcpy':>11}{'vs disk':>9}")
-        limit, slow = results["(a) memcpy"], results["(c) disk save+reload"]
-        for name, seconds in results.items():
-            print(
-                f"{name:<28}{seconds:>10.3f}{num_bytes / seconds / 1e9:>8.2f}{seconds / limit:>10.1f}x{slow / seconds:>8.1f}x"
-            )
-        ours = results["ours (stream)"]
-        print(
-            f"goal: >= 5x faster than (c): {slow / ours:.1f}x ({'met' if slow / ours >= 5 else 'NOT met'}); "
-            f"within 3x of (a): {ours / limit:.1f}x ({'met' if ours / limit <= 3 else 'NOT met'})"
-        )
+              f"{num_bytes / 1e6:.0f} MB fp32, {len(weights)} tensors; engine weights bit-exact after sync: "
+              f"{exact}; greedy sample {greedy[0]}")  # fmt: skip
+        report(results, num_bytes)
         engine.shutdown()
     finally:
         shutil.rmtree(root, ignore_errors=True)
