@@ -151,7 +151,7 @@ def _prepare(
 
 
 def _head_outputs(
-    output: torch.Tensor, inputs: _ModelInputs, *, ctx: ParallelContext, critic: bool
+    output: torch.Tensor, inputs: _ModelInputs, *, ctx: ParallelContext, critic: bool, vocab_size: int | None
 ) -> ModelOutput:
     """output: [rows, tokens, vocab/tp] logits or [rows, tokens, 1] values → ``ModelOutput``."""
     batch = inputs.batch
@@ -162,7 +162,7 @@ def _head_outputs(
         return ModelOutput(values=picked.squeeze(-1).float().view(shape) * mask)
     targets = batch.input_ids[:, -batch.response_len :].to(output.device).flatten()
     logprobs, entropy = vocab_parallel_logprobs_entropy(
-        picked, targets, tp_group=ctx.groups.tp, tp_rank=ctx.tp_rank
+        picked, targets, tp_group=ctx.groups.tp, tp_rank=ctx.tp_rank, vocab_size=vocab_size
     )
     return ModelOutput(logprobs=logprobs.view(shape) * mask, entropy=entropy.view(shape) * mask)
 
@@ -173,6 +173,7 @@ def _forward_step(
     *,
     ctx: ParallelContext,
     critic: bool,
+    vocab_size: int | None,
     loss_fn: LossFn | None,
     loss_scale: float,
 ) -> tuple[torch.Tensor, Callable]:
@@ -185,7 +186,7 @@ def _forward_step(
     )
 
     def loss_func(output_tensor: torch.Tensor) -> tuple:
-        out = _head_outputs(output_tensor, inputs, ctx=ctx, critic=critic)
+        out = _head_outputs(output_tensor, inputs, ctx=ctx, critic=critic, vocab_size=vocab_size)
         if loss_fn is None:
             return output_tensor.new_zeros(()), {"output": out}
         loss, metrics = loss_fn(out, inputs.batch)
@@ -216,8 +217,12 @@ def run_model(
     batching: MicroBatching,
     critic: bool = False,
     loss_fn: LossFn | None = None,
+    vocab_size: int | None = None,
 ) -> ForwardResult:
-    """Forward (``loss_fn=None``, no grad) or forward-backward of ``batch`` through ``chunks``."""
+    """Forward (``loss_fn=None``, no grad) or forward-backward of ``batch`` through ``chunks``.
+
+    ``vocab_size``: the real vocabulary when the model's is padded (None: not padded).
+    """
     if ctx.cp_size > 1:
         raise NotImplementedError("context_parallel_size > 1: sequences are not split over CP ranks yet")
     splits = batching.split(batch)
@@ -244,6 +249,7 @@ def run_model(
         _forward_step,
         ctx=ctx,
         critic=critic,
+        vocab_size=vocab_size,
         loss_fn=loss_fn,
         loss_scale=float(len(micro) * ctx.dp_size * ctx.cp_size),
     )

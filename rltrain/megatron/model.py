@@ -70,7 +70,6 @@ def validate_layout(hf_config: Any, parallel: ParallelConfig) -> list[str]:
     checks = [
         ("tensor_model_parallel_size", tp, "num_attention_heads", hf_config.num_attention_heads),
         ("tensor_model_parallel_size", tp, "num_key_value_heads", _kv_heads(hf_config)),
-        ("tensor_model_parallel_size", tp, "vocab_size", hf_config.vocab_size),
         (
             "pipeline_model_parallel_size × virtual",
             pp * vpp,
@@ -103,7 +102,13 @@ def _rope(hf_config: Any) -> dict:
     return params
 
 
-def gpt_options(hf_config: Any, *, role: Role) -> GPTOptions:
+def padded_vocab_size(vocab_size: int, *, tp_size: int, divisible_by: int = 1) -> int:
+    """Smallest multiple of ``divisible_by × tp_size`` that holds ``vocab_size`` (Megatron's padding)."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def gpt_options(hf_config: Any, *, role: Role, vocab_size: int | None = None) -> GPTOptions:
     """The ``GPTModel`` arguments for ``hf_config`` (RoPE base and scaling, vocabulary, tying)."""
     rope = _rope(hf_config)
     rope_type = rope["rope_type"]
@@ -119,7 +124,7 @@ def gpt_options(hf_config: Any, *, role: Role) -> GPTOptions:
     elif rope_type not in ("default", "linear"):
         raise NotImplementedError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
     return GPTOptions(
-        vocab_size=hf_config.vocab_size,
+        vocab_size=vocab_size or hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         rotary_base=float(rope["rope_theta"]),
         rope_scaling=llama3,
@@ -285,15 +290,23 @@ def build_model(
     role: Role = "actor",
     params_dtype: torch.dtype | None = None,
     recompute_activations: bool = False,
+    make_vocab_size_divisible_by: int = 1,
 ) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage) for ``hf_config``."""
+    """This rank's model chunks (one per virtual pipeline stage) for ``hf_config``.
+
+    The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by × TP``; the logprob path
+    ignores the padded columns when given the real ``vocab_size``.
+    """
     if role not in ("actor", "reference", "critic"):
         raise ValueError(f"role={role!r}; expected actor, reference or critic")
     dtype = params_dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     config = transformer_config_from_hf(
         hf_config, parallel=ctx.parallel, params_dtype=dtype, recompute_activations=recompute_activations
     )
-    options = gpt_options(hf_config, role=role)
+    vocab = padded_vocab_size(
+        hf_config.vocab_size, tp_size=ctx.tp_size, divisible_by=make_vocab_size_divisible_by
+    )
+    options = gpt_options(hf_config, role=role, vocab_size=vocab)
     spec = layer_spec(config)
     num_chunks = ctx.vpp_size or 1
     chunks = []

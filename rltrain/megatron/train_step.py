@@ -130,12 +130,15 @@ def train_step(
     batching: MicroBatching,
     loss_fn: LossFn,
     critic: bool = False,
+    vocab_size: int | None = None,
 ) -> TrainStepResult:
     """Forward-backward over ``batch``, then one (possibly skipped) optimizer step."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    result = run_model(chunks, batch, ctx=ctx, batching=batching, critic=critic, loss_fn=loss_fn)
+    result = run_model(
+        chunks, batch, ctx=ctx, batching=batching, critic=critic, loss_fn=loss_fn, vocab_size=vocab_size
+    )
     lr = optimizer.param_groups[0]["lr"]
     grad_norm, skipped = _step(optimizer)
     if skipped:

@@ -53,8 +53,11 @@ class MegatronWorker:
         recompute_activations: bool = False,
         offload_optimizer: bool = False,
         params_dtype: torch.dtype | None = None,
+        make_vocab_size_divisible_by: int = 1,
     ) -> None:
         self.ctx = ctx
+        self.vocab_size: int = hf_config.vocab_size
+        """The real vocabulary; the model's is padded to a multiple of make_vocab_size_divisible_by × TP."""
         self.role = role
         self.batching = batching or MicroBatching()
         self.recompute_activations = recompute_activations
@@ -91,7 +94,9 @@ class MegatronWorker:
         """Per-response-token log-probabilities and entropy, [batch, response_len] (no grad)."""
         if self.role == "critic":
             raise ValueError("compute_log_prob on a critic; use compute_values")
-        return run_model(self.model, batch, ctx=self.ctx, batching=self.batching).output
+        return run_model(
+            self.model, batch, ctx=self.ctx, batching=self.batching, vocab_size=self.vocab_size
+        ).output
 
     def compute_values(self, batch: TokenBatch) -> torch.Tensor:
         """Critic values, [batch, response_len] (no grad)."""
@@ -113,6 +118,7 @@ class MegatronWorker:
             batching=self.batching,
             loss_fn=loss_fn,
             critic=self.role == "critic",
+            vocab_size=self.vocab_size,
         )
 
     def save_checkpoint(self, root: str | Path, *, step: int) -> Path:

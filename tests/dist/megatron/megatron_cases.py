@@ -191,35 +191,43 @@ def train_step_no_update(worker: MegatronWorker, batch, loss_fn) -> tuple[float,
 
 
 def vocab_parallel_case() -> dict[str, float]:
-    """Each rank holds half the vocabulary; compare with log_softmax over the full logits."""
+    """Each rank holds half the (possibly padded) vocabulary; compare with log_softmax over the real one.
+
+    Real vocabularies 64 (no padding), 60 (rank 1 holds 4 padded columns) and 30 (rank 1 holds only
+    padding); padded columns hold large values that must be ignored.
+    """
     import torch.distributed as dist
 
     from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 
     ensure_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(0)
-    tokens, vocab = 37, 64
-    full = (torch.randn(tokens, vocab, generator=gen, dtype=torch.float64) * 4).float()
-    targets = torch.randint(0, vocab, (tokens,), generator=gen)
-    w_lp, w_ent = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
+    out: dict[str, float] = {}
+    for real in (64, 60, 30):
+        gen = torch.Generator().manual_seed(0)
+        tokens, padded = 37, 64
+        full = (torch.randn(tokens, padded, generator=gen, dtype=torch.float64) * 4).float()
+        full[:, real:] = 50.0
+        targets = torch.randint(0, real, (tokens,), generator=gen)
+        w_lp, w_ent = torch.randn(tokens, generator=gen), torch.randn(tokens, generator=gen)
 
-    ref_logits = full.clone().requires_grad_()
-    log_p = torch.log_softmax(ref_logits, dim=-1)
-    ref_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
-    ref_ent = -(log_p.exp() * log_p).sum(-1)
-    (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
+        ref_logits = full.clone().requires_grad_()
+        log_p = torch.log_softmax(ref_logits[:, :real], dim=-1)
+        ref_lp = log_p.gather(-1, targets[:, None]).squeeze(-1)
+        ref_ent = -(log_p.exp() * log_p).sum(-1)
+        (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
 
-    local = full.chunk(world, dim=-1)[rank].clone().requires_grad_()
-    lp, ent = vocab_parallel_logprobs_entropy(local, targets, tp_group=dist.group.WORLD, tp_rank=rank)
-    (lp * w_lp + ent * w_ent).sum().backward()
-    ref_grad = ref_logits.grad.chunk(world, dim=-1)[rank]
-    return {
-        "logprobs": float((lp - ref_lp).abs().max()),
-        "entropy": float((ent - ref_ent).abs().max()),
-        "grad": float((local.grad - ref_grad).abs().max()),
-        "local_vocab": local.size(-1),
-    }
+        local = full.chunk(world, dim=-1)[rank].clone().requires_grad_()
+        lp, ent = vocab_parallel_logprobs_entropy(
+            local, targets, tp_group=dist.group.WORLD, tp_rank=rank, vocab_size=real
+        )
+        (lp * w_lp + ent * w_ent).sum().backward()
+        ref_grad = ref_logits.grad.chunk(world, dim=-1)[rank]
+        out[f"vocab{real}_logprobs"] = float((lp - ref_lp).abs().max())
+        out[f"vocab{real}_entropy"] = float((ent - ref_ent).abs().max())
+        out[f"vocab{real}_grad"] = float((local.grad - ref_grad).abs().max())
+        out["local_vocab"] = local.size(-1)
+    return out
 
 
 def _hf_to_megatron(hf_state: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import torch
 from megatron_fixtures import tiny_llama, tiny_mixtral
 
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.model import gpt_options, transformer_config_from_hf
+from rltrain.megatron.model import gpt_options, padded_vocab_size, transformer_config_from_hf
 
 
 def _config(hf, **parallel):
@@ -61,3 +61,10 @@ def test_qwen2_moe_uses_pre_softmax_routing_and_a_gated_shared_expert() -> None:
 def test_sequence_parallel_on_cpu_is_refused_with_the_reason() -> None:
     with pytest.raises(NotImplementedError, match="sequence_parallel=true needs the Transformer Engine"):
         _config(tiny_llama(), tensor_model_parallel_size=2, sequence_parallel=True)
+
+
+def test_vocab_is_padded_to_a_multiple_of_tp() -> None:
+    assert padded_vocab_size(255, tp_size=2) == 256
+    assert padded_vocab_size(256, tp_size=2) == 256
+    assert padded_vocab_size(49152, tp_size=8, divisible_by=128) == 49152
+    assert padded_vocab_size(151_665, tp_size=4, divisible_by=128) == 152_064

@@ -1,4 +1,5 @@
-"""Vocab-parallel logprobs and entropy (and their gradients) equal the full-vocabulary computation."""
+"""Vocab-parallel logprobs and entropy (and their gradients) equal the full-vocabulary computation,
+also when the vocabulary is padded to a multiple of TP."""
 
 from __future__ import annotations
 
@@ -13,5 +14,6 @@ def test_vocab_parallel_logprobs_match_full_log_softmax() -> None:
     for rank, result in enumerate(run_ranks(vocab_parallel_case, 2)):
         print(f"rank {rank}: {result}")
         assert result["local_vocab"] == 32
-        for name in ("logprobs", "entropy", "grad"):
-            assert result[name] < 1e-5, f"rank {rank} {name}: {result[name]:.3g}"
+        for name, diff in result.items():
+            if name != "local_vocab":
+                assert diff < 1e-5, f"rank {rank} {name}: {diff:.3g}"
