@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rltrain.data.dynamic_batch import split_by_token_budget, split_fixed
 from rltrain.data.packing import pack_sequences, padded_position_ids
-from rltrain.megatron.attention import padded_causal_mask
+from rltrain.megatron.local_spec import padded_causal_mask
 from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 from rltrain.megatron.parallel import ParallelContext
 
@@ -121,6 +121,11 @@ def _prepare(
 ) -> _ModelInputs:
     input_ids = batch.input_ids.to(device)
     attention_mask = batch.attention_mask.to(device)
+    if not pack and input_ids.size(1) % pad_to_multiple:
+        # Sequence parallelism splits the sequence over TP: left-pad the prompt side (masked out).
+        extra = pad_to_multiple - input_ids.size(1) % pad_to_multiple
+        input_ids = torch.nn.functional.pad(input_ids, (extra, 0))
+        attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0))
     seq, resp = input_ids.size(1), batch.response_len
     predictor_cols = torch.arange(seq - resp - 1, seq - 1, device=device)
     valid = attention_mask[:, -resp:].bool()

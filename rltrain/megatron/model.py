@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.attention import PackedDotProductAttention
+from rltrain.megatron.local_spec import local_block_spec
 from rltrain.megatron.parallel import ParallelContext
 
 Role = Literal["actor", "reference", "critic"]
@@ -151,11 +151,6 @@ def transformer_config_from_hf(
     if _get(hf_config, "use_sliding_window", default=False):
         raise NotImplementedError(f"{model_type}: sliding-window attention is not supported")
     on_gpu = torch.cuda.is_available()
-    if parallel.sequence_parallel and not on_gpu:
-        raise NotImplementedError(
-            "sequence_parallel=true needs the Transformer Engine layer spec (GPU); Megatron's local "
-            "spec asserts 'sequence parallel not supported by torch LayerNorm'"
-        )
     kwargs: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -244,8 +239,9 @@ def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
     return kwargs
 
 
-def layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Transformer Engine layers on GPU; Megatron's local layers (packed-capable attention) on CPU."""
+def layer_spec(config: TransformerConfig, *, vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
+    """Transformer Engine layers on GPU; Megatron's local layers (packed-capable attention, an RMSNorm
+    that supports sequence parallelism) on CPU."""
     if torch.cuda.is_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -254,11 +250,7 @@ def layer_spec(config: TransformerConfig) -> ModuleSpec:
             moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=config.qk_layernorm,
         )
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
-    )
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
-    return spec
+    return local_block_spec(config, vp_stage=vp_stage)
 
 
 class ValueHead(torch.nn.Module):
@@ -307,7 +299,6 @@ def build_model(
         hf_config.vocab_size, tp_size=ctx.tp_size, divisible_by=make_vocab_size_divisible_by
     )
     options = gpt_options(hf_config, role=role, vocab_size=vocab)
-    spec = layer_spec(config)
     num_chunks = ctx.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -315,7 +306,7 @@ def build_model(
         post = mpu.is_pipeline_last_stage(ignore_virtual=num_chunks == 1, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(config, vp_stage=vp_stage if num_chunks > 1 else None),
             vocab_size=options.vocab_size,
             max_sequence_length=options.max_sequence_length,
             pre_process=pre,

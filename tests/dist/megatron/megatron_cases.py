@@ -28,15 +28,21 @@ from rltrain.megatron.worker import MegatronWorker
 
 
 def tp2_case() -> dict[str, dict[str, float]]:
+    """TP=2 (also with sequence parallelism) against TP=1/DP=2, for the actor and the critic."""
     hf = tiny_llama()
-    batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+    packed = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+    padded = MicroBatching(micro_batch_size=2, use_remove_padding=False)
+    tp2, tp2_sp = (
+        ParallelConfig(tensor_model_parallel_size=2),
+        ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+    )
     diffs = {}
-    ref = actor_round(hf, ParallelConfig(tensor_model_parallel_size=1), batching)
-    tp2 = actor_round(hf, ParallelConfig(tensor_model_parallel_size=2), batching)
-    diffs["actor"] = max_diffs(ref, tp2)
-    ref = critic_round(hf, ParallelConfig(tensor_model_parallel_size=1), batching)
-    tp2 = critic_round(hf, ParallelConfig(tensor_model_parallel_size=2), batching)
-    diffs["critic"] = max_diffs(ref, tp2)
+    ref = actor_round(hf, ParallelConfig(tensor_model_parallel_size=1), packed)
+    diffs["actor"] = max_diffs(ref, actor_round(hf, tp2, packed))
+    diffs["actor_sp_padded"] = max_diffs(ref, actor_round(hf, tp2_sp, padded))
+    ref = critic_round(hf, ParallelConfig(tensor_model_parallel_size=1), packed)
+    diffs["critic"] = max_diffs(ref, critic_round(hf, tp2, packed))
+    diffs["critic_sp"] = max_diffs(ref, critic_round(hf, tp2_sp, packed))
     diffs["sanity"] = {"loss_changed": float((ref["values"] - ref["values_after"]).abs().max())}
     return diffs
 

@@ -57,12 +57,6 @@ def test_qwen2_moe_uses_pre_softmax_routing_and_a_gated_shared_expert() -> None:
     assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate) == (48, True)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the Transformer Engine spec supports it")
-def test_sequence_parallel_on_cpu_is_refused_with_the_reason() -> None:
-    with pytest.raises(NotImplementedError, match="sequence_parallel=true needs the Transformer Engine"):
-        _config(tiny_llama(), tensor_model_parallel_size=2, sequence_parallel=True)
-
-
 def test_vocab_is_padded_to_a_multiple_of_tp() -> None:
     assert padded_vocab_size(255, tp_size=2) == 256
     assert padded_vocab_size(256, tp_size=2) == 256
