@@ -230,6 +230,9 @@ def run_model(
     """
     if ctx.cp_size > 1:
         raise NotImplementedError("context_parallel_size > 1: sequences are not split over CP ranks yet")
+    if ctx.device.type == "cuda" and not batching.use_remove_padding:
+        # Megatron's TE attention runs bshd/sbhd with mask type 'causal', which ignores the padding mask.
+        raise NotImplementedError("use_remove_padding=false on GPU: padded rows would attend to padding")
     splits = batching.split(batch)
     pad_to = ctx.tp_size if ctx.parallel.sequence_parallel else 1
     # The interleaved (VPP) schedule cannot exchange micro-batches of different shapes between
