@@ -62,7 +62,15 @@ def pp2_case(tmp: str) -> dict[str, dict[str, float]]:
         batching,
         load_from=f"{tmp}/ref",
     )
-    return {"pp2": max_diffs(ref, pp2), "pp2_vpp2": max_diffs(ref, vpp)}
+    critic_ref = critic_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/critic")
+    critic_pp2 = critic_round(
+        hf, ParallelConfig(pipeline_model_parallel_size=2), batching, load_from=f"{tmp}/critic"
+    )
+    return {
+        "pp2": max_diffs(ref, pp2),
+        "pp2_vpp2": max_diffs(ref, vpp),
+        "critic_pp2": max_diffs(critic_ref, critic_pp2),
+    }
 
 
 def ep2_case(tmp: str) -> dict[str, dict[str, float]]:

@@ -1,4 +1,4 @@
-"""PP=2 (also with VPP=2) and EP=2 (MoE) against a TP=1/PP=1/EP=1 run of the same weights.
+"""PP=2 (also with VPP=2, and the critic at PP=2) and EP=2 (MoE) against a TP=1/PP=1/EP=1 run of the same weights.
 
 Each rank builds the reference, saves its initial weights with Megatron's distributed checkpoint, and
 the parallel layout loads them (a pipeline stage or an expert shard cannot reproduce the reference's
