@@ -234,24 +234,7 @@ def run_model(
         # Megatron's TE attention runs bshd/sbhd with mask type 'causal', which ignores the padding mask.
         raise NotImplementedError("use_remove_padding=false on GPU: padded rows would attend to padding")
     splits = batching.split(batch)
-    pad_to = ctx.tp_size if ctx.parallel.sequence_parallel else 1
-    # The interleaved (VPP) schedule cannot exchange micro-batches of different shapes between
-    # stages: pad every packed row to the longest one.
-    min_length = max(int(batch.attention_mask[idx].sum()) for idx in splits) if ctx.vpp_size else 0
-    if ctx.vpp_size and not batching.use_remove_padding and len({len(i) for i in splits}) > 1:
-        raise ValueError(
-            "virtual pipeline parallelism without use_remove_padding needs equal micro-batch sizes"
-        )
-    micro = [
-        _prepare(
-            batch.select(idx),
-            pack=batching.use_remove_padding,
-            pad_to_multiple=pad_to,
-            min_length=min_length,
-            device=ctx.device,
-        )
-        for idx in splits
-    ]
+    micro = _micro_batches(batch, splits, ctx=ctx, batching=batching)
     forward_only = loss_fn is None
     step = partial(
         _forward_step,
@@ -277,6 +260,30 @@ def run_model(
     output = _gather_outputs(stored, splits, batch, ctx=ctx, critic=critic, forward_only=forward_only)
     metrics = {} if forward_only else _sum_metrics(stored, ctx=ctx)
     return ForwardResult(output=output, metrics=metrics)
+
+
+def _micro_batches(
+    batch: TokenBatch, splits: list[list[int]], *, ctx: ParallelContext, batching: MicroBatching
+) -> list[_ModelInputs]:
+    """The micro-batches of ``batch`` in the model's layout (packed rows or padded rows)."""
+    pad_to = ctx.tp_size if ctx.parallel.sequence_parallel else 1
+    # The interleaved (VPP) schedule cannot exchange micro-batches of different shapes between
+    # stages: pad every packed row to the longest one.
+    min_length = max(int(batch.attention_mask[idx].sum()) for idx in splits) if ctx.vpp_size else 0
+    if ctx.vpp_size and not batching.use_remove_padding and len({len(i) for i in splits}) > 1:
+        raise ValueError(
+            "virtual pipeline parallelism without use_remove_padding needs equal micro-batch sizes"
+        )
+    return [
+        _prepare(
+            batch.select(idx),
+            pack=batching.use_remove_padding,
+            pad_to_multiple=pad_to,
+            min_length=min_length,
+            device=ctx.device,
+        )
+        for idx in splits
+    ]
 
 
 def _gather_outputs(
