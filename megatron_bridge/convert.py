@@ -6,12 +6,15 @@ Contract:
   (config, tokenizer and generation config, so the architecture travels with the weights).
 - ``mcore_to_hf(src, dst)`` writes a (sharded) safetensors HF directory with those files copied.
 - ``mcore_to_mcore(src, dst, tp=, pp=, ep=)`` reshards a Megatron checkpoint.
-Each launches ``tp × pp × ep`` gloo ranks (spawned processes). Every rank holds only its own shard
-of the model; HF tensors are read and written one conversion unit at a time (see ``hf_io``).
-Unless ``verify=False``, the result is reloaded from disk and (a) every tensor converted back to
-the source layout must be bit-identical (names, shapes, dtypes, bytes), (b) the Megatron logits on
-a probe batch must match transformers' within ``atol``. Failures raise naming the tensors.
-Returns a ``ConversionReport`` (from rank 0).
+Each launches ``tp × pp × ep`` gloo ranks (spawned processes). HF tensors are read and written one
+conversion unit at a time (see ``hf_io``). hf-to-mcore never holds a model shard: the model is
+built on the meta device and each tensor is read from HF inside the checkpoint writer, written and
+dropped (``streamed_save``), so a rank's peak memory grows by a few of the largest tensors
+(measured: ``ConversionReport.peak_memory_growth_bytes``). The other modes, and verification, hold
+each rank's own shard of the model. Unless ``verify=False``, the result is reloaded from disk and
+(a) every tensor converted back to the source layout must be bit-identical (names, shapes, dtypes,
+bytes), (b) the Megatron logits on a probe batch must match transformers' within ``atol``.
+Failures raise naming the tensors. Returns a ``ConversionReport`` (from rank 0).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.hf_io import HFCheckpointReader, SafetensorsWriter, copy_hf_aux_files
+from megatron_bridge.memory import PeakMemory, return_freed_tensors_to_os
 
 
 @dataclass
@@ -38,6 +42,11 @@ class ConversionReport:
     bit_exact_tensors: int | None = None
     """Tensors compared bit-for-bit after converting back (None: not verified)."""
     max_abs_logit_diff: float | None = None
+    peak_memory_growth_bytes: int | None = None
+    """hf-to-mcore: the largest growth of any rank's peak resident memory while writing (None: not measured)."""
+    largest_tensor_bytes: int | None = None
+    checkpoint_bytes: int | None = None
+    """Bytes of all HF tensors of the source checkpoint."""
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -49,11 +58,18 @@ class ConversionReport:
             lines.append(f"  round trip: {self.bit_exact_tensors} tensors bit-exact")
         if self.max_abs_logit_diff is not None:
             lines.append(f"  logits vs transformers: max abs diff {self.max_abs_logit_diff:.3e}")
+        if self.peak_memory_growth_bytes is not None and self.largest_tensor_bytes:
+            growth = self.peak_memory_growth_bytes
+            lines.append(
+                f"  peak memory while writing: +{growth / 2**20:.1f} MiB on the busiest rank "
+                f"({growth / self.largest_tensor_bytes:.2f}× the largest tensor, "
+                f"{growth / self.checkpoint_bytes:.3f}× the checkpoint)"
+            )
         return "\n".join(lines + [f"  {n}" for n in self.notes])
 
 
 # ---- rank-side work ------------------------------------------------------------------------------
-def _setup(hf_config_dir: Path, tp: int, pp: int, ep: int):
+def _setup(hf_config_dir: Path, tp: int, pp: int, ep: int, *, meta: bool = False):
     from transformers import AutoConfig
 
     from megatron_bridge.live import bridge_for_chunks
@@ -73,7 +89,7 @@ def _setup(hf_config_dir: Path, tp: int, pp: int, ep: int):
     def build():
         return build_padded_model(config, ctx, dtype=dtype)
 
-    chunks = build()
+    chunks = build_padded_model(config, ctx, dtype=dtype, meta=True) if meta else build()
     return config, ctx, build, chunks, bridge_for_chunks(config, chunks, ctx)
 
 
@@ -150,6 +166,23 @@ def _export_to_dir(chunks, ctx, bridge, out: Path, *, aux_from: Path, progress: 
     return count
 
 
+def write_mcore_from_hf(
+    reader: HFCheckpointReader, dst: Path, *, ctx: Any, chunks: list, bridge: Any, progress: bool = False
+) -> PeakMemory:
+    """Write ``dst/step_0`` from ``reader`` for ``chunks`` (meta device), one tensor at a time (collective).
+
+    Returns this rank's peak memory over the write.
+    """
+    from megatron_bridge.live import LazyShards
+    from megatron_bridge.streamed_save import save_model_checkpoint
+
+    memory = PeakMemory.start()
+    shards = LazyShards(chunks, ctx, bridge, reader, progress=progress)
+    save_model_checkpoint(dst, step=0, ctx=ctx, chunks=chunks, shards=shards)
+    shards.close()
+    return memory.stop()
+
+
 def _rank_main(
     mode: str, src: str, dst: str, tp: int, pp: int, ep: int, verify: bool, atol: float | None
 ) -> dict:
@@ -158,13 +191,15 @@ def _rank_main(
 
     src_p, dst_p = Path(src), Path(dst)
     hf_dir = src_p if mode == "hf-to-mcore" else src_p / "hf"
-    _, ctx, build, chunks, bridge = _setup(hf_dir, tp, pp, ep)
+    _, ctx, build, chunks, bridge = _setup(hf_dir, tp, pp, ep, meta=mode == "hf-to-mcore")
     progress = ctx.rank == 0
     report = ConversionReport(mode, {"tp": tp, "pp": pp, "ep": ep})
     if mode == "hf-to-mcore":
         reader = HFCheckpointReader(src_p)
-        load_hf_weights(chunks, ctx, bridge, reader, progress=progress)
-        save_checkpoint(dst_p, step=0, ctx=ctx, chunks=chunks)
+        memory = write_mcore_from_hf(reader, dst_p, ctx=ctx, chunks=chunks, bridge=bridge, progress=progress)
+        report.peak_memory_growth_bytes = _max_over_ranks(ctx, memory.growth_bytes)
+        report.largest_tensor_bytes = max(reader.info(n).nbytes for n in reader.names())
+        report.checkpoint_bytes = reader.total_bytes()
         if ctx.rank == 0:
             (dst_p / "hf").mkdir(exist_ok=True)
             copy_hf_aux_files(src_p, dst_p / "hf")
@@ -205,6 +240,14 @@ def _rank_main(
     return report.__dict__
 
 
+def _max_over_ranks(ctx, value: int | None) -> int | None:
+    import torch.distributed as dist
+
+    values: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(values, value)
+    return None if any(v is None for v in values) else max(values)
+
+
 def _shared_tmp(ctx, tmp: Path) -> Path:
     """Rank 0's temporary directory name, agreed by every rank."""
     import torch.distributed as dist
@@ -224,6 +267,7 @@ def _entry(rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return_freed_tensors_to_os()
     try:
         queue.put((rank, "ok", _rank_main(*args)))
     except BaseException:

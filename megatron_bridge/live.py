@@ -6,6 +6,9 @@ or anything with its rank attributes and ``groups``):
 - ``load_hf_weights(chunks, ctx, bridge, reader)`` (collective) fills every parameter of this rank's
   chunks from an ``HFCheckpointReader``, one unit at a time; it fails naming model parameters with
   no mapping, HF tensors never used by any rank (unexpected), missing HF tensors and mis-shaped ones.
+- ``LazyShards(chunks, ctx, bridge, reader)`` does the same checks for chunks that may sit on the
+  meta device, and reads a parameter's values (or any view of it) only when ``materialize``d,
+  keeping one unit: the source of the streamed checkpoint writer (``streamed_save``).
 - ``export_hf_weights(chunks, ctx, bridge, dst=0)`` (collective generator: every rank must exhaust
   it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only, one unit at a time, in HF order;
   the TP shards travel point-to-point from the one replica that holds them (DP/expert-DP rank 0)
@@ -90,16 +93,10 @@ def _tp_coords(bridge: Bridge, canonical: str, ctx: Any) -> tuple[int, int]:
     return ctx.tp_rank, ctx.tp_size  # expert-TP equals TP (checked in chunk_namings)
 
 
-@torch.no_grad()
-def load_hf_weights(
-    chunks: list[torch.nn.Module],
-    ctx: Any,
-    bridge: Bridge,
-    reader: HFCheckpointReader,
-    *,
-    progress: bool = False,
-) -> None:
-    """Copy the HF checkpoint of ``reader`` into this rank's chunks (collective for the name checks)."""
+def _checked_params(
+    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, reader: HFCheckpointReader
+) -> dict[int, list[tuple[str, str, torch.Tensor]]]:
+    """This rank's parameters grouped by unit id, after checking both name sets; errors name them."""
     params = _local_params(chunks, ctx, bridge)
     for canonical, local, _ in params:
         if canonical not in bridge._by_megatron:
@@ -117,22 +114,130 @@ def load_hf_weights(
     for item in params:
         unit, _ = bridge.unit_of_megatron(item[0])
         by_unit.setdefault(id(unit), []).append(item)
+    return by_unit
+
+
+def _unit_shards(
+    unit: Any,
+    wanted: list[tuple[str, str, torch.Tensor]],
+    ctx: Any,
+    bridge: Bridge,
+    reader: HFCheckpointReader,
+) -> list[torch.Tensor]:
+    """This rank's shards of ``wanted`` (canonical, local, parameter) read from ``reader`` (one unit)."""
+    full = dict(zip(unit.megatron_names, bridge.to_megatron(unit, [reader.get(n) for n in unit.hf_names])))
+    pieces = []
+    for canonical, local, param in wanted:
+        rank, size = _tp_coords(bridge, canonical, ctx)
+        piece = unit.mapping.shard(full[canonical], rank=rank, size=size)
+        if piece.shape != param.shape:
+            raise ValueError(
+                f"HF {list(unit.hf_names)} → {local!r}: shard shape {tuple(piece.shape)} != parameter {tuple(param.shape)}"
+            )
+        pieces.append(piece)
+    return pieces
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: list[torch.nn.Module],
+    ctx: Any,
+    bridge: Bridge,
+    reader: HFCheckpointReader,
+    *,
+    progress: bool = False,
+) -> None:
+    """Copy the HF checkpoint of ``reader`` into this rank's chunks (collective for the name checks)."""
+    by_unit = _checked_params(chunks, ctx, bridge, reader)
     for unit in _maybe_progress(bridge.units, progress, "load HF weights"):
         wanted = by_unit.get(id(unit))
         if not wanted:
             continue
-        full = dict(
-            zip(unit.megatron_names, bridge.to_megatron(unit, [reader.get(n) for n in unit.hf_names]))
-        )
-        for canonical, local, param in wanted:
-            rank, size = _tp_coords(bridge, canonical, ctx)
-            piece = unit.mapping.shard(full[canonical], rank=rank, size=size)
-            if piece.shape != param.shape:
-                raise ValueError(
-                    f"HF {list(unit.hf_names)} → {local!r}: shard shape {tuple(piece.shape)} != parameter {tuple(param.shape)}"
-                )
+        for (_, _, param), piece in zip(wanted, _unit_shards(unit, wanted, ctx, bridge, reader)):
             param.copy_(piece)
-        del full
+
+
+class LazyShards:
+    """This rank's parameter shards, read from an HF checkpoint only when asked for, one unit at a time.
+
+    ``chunks`` may live on the meta device: a parameter (or any view of it, such as the halves of a
+    gated MLP weight that Megatron checkpoints separately) is recognised by its storage, and
+    ``materialize(view)`` returns the same view of the real values, in the parameter's dtype. Only
+    the shards of the most recently read unit are kept, so memory stays about one unit whatever
+    the model size, provided the callers ask unit by unit (``unit_order`` sorts requests).
+    """
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        ctx: Any,
+        bridge: Bridge,
+        reader: HFCheckpointReader,
+        *,
+        progress: bool = False,
+    ) -> None:
+        self.ctx, self.bridge, self.reader = ctx, bridge, reader
+        self._by_unit = _checked_params(chunks, ctx, bridge, reader)
+        self._bar = _progress_bar(len(self._by_unit), "write Megatron checkpoint") if progress else None
+        self._order = {id(u): i for i, u in enumerate(bridge.units)}
+        self._by_storage: dict[int, tuple[Any, str, torch.Tensor]] = {}
+        for unit in bridge.units:
+            for _, local, param in self._by_unit.get(id(unit), []):
+                if not param.is_contiguous():
+                    raise NotImplementedError(
+                        f"parameter {local!r} is not contiguous; views of it cannot be mapped"
+                    )
+                self._by_storage[_storage_id(param)] = (unit, local, param)
+        self._cached_unit: Any = None
+        self._cached: dict[str, torch.Tensor] = {}
+
+    def close(self) -> None:
+        """Drop the cached unit and end the progress bar."""
+        self._cached_unit, self._cached = None, {}
+        if self._bar is not None:
+            self._bar.close()
+
+    def _owner(self, view: torch.Tensor) -> tuple[Any, str, torch.Tensor]:
+        owner = self._by_storage.get(_storage_id(view))
+        if owner is None:
+            raise KeyError(
+                f"tensor of shape {tuple(view.shape)} is not a view of any parameter of this rank's model"
+            )
+        return owner
+
+    def unit_order(self, view: torch.Tensor) -> int:
+        """Position of ``view``'s unit in ``bridge.units`` (sort requests by it to read each unit once)."""
+        return self._order[id(self._owner(view)[0])]
+
+    @torch.no_grad()
+    def materialize(self, view: torch.Tensor) -> torch.Tensor:
+        """A compact CPU tensor with the values of ``view`` (a view of a parameter of this rank)."""
+        unit, local, param = self._owner(view)
+        if unit is not self._cached_unit:
+            self._cached_unit, self._cached = None, {}  # free the previous unit before reading the next
+            wanted = self._by_unit[id(unit)]
+            pieces = _unit_shards(unit, wanted, self.ctx, self.bridge, self.reader)
+            self._cached = {name: _compact(piece.to(p.dtype)) for (_, name, p), piece in zip(wanted, pieces)}
+            del pieces
+            self._cached_unit = unit
+            if self._bar is not None:
+                self._bar.update()
+        real = self._cached[local]
+        return _compact(
+            real.as_strided(view.shape, view.stride(), view.storage_offset() - param.storage_offset())
+        )
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` alone in its storage (a copy if it is a view into a larger one), contiguous."""
+    tensor = tensor.contiguous()
+    if tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes():
+        return tensor
+    return tensor.clone()
 
 
 def _source_of(owners: list[dict], canonical: str) -> list[tuple[int, int]]:
@@ -202,6 +307,12 @@ def _maybe_progress(units: list, enabled: bool, desc: str):
     from tqdm import tqdm
 
     return tqdm(units, desc=desc, unit="tensor")
+
+
+def _progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="unit")
 
 
 def _transfer(local: torch.Tensor | None, *, src: int, dst: int, me: int) -> torch.Tensor | None:
