@@ -12,6 +12,7 @@ are moved into a model rebuilt from the plain config first.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -47,8 +48,11 @@ def find_package_gguf(package: str, *, gguf_file: str | None = None) -> Path:
 
 
 def _stamp_of(path: Path) -> dict:
-    stat = path.stat()
-    return {"gguf_file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    """Identity of a GGUF file by content (name, size, hash of its first 4 MiB), not by path or time:
+    the same package installed in another environment reuses the materialized directory."""
+    with path.open("rb") as f:
+        head = hashlib.sha256(f.read(4 << 20)).hexdigest()
+    return {"gguf_file": path.name, "size": path.stat().st_size, "sha256_first_4mib": head}
 
 
 def materialize_gguf_package(
@@ -61,15 +65,21 @@ def materialize_gguf_package(
     stamp_file = out / _STAMP
     if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return out
-    if out.exists():
+    if out.exists() and not stamp_file.is_file():
         raise FileExistsError(
-            f"{out} exists but was not materialized from {source}; remove it or choose another out_dir"
+            f"{out} exists and was not written by materialize_gguf_package; remove it or choose another out_dir"
         )
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     _write_plain_model(source, tmp, dtype=dtype)
     (tmp / _STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-    tmp.rename(out)
+    if out.exists():  # materialized from another GGUF file: replace it
+        stale = out.with_name(f".{out.name}.stale-{os.getpid()}")
+        out.rename(stale)
+        tmp.rename(out)
+        shutil.rmtree(stale)
+    else:
+        tmp.rename(out)
     return out
 
 
