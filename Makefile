@@ -35,7 +35,7 @@ test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 quickstart: setup
-	$(VENV)/bin/rltrain train recipes/quickstart_cpu.yaml --dry-run
+	$(VENV)/bin/rltrain train recipes/quickstart_cpu.yaml
 
 doctor: setup
 	$(VENV)/bin/rltrain doctor

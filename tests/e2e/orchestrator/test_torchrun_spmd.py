@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rltrain.config import load_config
+
 pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -43,13 +45,15 @@ def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path):
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    run_dir = run_root / "quickstart" / "tiny_llama_arith"
+    config = load_config(run_root / "quickstart" / "tiny_llama_arith" / "config.yaml")
+    run_dir = config.run_dir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3], "only rank 0 logs, once per step"
     for r in records[1:]:
         assert all(v is not None and math.isfinite(v) for v in r.values())
         assert r["rollout/logprob_abs_diff_max"] < 1e-3
-        assert r["reward/by_source/arithmetic/count"] == 32  # 16 prompts × n=2, gathered from both engines
+        # every prompt's samples, gathered from both ranks' engines
+        assert r["reward/by_source/arithmetic/count"] == config.data.train_batch_size * config.rollout.n
     assert abs(records[3]["actor/kl"]) > 1e-6, "the policy moved away from the reference"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
     assert (run_dir / "checkpoints" / "step_3" / "critic" / "latest").exists()
