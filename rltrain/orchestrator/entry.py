@@ -203,8 +203,19 @@ def train(config: RLConfig) -> int:
             ray.shutdown()
 
 
-def run_driver(config: RLConfig, setup: RunSetup, roles, *, checkpoints=None, is_logger: bool = True) -> int:
-    """Run the PPO loop over ``roles``; only ``is_logger`` writes metrics and shows progress."""
+def run_driver(
+    config: RLConfig,
+    setup: RunSetup,
+    roles,
+    *,
+    checkpoints=None,
+    is_logger: bool = True,
+    use_reward_workers: bool = True,
+) -> int:
+    """Run the PPO loop over ``roles``; only ``is_logger`` writes metrics and shows progress.
+
+    ``use_reward_workers``: score in Ray CPU tasks when ``reward.num_workers`` > 0 (the Ray mode);
+    the torchrun mode has no Ray and scores in the driver."""
     from rltrain.logging.progress import StepProgress
     from rltrain.logging.tracker import MetricsLogger
     from rltrain.orchestrator.driver import PPOTrainer
@@ -213,12 +224,17 @@ def run_driver(config: RLConfig, setup: RunSetup, roles, *, checkpoints=None, is
     backends = config.trainer.logger if is_logger else ()
     tracker = MetricsLogger(config.run_dir(), backends=backends, total_steps=setup.total_steps)
     tracker.log({"data/num_filtered_prompts": float(setup.data.num_filtered)}, step=0)
+    rewards = RewardManager.from_config(config.reward)
+    if config.reward.num_workers and use_reward_workers:
+        from rltrain.orchestrator.reward_workers import RayRewardPool
+
+        rewards = RayRewardPool(rewards, config.reward.num_workers)
     trainer = PPOTrainer(
         config,
         roles=roles,
         tokenizer=setup.tokenizer,
         data=setup.data,
-        rewards=RewardManager.from_config(config.reward),
+        rewards=rewards,
         tracker=tracker,
         total_steps=setup.total_steps,
         checkpoints=checkpoints,

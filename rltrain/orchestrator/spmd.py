@@ -112,7 +112,12 @@ def train_spmd(config: RLConfig) -> int:
     )
     try:
         return run_driver(
-            config, setup, Roles(policy=policy, critic=critic), checkpoints=checkpoints, is_logger=rank == 0
+            config,
+            setup,
+            Roles(policy=policy, critic=critic),
+            checkpoints=checkpoints,
+            is_logger=rank == 0,
+            use_reward_workers=False,
         )
     finally:
         worker.shutdown()  # the engine first: it must not outlive the process group

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,15 +200,27 @@ class PolicyWorker(_MegatronRankBase):
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling) -> Any:
-        if not prompts:
-            return None
-        if self.engine is None:
-            raise RuntimeError(f"rank {self.ctx.rank} hosts no rollout engine")
-        self.engine.wake_up()
-        output = self.engine.generate(prompts, sampling)
-        if self.config.rollout.free_cache_engine:
-            self.engine.sleep()
-        return output
+        """Sample on this rank's engine; with ``actor.param_offload`` the trainer's parameters leave
+        the device while the engine runs (every rank, since engine workers may span them)."""
+        with self._params_offloaded():
+            if not prompts:
+                return None
+            if self.engine is None:
+                raise RuntimeError(f"rank {self.ctx.rank} hosts no rollout engine")
+            return _run_engine(self.engine, self.config, prompts, sampling)
+
+    @contextmanager
+    def _params_offloaded(self):
+        models = (
+            [m for m in (self.actor, self.ref) if m is not None] if self.config.actor.param_offload else []
+        )
+        for model in models:
+            model.offload_to_cpu()
+        try:
+            yield
+        finally:
+            for model in models:
+                model.reload_to_device()
 
     def connect_weight_sync(self, address: tuple[str, int] | None, num_engines: int) -> None:
         """Rank 0 joins the broadcast group of the separate engines (``address`` = its rendezvous)."""
@@ -405,16 +418,19 @@ class RolloutWorker:
         return {"weight_sync/receive_seconds": stats.seconds, "weight_sync/buckets": float(stats.num_buckets)}
 
     def generate(self, prompts: list[list[int]], sampling) -> Any:
-        if not prompts:
-            return None
-        self.engine.wake_up()
-        output = self.engine.generate(prompts, sampling)
-        if self.config.rollout.free_cache_engine:
-            self.engine.sleep()
-        return output
+        return _run_engine(self.engine, self.config, prompts, sampling) if prompts else None
 
     def rank_info(self) -> dict[str, int]:
         return {"rank": self.rank}
+
+
+def _run_engine(engine, config: RLConfig, prompts: list[list[int]], sampling) -> Any:
+    """Wake the engine, sample, and (``rollout.free_cache_engine``) put it back to sleep."""
+    engine.wake_up()
+    output = engine.generate(prompts, sampling)
+    if config.rollout.free_cache_engine:
+        engine.sleep()
+    return output
 
 
 def _step_metrics(role: str, result) -> dict[str, float]:

@@ -16,7 +16,7 @@ rollout, as does an override naming an unregistered reward.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,8 +109,13 @@ class RewardManager:
         *,
         ground_truths: Sequence[str],
         data_sources: Sequence[str],
+        score_rows: Callable[[RewardManager, list[tuple[str, str, str]]], list[RewardResult]] | None = None,
     ) -> RewardOutput:
-        """Score ``responses[i]`` against ``ground_truths[i]`` by ``data_sources[i]``."""
+        """Score ``responses[i]`` against ``ground_truths[i]`` by ``data_sources[i]``.
+
+        ``score_rows(manager, rows)`` may score the ``(response, ground_truth, data_source)`` rows
+        elsewhere (e.g. in CPU worker processes); it must return one result per row, in order.
+        """
         if not len(responses) == len(ground_truths) == len(data_sources):
             raise ValueError(
                 f"batch sizes differ: {len(responses)} responses, {len(ground_truths)} ground truths, "
@@ -118,7 +123,10 @@ class RewardManager:
             )
         if not responses:
             raise ValueError("cannot score an empty batch of responses")
-        results = [self.score_one(*row) for row in zip(responses, ground_truths, data_sources)]
+        rows = list(zip(responses, ground_truths, data_sources))
+        results = score_rows(self, rows) if score_rows is not None else [self.score_one(*row) for row in rows]
+        if len(results) != len(rows):
+            raise RuntimeError(f"score_rows returned {len(results)} results for {len(rows)} rows")
         scores = [r.score for r in results]
         metrics: dict[str, float] = {}
         if self.format_pattern is not None:
