@@ -24,9 +24,12 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def ray_head():
+def ray_head(tmp_path):
     """`ray start --head` on 127.0.0.1 with 2 CPUs, in its own session; stopped by killing that session."""
     gcs, dash = free_port(), free_port()
+    temp_dir = (
+        f"/tmp/rt-{gcs}"  # short (unix socket paths) and unique: teardown finds this head's processes by it
+    )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     head = subprocess.Popen(
         [
@@ -41,10 +44,15 @@ def ray_head():
             f"--dashboard-port={dash}",
             "--include-dashboard=true",
             "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
         ],
         env=env,
         start_new_session=True,
-        stdout=subprocess.PIPE,
+        stdout=(tmp_path / "ray_head.log").open("w"),  # a file: an unread pipe would block the head
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -54,45 +62,56 @@ def ray_head():
         subprocess.run([*RAY, "job", "list", "--address", address], env=env, capture_output=True).returncode
         != 0
     ):
-        assert head.poll() is None, head.stdout.read()
+        assert head.poll() is None, (tmp_path / "ray_head.log").read_text()
         assert time.monotonic() < deadline, "Ray head did not accept job submissions within 3 minutes"
         time.sleep(2)
     yield address, env
     os.killpg(head.pid, signal.SIGTERM)
-    head.wait(timeout=60)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+    # Ray's daemons leave the head's process group; stop exactly those of this head.
+    subprocess.run(["pkill", "-9", "-f", f"{temp_dir}/"], check=False)
 
 
 def test_ray_job_submit_runs_the_quickstart(ray_head, tmp_path):
     address, env = ray_head
     run_root = tmp_path / "runs"
-    submit = subprocess.run(
-        [
-            *RAY,
-            "job",
-            "submit",
-            "--address",
-            address,
-            "--no-wait",
-            "--working-dir",
-            str(ROOT),
-            "--",
-            sys.executable,
-            "-m",
-            "rltrain.cli",
-            "train",
-            "recipes/quickstart_cpu.yaml",
-            f"trainer.default_local_dir={run_root}",
-            f"model.cache_dir={tmp_path / 'cache'}",
-            "trainer.total_training_steps=2",
-            "trainer.save_freq=2",
-            "trainer.test_freq=0",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    deadline = time.monotonic() + 180
+    while True:  # the head answers `job list` before its job agent accepts submissions
+        submit = subprocess.run(
+            [
+                *RAY,
+                "job",
+                "submit",
+                "--address",
+                address,
+                "--no-wait",
+                "--working-dir",
+                str(ROOT),
+                "--",
+                sys.executable,
+                "-m",
+                "rltrain.cli",
+                "train",
+                "recipes/quickstart_cpu.yaml",
+                f"trainer.default_local_dir={run_root}",
+                f"model.cache_dir={tmp_path / 'cache'}",
+                "trainer.total_training_steps=2",
+                "trainer.save_freq=2",
+                "trainer.test_freq=0",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        if "No available agent" not in submit.stdout + submit.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(3)
     assert submit.returncode == 0, submit.stdout + submit.stderr
     job_id = next(
         w for line in submit.stdout.splitlines() for w in line.split() if w.startswith("raysubmit_")

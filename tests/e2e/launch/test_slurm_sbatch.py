@@ -38,7 +38,11 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
     node, cpus = slurm[0], int(slurm[1])
     run_root, out = tmp_path / "runs", tmp_path / "job.out"
     gcs = free_port()
-    env_vars = f"ALL,RAY_PORT={gcs},RAY_DASHBOARD_PORT={free_port()},RLTRAIN_PYTHON={ROOT / '.venv' / 'bin' / 'python'}"
+    agent_ports = f"--dashboard-agent-listen-port={free_port()} --dashboard-agent-grpc-port={free_port()}"
+    env_vars = (
+        f"ALL,RAY_PORT={gcs},RAY_DASHBOARD_PORT={free_port()},RLTRAIN_PYTHON={ROOT / '.venv' / 'bin' / 'python'},"
+        f"RAY_TMP=/tmp/rs-{gcs},RAY_START_ARGS={agent_ports}"
+    )
     job = subprocess.run(
         [
             "sbatch",
@@ -71,3 +75,5 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
     time.sleep(2)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", gcs)) != 0, "the Ray head is still running after the job"
+    leftovers = subprocess.run(["pgrep", "-f", f"/tmp/rs-{gcs}/"], capture_output=True, text=True).stdout
+    assert leftovers == "", f"Ray processes of the job survived it: {leftovers}"
