@@ -77,13 +77,14 @@ def connect_ray(config: RLConfig) -> bool:
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
+        log.info("joined the running Ray cluster at %s", address)
         return False
     try:
         ray.init(address="auto", log_to_driver=True)
         log.info("joined the running Ray cluster")
         return False
     except ConnectionError:
-        ray.init(num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
         log.info("started a local Ray instance")
         return True
 

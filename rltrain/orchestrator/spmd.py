@@ -121,4 +121,5 @@ def train_spmd(config: RLConfig) -> int:
         )
     finally:
         worker.shutdown()  # the engine first: it must not outlive the process group
-        dist.destroy_process_group()
+        if dist.is_initialized():  # an in-process vLLM engine may have torn the default group down
+            dist.destroy_process_group()
