@@ -84,7 +84,9 @@ def connect_ray(config: RLConfig) -> bool:
         log.info("joined the running Ray cluster")
         return False
     except ConnectionError:
-        ray.init(address="local", num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(
+            address="local", num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True
+        )
         log.info("started a local Ray instance")
         return True
 
