@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -113,9 +114,7 @@ def test_ray_job_submit_runs_the_quickstart(ray_head, tmp_path):
             break
         time.sleep(3)
     assert submit.returncode == 0, submit.stdout + submit.stderr
-    job_id = next(
-        w for line in submit.stdout.splitlines() for w in line.split() if w.startswith("raysubmit_")
-    )
+    job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submit.stdout + submit.stderr).group(0)  # no ANSI codes
     deadline = time.monotonic() + 900
     while True:
         status = subprocess.run(
