@@ -8,7 +8,8 @@ What is compared, and why it is real:
   parameter is empty it runs the layer's own GEMM on an identity matrix (``x @ Wᵀ`` with ``x = I``
   gives ``Wᵀ`` exactly: every output element is one product with 1.0 plus exact zeros). Fused
   weights are split back by the layer's ``output_partition_sizes`` into the HF names of the model's
-  ``packed_modules_mapping``; padded vocab rows are dropped.
+  ``packed_modules_mapping``; padded vocab rows are dropped. An LM head is read through its own
+  kernel too: tied to the embedding, it still keeps a separate packed copy for the logits.
 - ``tensor_digest`` is a SHA-256 of the bytes after casting to the engine dtype (what vLLM's loader
   does with ``copy_``), so equality means bit-identical weights in the engine.
 The readback runs where the model lives (in-process, or inside each worker via ``collective_rpc``)
@@ -64,6 +65,21 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
         return cpu_linear(eye, None, None).t().contiguous()
 
 
+def _vocab_weight(module: torch.nn.Module) -> torch.Tensor:
+    """An embedding's weight; for an LM head with a CPU kernel, the packed copy its logits GEMM uses
+    (a tied head keeps its own copy of the embedding; reading the shared parameter would miss a
+    stale copy)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    weight = module.weight.detach()
+    cpu_linear = getattr(module, "cpu_linear", None)
+    if not isinstance(module, ParallelLMHead) or cpu_linear is None:
+        return weight
+    eye = torch.eye(weight.shape[1], dtype=weight.dtype, device=weight.device)
+    with torch.inference_mode():
+        return cpu_linear(eye, weight, None).t().contiguous()
+
+
 def _unpacked_names(model: torch.nn.Module) -> dict[str, list[str]]:
     return dict(getattr(model, "packed_modules_mapping", {}) or {})
 
@@ -74,6 +90,7 @@ def engine_hf_weights(model: torch.nn.Module) -> Iterator[NamedTensor]:
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     packed = _unpacked_names(model)
+    yielded_lm_head = False
     for module_name, module in model.named_modules():
         if hasattr(module, "w13_weight"):  # fused experts: [E, 2I, H] / [E, H, I], kernel-specific layout
             raise NotImplementedError(
@@ -82,7 +99,8 @@ def engine_hf_weights(model: torch.nn.Module) -> Iterator[NamedTensor]:
             )
         if isinstance(module, VocabParallelEmbedding):
             rows = module.shard_indices.num_org_elements
-            yield f"{module_name}.weight", module.weight.detach()[:rows]
+            yield f"{module_name}.weight", _vocab_weight(module)[:rows]
+            yielded_lm_head |= module_name == "lm_head"
             continue
         if isinstance(module, LinearBase):
             weight = _linear_weight(module)
@@ -103,7 +121,7 @@ def engine_hf_weights(model: torch.nn.Module) -> Iterator[NamedTensor]:
         for param_name, param in module.named_parameters(recurse=False):
             yield f"{module_name}.{param_name}", param.detach()
     config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(config, "tie_word_embeddings", False) and not yielded_lm_head:
         embed = model.get_submodule("model.embed_tokens")
         yield "lm_head.weight", embed.weight.detach()[: embed.shard_indices.num_org_elements]
 

@@ -5,9 +5,11 @@ Contract:
   assistant turn opened) and returns a ``RolloutOutput``: n samples per prompt, the log-probability
   of every sampled token and why each sample ended.
 - ``load_weights`` takes HF-named tensors (the names of the model's HF checkpoint, unfused) and
-  loads them in place through the worker's ``reload_weights(weights_iterator=...,
-  is_checkpoint_format=True)`` (raw ``model.load_weights`` fails on the CPU build, whose linear
-  weights are repacked after loading), then resets the prefix cache. A call may carry a subset of
+  loads them in place, then resets the prefix cache. An in-process TP=1 CPU engine of a dense
+  unquantized model loads them with ``direct_load.DirectLoader`` (the model's loaders into a reused
+  scratch tensor, then vLLM's CPU repack; ``EngineSettings.weight_load``); everything else goes
+  through the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (raw
+  ``model.load_weights`` fails on the CPU build, whose linear weights are repacked after loading). A call may carry a subset of
   the weights, but every fused module it touches must be complete (q/k/v together, gate/up together).
 - ``sleep``/``wake_up`` release and restore weights and KV cache on GPU; on CPU they log once that
   sleep mode is unsupported and return.
@@ -30,6 +32,7 @@ import torch
 
 from rltrain.rollout import checksum, worker_fns
 from rltrain.rollout.bucketing import NamedTensor, fused_group, iter_buckets, tensor_bytes
+from rltrain.rollout.direct_load import DirectLoader, direct_load_unsupported
 from rltrain.rollout.types import EngineSettings, RolloutOutput, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,9 @@ class LoadStats:
     """Bytes of those tensors."""
     seconds: float
     """Wall time of the load including the prefix-cache reset."""
+    path: str = "reload"
+    """How the engine took the weights in: ``direct`` (``direct_load``), ``reload`` (vLLM's
+    ``reload_weights`` in this process) or ``buckets`` (``reload_weights`` inside worker processes)."""
 
 
 def _on_gpu() -> bool:
@@ -77,6 +83,8 @@ class RolloutEngine:
         self._sleep_warned = False
         self._asleep = False
         self._weights_awake = False  # asleep, but weights woken for a load (KV cache still released)
+        self._direct: DirectLoader | None = None
+        self._direct_reason: str | None = None
 
     def _engine_kwargs(self) -> dict[str, Any]:
         s = self.settings
@@ -199,17 +207,41 @@ class RolloutEngine:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
         counter = _Counter(named_tensors)
-        if self.in_process:
+        direct = self._direct_loader()
+        if direct is not None:
+            direct.load(counter)
+            path = "direct"
+        elif self.in_process:
             self.llm.collective_rpc(
                 "reload_weights", kwargs=dict(weights_iterator=iter(counter), is_checkpoint_format=True)
             )
-            worker_fns.finish_moe_reload(self._local_model(), counter.names)
+            worker_fns.finish_reload(self._local_model(), counter.names)
+            path = "reload"
         else:
             for bucket in iter_buckets(counter, bucket_bytes):
                 self._load_bucket_remote(bucket)
+            path = "buckets"
         counter.check_complete_groups()
         self.llm.reset_prefix_cache()
-        return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start)
+        return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start, path)
+
+    def _direct_loader(self) -> DirectLoader | None:
+        """The engine's ``DirectLoader`` when ``settings.weight_load`` selects it (built once)."""
+        mode = self.settings.weight_load
+        if mode == "reload":
+            return None
+        if self._direct is None and self._direct_reason is None:
+            if not self.in_process or self.settings.tensor_model_parallel_size != 1:
+                self._direct_reason = "the engine's workers are not in this process (TP > 1 or multiprocess)"
+            else:
+                self._direct_reason = direct_load_unsupported(self._local_model())
+            if self._direct_reason is None:
+                self._direct = DirectLoader(self._local_model())
+            elif mode == "auto":
+                logger.info("weight loads go through vLLM reload_weights: %s", self._direct_reason)
+        if mode == "direct" and self._direct is None:
+            raise ValueError(f"weight_load='direct' is not possible for this engine: {self._direct_reason}")
+        return self._direct
 
     def _load_bucket_remote(self, bucket: list[NamedTensor]) -> None:
         if self.on_gpu:

