@@ -188,15 +188,33 @@ class PolicyWorker(_MegatronRankBase):
         self.engine = build_engine(config, model_dir) if engine_rank else None
         self.transport = None
         """Broadcast transport to engines on other devices (``rollout.mode: separate``), on rank 0."""
+        self._planned_export: Any = None
+        """``PlannedExport`` of the actor (built at the first sync), or False where it does not apply."""
 
     def _export(self, dst: int):
-        """HF-named full tensors of the actor, yielded on rank ``dst`` (collective: all ranks iterate)."""
+        """HF-named full tensors of the actor, yielded on rank ``dst`` (collective: all ranks iterate).
+
+        Built from the weight-sync plan (``rltrain.rollout.planned_export``): each planned slice comes
+        point-to-point from the rank that owns it. The engine on ``dst`` loads them through vLLM,
+        whose workers narrow each tensor themselves, so it is planned as one TP=1 engine rank (the
+        whole tensors). Models the planner cannot describe (HF tensors that are themselves fused)
+        use the bridge's full-tensor gather instead, said once in the log.
+        """
         from megatron_bridge.live import bridge_for_chunks, export_hf_weights
+        from rltrain.rollout.planned_export import PlannedExport
+        from rltrain.rollout.planner import EngineLayout
 
         chunks = self.actor.chunks
-        return export_hf_weights(
-            chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx), dst=dst
-        )
+        bridge = bridge_for_chunks(self.hf_config, chunks, self.ctx)
+        if self._planned_export is None:
+            try:
+                self._planned_export = PlannedExport(chunks, self.ctx, bridge)
+            except NotImplementedError as err:
+                log.info("weight sync gathers whole tensors (export_hf_weights): %s", err)
+                self._planned_export = False
+        if self._planned_export is False:
+            return export_hf_weights(chunks, self.ctx, bridge, dst=dst)
+        return self._planned_export.stream(EngineLayout(tp=1), 0, dst=dst)
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling) -> Any:

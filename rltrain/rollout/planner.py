@@ -223,21 +223,26 @@ def plan_weight_sync(
 def assemble(
     copies: list[SliceCopy],
     shapes: dict[str, tuple[int, ...]],
-    fetch: Callable[[ShardId, str], torch.Tensor],
+    fetch: Callable[[SliceCopy], torch.Tensor],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full-shaped HF tensors for one engine rank from its copies (grouped by tensor, in plan order).
 
-    ``fetch(shard, hf_name)`` returns that shard's local piece. Elements the rank does not need are
-    left uninitialized: vLLM's loader on that rank narrows them away.
+    ``fetch(copy)`` returns the region ``copy.src`` of shard ``copy.source``'s local piece of
+    ``copy.hf_name`` (only that region: a transport moves no more). It is called once per copy, in
+    plan order. Elements the rank does not need are left uninitialized: vLLM's loader on that rank
+    narrows them away.
     """
     by_name: dict[str, list[SliceCopy]] = {}
     for c in copies:
         by_name.setdefault(c.hf_name, []).append(c)
     for name, group in by_name.items():
-        first = fetch(group[0].source, name)
-        out = torch.empty(shapes[name], dtype=first.dtype, device=first.device)
+        out: torch.Tensor | None = None
         for c in group:
-            out[c.dst] = fetch(c.source, name)[c.src]
+            region = fetch(c)
+            if out is None:
+                out = torch.empty(shapes[name], dtype=region.dtype, device=region.device)
+            out[c.dst] = region
+        assert out is not None
         yield name, out
 
 

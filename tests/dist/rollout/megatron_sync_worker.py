@@ -5,7 +5,8 @@ python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: tp2 | 
 The engine starts from ENGINE_DIR's weights, the actor from ACTOR_DIR's (a different seed), so the
 first sync has to move every weight. Each rank hosts an in-process engine (vLLM builds its groups
 collectively over the default group, so every rank must start one); the sync streams the actor's
-HF-named weights into each engine in turn, as the policy worker does. Rank 0 writes the numbers."""
+HF-named weights into each engine in turn through the planner-driven export, as the policy worker
+does; the checksums compare against the bridge's full export. Rank 0 writes the numbers."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     from rltrain.rollout import checksum
     from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.mismatch import logprob_mismatch
+    from rltrain.rollout.planned_export import PlannedExport
+    from rltrain.rollout.planner import EngineLayout
     from rltrain.rollout.transport import InProcessTransport
     from rltrain.rollout.types import EngineSettings, SamplingConfig
 
@@ -62,10 +65,12 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     sampling = SamplingConfig(temperature=1.0, n=2, response_length=12, seed=11)
     pad_id = engine.tokenizer.pad_token_id
 
-    def sync() -> dict:
+    planned = PlannedExport(actor.chunks, ctx, bridge)
+
+    def sync() -> dict:  # as PolicyWorker.sync_weights: the planned stream of a TP=1 engine per rank
         stats = None
         for engine_rank in range(ctx.world_size):
-            stream = export_hf_weights(actor.chunks, ctx, bridge, dst=engine_rank)
+            stream = planned.stream(EngineLayout(tp=1), 0, dst=engine_rank)
             if engine_rank == ctx.rank:
                 stats = transport.send(stream)
             else:

@@ -90,7 +90,7 @@ def check_plan(tensors: list[TensorLayout], trainer: TrainerLayout, engine: Engi
     by_name = {t.hf_name: t for t in tensors}
     for rank, copies in plan.items():
         assembled = dict(
-            assemble(copies, shapes, lambda shard, name: reference_piece(by_name[name], trainer, shard))
+            assemble(copies, shapes, lambda c: reference_piece(by_name[c.hf_name], trainer, c.source)[c.src])
         )
         for t in tensors:
             need = reference_need(t, engine, rank, trainer.num_experts)

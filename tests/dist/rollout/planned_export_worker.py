@@ -1,0 +1,83 @@
+"""One rank of the planner-driven export test (no vLLM: the reference is the bridge's full export).
+
+Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
+python planned_export_worker.py MODEL_DIR OUT LAYOUT   (LAYOUT: tp2 | pp2 | ep2).
+The trainer model loads MODEL_DIR's HF weights at LAYOUT. For every destination rank, the planned
+stream of an engine at TP=1 must equal ``export_hf_weights`` (names, order, bits). For an engine at
+TP=2 (and EP=2 for MoE) every region each engine rank receives must equal that region of the full
+tensors, and the bytes it receives are counted against the full export's. Rank 0 writes the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+LAYOUTS = {
+    "tp2": {"tensor_model_parallel_size": 2},
+    "pp2": {"pipeline_model_parallel_size": 2},
+    "ep2": {"expert_model_parallel_size": 2},
+}
+
+
+def region_bytes(copies) -> int:
+    total = 0
+    for c in copies:
+        n = 1
+        for s in c.dst:
+            n *= s.stop - s.start
+        total += n * 4
+    return total
+
+
+def main(model_dir: str, out_path: str, layout: str) -> None:
+    from transformers import AutoConfig
+
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
+    from megatron_bridge.megatron_model import build_padded_model
+    from rltrain.config.parallel import ParallelConfig
+    from rltrain.megatron.parallel import ParallelContext
+    from rltrain.rollout.planned_export import PlannedExport
+    from rltrain.rollout.planner import EngineLayout
+
+    ctx = ParallelContext.initialize(ParallelConfig(**LAYOUTS[layout]))
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    chunks = build_padded_model(hf_config, ctx)
+    bridge = bridge_for_chunks(hf_config, chunks, ctx)
+    load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(model_dir))
+    planned = PlannedExport(chunks, ctx, bridge)
+    result: dict = {"tp1": {}, "tp2": {}}
+    for dst in range(ctx.world_size):
+        full = list(export_hf_weights(chunks, ctx, bridge, dst=dst))
+        ours = list(planned.stream(EngineLayout(tp=1), 0, dst=dst))
+        if ctx.rank == dst:
+            assert [n for n, _ in ours] == [n for n, _ in full], "names or order differ"
+            differ = [n for (n, a), (_, b) in zip(ours, full) if not torch.equal(a, b)]
+            assert not differ, f"rank {dst}: planned TP=1 stream differs from the full export: {differ}"
+        result["num_tensors"] = len(full) if ctx.rank == dst == 0 else result.get("num_tensors")
+    full = dict(export_hf_weights(chunks, ctx, bridge, dst=0))
+    engine = EngineLayout(tp=2, ep=2 if bridge.dims.num_experts else 1)
+    plan = planned.plan(engine)
+    for engine_rank in range(engine.tp):
+        got = dict(planned.stream(engine, engine_rank, dst=0))
+        if ctx.rank != 0:
+            continue
+        for c in plan[engine_rank]:
+            assert torch.equal(got[c.hf_name][c.dst], full[c.hf_name][c.dst]), (engine_rank, c)
+        result["tp2"][engine_rank] = {
+            "num_tensors": len(got),
+            "bytes": region_bytes(plan[engine_rank]),
+        }
+    if ctx.rank == 0:
+        result["full_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    torch.distributed.barrier()
+    ctx.destroy()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
