@@ -4,16 +4,16 @@ Prints throughput (GB/s of checkpoint bytes) and peak RSS of each way, as ratios
 measured in the same run. Each way runs in its own subprocess (which imports torch, like the copy,
 so the interpreter baseline is the same): ``copy`` (shutil.copyfile of the safetensors file),
 ``stream`` (HF → canonical Megatron tensors → HF through the bridge, one unit at a time, in one
-process), ``hf-to-mcore`` (the full conversion to a Megatron distributed checkpoint at TP=1,
-``--no-verify``; RSS is the max over the process and its spawned rank). Peak RSS is read as the
+process), and the three conversions with ``--no-verify``: ``hf-to-mcore`` (TP=1),
+``mcore-to-mcore`` (that checkpoint resharded to TP=3: 9 heads, 3 KV heads) and ``mcore-to-hf`` (the TP=3 checkpoint back
+to safetensors); RSS is the max over the process and its spawned ranks. Peak RSS is read as the
 kernel's high-water mark, reset when the child starts.
 
-Then the memory of writing the Megatron checkpoint itself, in one process holding a one-rank gloo
-group, before vs after streaming: ``whole-shard`` (the earlier way: build the model, load every HF
-tensor into it, ``save_checkpoint``) and ``streamed`` (``convert.write_mcore_from_hf``: meta model,
-each tensor read from HF inside the DCP writer and dropped after writing). For each, the growth of
-peak RSS over the process after its imports and process-group set-up, as a ratio to the largest
-tensor and to the whole checkpoint (``megatron_bridge.memory.PeakMemory``).
+Then the memory of the conversions themselves: each conversion rank measures the growth of its
+peak RSS over the conversion, after imports and process-group set-up (``ConversionReport.
+peak_memory_growth_bytes``, the busiest rank), printed as a ratio to the largest tensor and to the
+whole checkpoint, next to ``whole-shard`` (the way before streaming: build the model, load every HF
+tensor into it, ``save_checkpoint``; one process with a one-rank gloo group).
 
 Usage (from the repository root): python -m bench.bridge_convert [--cache DIR]
 """
@@ -59,29 +59,34 @@ def _child(mode: str, src: Path, dst: Path) -> dict:
     else:
         from megatron_bridge.convert import run_conversion
 
-        run_conversion("hf-to-mcore", src, dst, verify=False)
+        report = run_conversion(mode, src, dst, tp=3 if mode == "mcore-to-mcore" else 1, verify=False)
+        growth = report.peak_memory_growth_bytes / 2**20
+        largest, total = report.largest_tensor_bytes / 2**20, report.checkpoint_bytes / 2**20
     seconds = time.perf_counter() - start
     own = memory.stop().peak_bytes / 2**20
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return {"seconds": seconds, "peak_rss_mb": max(own, children)}
+    out = {"seconds": seconds, "peak_rss_mb": max(own, children)}
+    if mode in CONVERSIONS:
+        out.update(growth_mb=growth, largest_mb=largest, total_mb=total)
+    return out
 
 
 def _write_child(mode: str, src: Path, dst: Path) -> dict:
-    """Write ``dst/step_0`` from ``src`` on a one-rank gloo group; peak-RSS growth of the write."""
+    """The way before streaming: a real model, every HF tensor loaded, ``save_checkpoint`` (one rank)."""
     import os
     import socket
 
     import torch
     from transformers import AutoConfig
 
-    from megatron_bridge.convert import _setup, write_mcore_from_hf
+    from megatron_bridge.convert import _setup
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import load_hf_weights
     from megatron_bridge.megatron_model import build_padded_model
     from megatron_bridge.memory import PeakMemory, return_freed_tensors_to_os
     from rltrain.megatron.checkpoint import save_checkpoint
 
-    return_freed_tensors_to_os()  # as on conversion ranks (run_conversion), for both ways
+    return_freed_tensors_to_os()  # as on conversion ranks (run_conversion)
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -92,17 +97,13 @@ def _write_child(mode: str, src: Path, dst: Path) -> dict:
     reader = HFCheckpointReader(src)
     AutoConfig.from_pretrained(src)  # imports of the config class before the measurement
     start = time.perf_counter()
-    if mode == "whole-shard":
-        _, ctx, _, meta_chunks, bridge = _setup(src, 1, 1, 1, meta=True)
-        memory = PeakMemory.start()
-        chunks = build_padded_model(AutoConfig.from_pretrained(src), ctx, dtype=torch.float32)
-        del meta_chunks
-        load_hf_weights(chunks, ctx, bridge, reader)
-        save_checkpoint(dst, step=0, ctx=ctx, chunks=chunks)
-        memory.stop()
-    else:
-        _, ctx, _, chunks, bridge = _setup(src, 1, 1, 1, meta=True)
-        memory = write_mcore_from_hf(reader, dst, ctx=ctx, chunks=chunks, bridge=bridge)
+    _, ctx, _, meta_chunks, bridge = _setup(src, 1, 1, 1, meta=True)
+    memory = PeakMemory.start()
+    chunks = build_padded_model(AutoConfig.from_pretrained(src), ctx, dtype=torch.float32)
+    del meta_chunks
+    load_hf_weights(chunks, ctx, bridge, reader)
+    save_checkpoint(dst, step=0, ctx=ctx, chunks=chunks)
+    memory.stop()
     seconds = time.perf_counter() - start
     largest = max(reader.info(n).nbytes for n in reader.names())
     ctx.destroy()
@@ -121,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         mode, src_dir, dst_dir = args.child[0], Path(args.child[1]), Path(args.child[2])
-        child = _write_child if mode in WRITE_MODES else _child
+        child = _write_child if mode == "whole-shard" else _child
         print(json.dumps(child(mode, src_dir, dst_dir)))
         return
     from rltrain.models.gguf import materialize_gguf_package
@@ -130,9 +131,18 @@ def main() -> None:
     size_gb = (src / "model.safetensors").stat().st_size / 1e9
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("copy", "stream", "hf-to-mcore", *WRITE_MODES):
+        sources = {"mcore-to-mcore": f"{tmp}/hf-to-mcore", "mcore-to-hf": f"{tmp}/mcore-to-mcore"}
+        for mode in ("copy", "stream", *CONVERSIONS, "whole-shard"):
             out = subprocess.run(
-                [sys.executable, "-m", "bench.bridge_convert", "--child", mode, str(src), f"{tmp}/{mode}"],
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.bridge_convert",
+                    "--child",
+                    mode,
+                    sources.get(mode, str(src)),
+                    f"{tmp}/{mode}",
+                ],
                 check=True,
                 cwd=Path(__file__).resolve().parent.parent,
                 capture_output=True,
@@ -141,27 +151,25 @@ def main() -> None:
             results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     base = results["copy"]
     print(f"SmolLM2-135M-Instruct checkpoint: {size_gb:.3f} GB (fp32)")
-    for mode in ("copy", "stream", "hf-to-mcore"):
+    for mode in ("copy", "stream", *CONVERSIONS):
         r = results[mode]
         gbps = size_gb / r["seconds"]
         print(
-            f"{mode:>12}: {gbps:6.3f} GB/s ({base['seconds'] / r['seconds']:.3f}× copy)  "
+            f"{mode:>14}: {gbps:6.3f} GB/s ({base['seconds'] / r['seconds']:.3f}× copy)  "
             f"peak RSS {r['peak_rss_mb']:7.1f} MB ({r['peak_rss_mb'] / base['peak_rss_mb']:.2f}× copy)"
         )
 
-    largest, total = results["streamed"]["largest_mb"], results["streamed"]["total_mb"]
-    print(
-        f"hf-to-mcore checkpoint write (TP=1, one process; largest tensor {largest:.1f} MiB, all {total:.1f} MiB):"
-    )
-    for mode in WRITE_MODES:
+    largest, total = results["whole-shard"]["largest_mb"], results["whole-shard"]["total_mb"]
+    print(f"peak RSS growth while converting (largest tensor {largest:.1f} MiB, all {total:.1f} MiB):")
+    for mode in ("whole-shard", *CONVERSIONS):
         r = results[mode]
         print(
-            f"{mode:>12}: {r['seconds']:6.2f} s  peak RSS growth {r['growth_mb']:7.1f} MiB = "
-            f"{r['growth_mb'] / largest:5.2f}× largest tensor = {r['growth_mb'] / total:5.3f}× checkpoint"
+            f"{mode:>14}: {r['growth_mb']:7.1f} MiB = {r['growth_mb'] / largest:5.2f}× largest tensor = "
+            f"{r['growth_mb'] / total:5.3f}× checkpoint"
         )
 
 
-WRITE_MODES = ("whole-shard", "streamed")
+CONVERSIONS = ("hf-to-mcore", "mcore-to-mcore", "mcore-to-hf")
 
 if __name__ == "__main__":
     main()

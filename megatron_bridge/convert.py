@@ -5,16 +5,19 @@ Contract:
   checkpoint layout, ``rltrain.megatron.checkpoint``; loadable at any TP/PP/EP) and ``dst/hf/``
   (config, tokenizer and generation config, so the architecture travels with the weights).
 - ``mcore_to_hf(src, dst)`` writes a (sharded) safetensors HF directory with those files copied.
-- ``mcore_to_mcore(src, dst, tp=, pp=, ep=)`` reshards a Megatron checkpoint.
-Each launches ``tp × pp × ep`` gloo ranks (spawned processes). HF tensors are read and written one
-conversion unit at a time (see ``hf_io``). hf-to-mcore never holds a model shard: the model is
-built on the meta device and each tensor is read from HF inside the checkpoint writer, written and
-dropped (``streamed_save``), so a rank's peak memory grows by a few of the largest tensors
-(measured: ``ConversionReport.peak_memory_growth_bytes``). The other modes, and verification, hold
-each rank's own shard of the model. Unless ``verify=False``, the result is reloaded from disk and
-(a) every tensor converted back to the source layout must be bit-identical (names, shapes, dtypes,
-bytes), (b) the Megatron logits on a probe batch must match transformers' within ``atol``.
-Failures raise naming the tensors. Returns a ``ConversionReport`` (from rank 0).
+- ``mcore_to_mcore(src, dst, tp=, pp=, ep=)`` reshards a Megatron checkpoint (model weights).
+Each launches ``tp × pp × ep`` gloo ranks (spawned processes) that build the model on the meta
+device: it describes the layout (shapes, Megatron's checkpoint keys) and holds no weights.
+Every mode streams one tensor at a time: HF tensors are read one conversion unit at a time
+(``hf_io``), Megatron checkpoints are read region by region (``dcp_io``; ``mcore_view`` presents
+one under HF names), and Megatron checkpoints are written by a writer that produces each stored
+chunk right before writing it (``rltrain.megatron.streamed_checkpoint``). A rank's peak memory grows
+by a few of the largest tensors, whatever the model size (``ConversionReport.peak_memory_growth_bytes``,
+measured on every rank over the conversion). Unless ``verify=False``: (a) every tensor of the
+result, read back in the source's terms, must be bit-identical to the source (names, shapes, dtypes,
+bytes; streamed too); (b) the Megatron logits on a probe batch must match transformers' within
+``atol`` (this forward holds each rank's shard of the model, as any forward must). Failures raise
+naming the tensors. Returns a ``ConversionReport`` (from rank 0).
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ class ConversionReport:
     """Tensors compared bit-for-bit after converting back (None: not verified)."""
     max_abs_logit_diff: float | None = None
     peak_memory_growth_bytes: int | None = None
-    """hf-to-mcore: the largest growth of any rank's peak resident memory while writing (None: not measured)."""
+    """The largest growth of any rank's peak resident memory while converting (None: not measured)."""
     largest_tensor_bytes: int | None = None
     checkpoint_bytes: int | None = None
-    """Bytes of all HF tensors of the source checkpoint."""
+    """Bytes of all tensors of the source checkpoint (in HF terms)."""
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -61,7 +64,7 @@ class ConversionReport:
         if self.peak_memory_growth_bytes is not None and self.largest_tensor_bytes:
             growth = self.peak_memory_growth_bytes
             lines.append(
-                f"  peak memory while writing: +{growth / 2**20:.1f} MiB on the busiest rank "
+                f"  peak memory while converting: +{growth / 2**20:.1f} MiB on the busiest rank "
                 f"({growth / self.largest_tensor_bytes:.2f}× the largest tensor, "
                 f"{growth / self.checkpoint_bytes:.3f}× the checkpoint)"
             )
@@ -111,130 +114,157 @@ def _check_logits(chunks, ctx, bridge, hf_dir: Path, atol: float | None) -> floa
     return diff
 
 
-def _compare_export(chunks, ctx, bridge, reader: HFCheckpointReader, *, progress: bool) -> int:
-    """Export ``chunks`` as HF tensors and compare each bit-for-bit with ``reader`` (rank 0)."""
-    from megatron_bridge.live import export_hf_weights
+def _compare(expected: Any, actual: Any, what: str) -> int:
+    """Compare every tensor of two readers bit-for-bit, one at a time; raises naming the differences."""
+    if sorted(expected.names()) != sorted(actual.names()):
+        missing = sorted(set(expected.names()) - set(actual.names()))
+        unexpected = sorted(set(actual.names()) - set(expected.names()))
+        raise AssertionError(f"{what}: missing tensors {missing[:20]}; unexpected tensors {unexpected[:20]}")
+    bad = []
+    for name in expected.names():
+        ref, got = expected.get(name), actual.get(name)
+        if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(got, ref):
+            bad.append(f"{name} ({tuple(got.shape)} {got.dtype} vs {tuple(ref.shape)} {ref.dtype})")
+    if bad:
+        raise AssertionError(f"{what}: round trip differs for {bad[:20]}")
+    return len(expected.names())
 
-    bad, count = [], 0
-    for name, tensor in export_hf_weights(chunks, ctx, bridge, progress=progress):
-        ref = reader.get(name)
-        if tensor.dtype != ref.dtype or tensor.shape != ref.shape or not torch.equal(tensor, ref):
-            bad.append(f"{name} ({tuple(tensor.shape)} {tensor.dtype} vs {tuple(ref.shape)} {ref.dtype})")
-        count += 1
-    if ctx.rank == 0 and (bad or count != len(reader.names())):
-        raise AssertionError(
-            f"round trip differs for {bad[:20]}; exported {count} of {len(reader.names())} tensors"
-        )
-    return count
 
-
-def _compare_params(chunks_a, chunks_b, ctx) -> int:
-    """Bit-compare two equally laid out chunk lists (every rank); returns the global count."""
+def _locations(chunks, ctx, bridge) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every canonical parameter's (checkpoint key, index), gathered from all ranks (collective)."""
     import torch.distributed as dist
 
-    bad, count = [], 0
-    for a, b in zip(chunks_a, chunks_b):
-        pb = dict(b.named_parameters())
-        for name, p in a.named_parameters():
-            if name not in pb or p.dtype != pb[name].dtype or not torch.equal(p, pb[name]):
-                bad.append(name)
-            count += 1
+    from megatron_bridge.live import chunk_namings
+    from rltrain.megatron.checkpoint import checkpoint_keys
+
+    mine = {
+        naming.to_canonical(local): where
+        for naming, keys in zip(chunk_namings(chunks, ctx, bridge), checkpoint_keys(chunks))
+        for local, where in keys.items()
+    }
     gathered: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, (bad, count))
-    bad_all = [f"rank {r}: {n}" for r, (names, _) in enumerate(gathered) for n in names]
-    if bad_all:
-        raise AssertionError(f"reloaded checkpoint differs for {bad_all[:20]}")
-    return sum(c for _, c in gathered)
+    dist.all_gather_object(gathered, mine)
+    return {name: where for part in gathered for name, where in part.items()}
 
 
-def _export_to_dir(chunks, ctx, bridge, out: Path, *, aux_from: Path, progress: bool) -> int:
-    """Write chunks as an HF safetensors directory from rank 0 (collective); returns tensor count."""
-    import torch.distributed as dist
-
-    from megatron_bridge.live import export_hf_weights, hf_plan
-
-    plan = hf_plan(chunks, ctx, bridge)
-    writer = SafetensorsWriter(out, plan) if ctx.rank == 0 else None
-    count = 0
-    for name, tensor in export_hf_weights(chunks, ctx, bridge, progress=progress):
-        writer.write(name, tensor)
-        count += 1
-    if writer is not None:
-        writer.close()
-        copy_hf_aux_files(aux_from, out)
-    dist.barrier()
-    return count
+def _write_hf(view: Any, out: Path, *, aux_from: Path, progress: bool) -> None:
+    """Write every tensor of ``view`` (an HF-named reader) as a safetensors directory, one at a time."""
+    writer = SafetensorsWriter(out, [(n, view.info(n).shape, view.info(n).dtype) for n in view.names()])
+    for name in _progress(view.names(), progress, "write HF checkpoint"):
+        writer.write(name, view.get(name))
+    writer.close()
+    copy_hf_aux_files(aux_from, out)
 
 
-def write_mcore_from_hf(
-    reader: HFCheckpointReader, dst: Path, *, ctx: Any, chunks: list, bridge: Any, progress: bool = False
-) -> PeakMemory:
-    """Write ``dst/step_0`` from ``reader`` for ``chunks`` (meta device), one tensor at a time (collective).
+def _progress(items: list, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    from tqdm import tqdm
 
-    Returns this rank's peak memory over the write.
-    """
-    from megatron_bridge.live import LazyShards
-    from megatron_bridge.streamed_save import save_model_checkpoint
+    return tqdm(items, desc=desc, unit="tensor")
 
-    memory = PeakMemory.start()
-    shards = LazyShards(chunks, ctx, bridge, reader, progress=progress)
-    save_model_checkpoint(dst, step=0, ctx=ctx, chunks=chunks, shards=shards)
-    shards.close()
-    return memory.stop()
+
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _reshard_source(stored: Any):
+    """The streamed writer's source for mcore-to-mcore: each stored region read from the old checkpoint."""
+
+    def source(region: Any, placeholder: torch.Tensor) -> torch.Tensor:
+        have = stored.shape(region.key)
+        vocab = region.key in _VOCAB_KEYS and have[1:] == region.global_shape[1:]
+        if have != region.global_shape and not vocab:
+            raise ValueError(
+                f"{stored.directory}: {region.key!r} is stored as {have}; the target layout expects "
+                f"{region.global_shape}"
+            )
+        return stored.read(region.key, region.offsets, region.sizes, pad_rows=vocab).view(placeholder.shape)
+
+    return source
 
 
 def _rank_main(
     mode: str, src: str, dst: str, tp: int, pp: int, ep: int, verify: bool, atol: float | None
 ) -> dict:
-    from megatron_bridge.live import load_hf_weights
-    from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
+    import torch.distributed as dist
 
-    src_p, dst_p = Path(src), Path(dst)
-    hf_dir = src_p if mode == "hf-to-mcore" else src_p / "hf"
-    _, ctx, build, chunks, bridge = _setup(hf_dir, tp, pp, ep, meta=mode == "hf-to-mcore")
-    progress = ctx.rank == 0
-    report = ConversionReport(mode, {"tp": tp, "pp": pp, "ep": ep})
-    if mode == "hf-to-mcore":
-        reader = HFCheckpointReader(src_p)
-        memory = write_mcore_from_hf(reader, dst_p, ctx=ctx, chunks=chunks, bridge=bridge, progress=progress)
-        report.peak_memory_growth_bytes = _max_over_ranks(ctx, memory.growth_bytes)
-        report.largest_tensor_bytes = max(reader.info(n).nbytes for n in reader.names())
-        report.checkpoint_bytes = reader.total_bytes()
-        if ctx.rank == 0:
-            (dst_p / "hf").mkdir(exist_ok=True)
-            copy_hf_aux_files(src_p, dst_p / "hf")
-        report.num_tensors = len(reader.names())
-        if verify:
-            reloaded = build()
-            load_checkpoint(dst_p, ctx=ctx, chunks=reloaded)
-            report.bit_exact_tensors = _compare_export(reloaded, ctx, bridge, reader, progress=False)
-            report.max_abs_logit_diff = _check_logits(reloaded, ctx, bridge, src_p, atol)
-    elif mode == "mcore-to-hf":
-        load_checkpoint(src_p, ctx=ctx, chunks=chunks)
-        report.num_tensors = _export_to_dir(chunks, ctx, bridge, dst_p, aux_from=hf_dir, progress=progress)
-        if verify:
-            reloaded = build()
-            load_hf_weights(reloaded, ctx, bridge, HFCheckpointReader(dst_p), progress=False)
-            report.bit_exact_tensors = _compare_params(chunks, reloaded, ctx)
-            report.max_abs_logit_diff = _check_logits(chunks, ctx, bridge, dst_p, atol)
-    elif mode == "mcore-to-mcore":
-        load_checkpoint(src_p, ctx=ctx, chunks=chunks)
-        save_checkpoint(dst_p, step=0, ctx=ctx, chunks=chunks)
-        if ctx.rank == 0:
-            (dst_p / "hf").mkdir(exist_ok=True)
-            copy_hf_aux_files(hf_dir, dst_p / "hf")
-        report.num_tensors = len(bridge.hf_names())
-        if verify:
-            reloaded = build()
-            load_checkpoint(dst_p, ctx=ctx, chunks=reloaded)
-            report.bit_exact_tensors = _compare_params(chunks, reloaded, ctx)
-            with tempfile.TemporaryDirectory(dir=dst_p) as tmp:
-                tmp_b = _shared_tmp(ctx, Path(tmp))
-                _export_to_dir(reloaded, ctx, bridge, tmp_b, aux_from=hf_dir, progress=False)
-                report.max_abs_logit_diff = _check_logits(reloaded, ctx, bridge, tmp_b, atol)
-    else:
+    from megatron_bridge.dcp_io import DistCheckpointReader
+    from megatron_bridge.live import LazyShards
+    from megatron_bridge.mcore_view import MegatronCheckpointView
+    from rltrain.megatron.checkpoint import find_latest, load_checkpoint, save_checkpoint
+    from rltrain.megatron.streamed_checkpoint import StreamedSaveStrategy
+
+    if mode not in ("hf-to-mcore", "mcore-to-hf", "mcore-to-mcore"):
         raise ValueError(
             f"unknown conversion mode {mode!r}; expected hf-to-mcore, mcore-to-hf, mcore-to-mcore"
+        )
+    src_p, dst_p = Path(src), Path(dst)
+    hf_dir = src_p if mode == "hf-to-mcore" else src_p / "hf"
+    config, ctx, build, chunks, bridge = _setup(hf_dir, tp, pp, ep, meta=True)
+    locations = _locations(chunks, ctx, bridge)
+    src_step = None
+    if mode != "hf-to-mcore":
+        src_step = find_latest(src_p)
+        if src_step is None:
+            raise FileNotFoundError(f"{src_p}: no Megatron checkpoint ({src_p / 'latest'} is missing)")
+    source = (
+        HFCheckpointReader(src_p) if src_step is None else MegatronCheckpointView(src_step, config, locations)
+    )
+    progress = ctx.rank == 0
+    report = ConversionReport(mode, {"tp": tp, "pp": pp, "ep": ep})
+    report.num_tensors = len(source.names())
+    report.largest_tensor_bytes = max(source.info(n).nbytes for n in source.names())
+    report.checkpoint_bytes = source.total_bytes()
+
+    memory = PeakMemory.start()
+    if mode == "hf-to-mcore":
+        shards = LazyShards(chunks, ctx, bridge, source, progress=progress)
+        strategy = StreamedSaveStrategy(
+            lambda region, placeholder: shards.materialize(placeholder),
+            order=lambda region, placeholder: shards.unit_order(placeholder),
+        )
+        save_checkpoint(dst_p, step=0, ctx=ctx, chunks=chunks, sharded_strategy=strategy)
+        shards.close()
+    elif mode == "mcore-to-mcore":
+        strategy = StreamedSaveStrategy(_reshard_source(DistCheckpointReader(src_step)))
+        save_checkpoint(dst_p, step=0, ctx=ctx, chunks=chunks, sharded_strategy=strategy)
+    elif ctx.rank == 0:
+        _write_hf(source, dst_p, aux_from=hf_dir, progress=progress)
+    dist.barrier()
+    report.peak_memory_growth_bytes = _max_over_ranks(ctx, memory.stop().growth_bytes)
+    if mode != "mcore-to-hf" and ctx.rank == 0:
+        (dst_p / "hf").mkdir(exist_ok=True)
+        copy_hf_aux_files(hf_dir, dst_p / "hf")
+    dist.barrier()
+    if not verify:
+        ctx.destroy()
+        return report.__dict__
+
+    # (a) bit-exact, one tensor at a time: the result read back in the source's own terms.
+    if ctx.rank == 0:
+        if mode == "mcore-to-hf":
+            result = HFCheckpointReader(dst_p)
+        else:
+            result = MegatronCheckpointView(find_latest(dst_p), config, locations)
+        report.bit_exact_tensors = _compare(source, result, f"{mode} {src_p} → {dst_p}")
+    dist.barrier()
+    if atol is None:
+        ctx.destroy()
+        return report.__dict__
+    # (b) logits against transformers: a forward needs the model, so each rank holds its shard here.
+    model = build()
+    load_checkpoint(dst_p if mode != "mcore-to-hf" else src_p, ctx=ctx, chunks=model)
+    if mode == "mcore-to-mcore":
+        with tempfile.TemporaryDirectory(dir=dst_p) as tmp:
+            reference = _shared_tmp(ctx, Path(tmp))
+            if ctx.rank == 0:
+                _write_hf(source, reference, aux_from=hf_dir, progress=False)
+            dist.barrier()
+            report.max_abs_logit_diff = _check_logits(model, ctx, bridge, reference, atol)
+            dist.barrier()
+    else:
+        report.max_abs_logit_diff = _check_logits(
+            model, ctx, bridge, src_p if mode == "hf-to-mcore" else dst_p, atol
         )
     ctx.destroy()
     return report.__dict__

@@ -3,12 +3,14 @@
 Subcommands::
 
     hf-to-mcore   SRC_HF_DIR  DST_MCORE_DIR --tp N --pp N --ep N
-    mcore-to-hf   SRC_MCORE_DIR DST_HF_DIR
+    mcore-to-hf   SRC_MCORE_DIR DST_HF_DIR  [--tp/--pp/--ep: layout of the logits check]
     mcore-to-mcore SRC_MCORE_DIR DST_MCORE_DIR --tp N --pp N --ep N   (reshard)
 
 By default the result is verified (bit-exact round trip of every tensor, logits vs transformers on
 a probe batch within ``--atol``) and the verification is printed; ``--no-verify`` skips it. Exit
-status 1 with the failing tensors named when verification or conversion fails.
+status 1 with the failing tensors named when verification or conversion fails. Conversion and the
+round-trip check stream one tensor at a time; only the logits check holds the model (each rank its
+shard), so ``--no-logits`` keeps the whole run at about the largest tensor's memory.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 flag,
                 type=int,
                 default=1,
-                help=f"{what}-parallel size of the {'target' if layout else 'loading'} layout",
+                help=f"{what}-parallel size of the {'target' if layout else 'logits-check'} layout",
             )
         sub.add_argument("--no-verify", action="store_true", help="skip the round-trip and logits checks")
         sub.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed (fp32)")

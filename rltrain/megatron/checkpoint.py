@@ -139,8 +139,13 @@ def save_checkpoint(
     chunks: list[torch.nn.Module],
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
+    sharded_strategy: Any = None,
 ) -> Path:
-    """Write ``root/step_<step>`` atomically (collective); returns its path."""
+    """Write ``root/step_<step>`` atomically (collective); returns its path.
+
+    ``sharded_strategy``: Megatron's save strategy (default torch_dist); the conversion tools pass a
+    ``streamed_checkpoint.StreamedSaveStrategy`` to write models that sit on the meta device.
+    """
     root = Path(root)
     name = f"step_{step}"
     tmp, final = root / f"{_TMP_PREFIX}{name}", root / name
@@ -160,7 +165,7 @@ def save_checkpoint(
         "num_chunks": len(chunks),
         "optimizer": with_optimizer,
     }
-    dist_checkpointing.save(state, str(tmp))
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
     dist.barrier()
     if ctx.rank == 0:
         if final.exists():
@@ -232,3 +237,43 @@ def load_checkpoint(
     if same_layout:
         _set_rng_state(loaded["rng_state"])
     return int(meta["step"])
+
+
+def checkpoint_keys(chunks: list[torch.nn.Module]) -> list[dict[str, tuple[str, tuple[int, ...]]]]:
+    """Where each parameter lives in a checkpoint: per chunk, ``{name: (key, index)}``.
+
+    ``name`` is the parameter's name in the (unwrapped) chunk, ``key`` Megatron's sharded key and
+    ``index`` the parameter's position along the key's prepended axes (global layer, then global
+    expert). The full, unsharded parameter is the checkpoint tensor ``key[index]`` (Megatron
+    stores a TP-split tensor as one global tensor, a gated fc1 as ``[gate; up]``). Works on meta
+    models; reads no data. Raises for a parameter stored under two keys or indices.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def leaves(value: Any):
+        if isinstance(value, ShardedTensorFactory):
+            yield from leaves(value.build())
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from leaves(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                yield from leaves(v)
+        elif isinstance(value, ShardedTensor):
+            yield value
+
+    out = []
+    for chunk in chunks:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        by_storage = {p.untyped_storage()._cdata: n for n, p in chunk.named_parameters()}
+        found: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for sh in leaves(chunk.sharded_state_dict()):
+            name = by_storage.get(sh.data.untyped_storage()._cdata)
+            if name is None:
+                continue
+            where = (sh.key, tuple(sh.global_offset[: sh.prepend_axis_num]))
+            if found.setdefault(name, where) != where:
+                raise NotImplementedError(f"parameter {name!r} is stored under {found[name]} and {where}")
+        out.append(found)
+    return out

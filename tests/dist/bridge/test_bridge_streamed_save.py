@@ -1,11 +1,12 @@
-"""hf-to-mcore writes its Megatron checkpoint one tensor at a time, and writes what ``save_checkpoint`` writes.
+"""The converter writes Megatron checkpoints one tensor at a time, and writes what ``save_checkpoint`` writes.
 
-The reference is ``rltrain.megatron.checkpoint.save_checkpoint`` itself: ``mcore-to-mcore`` at the
-same layout loads the streamed checkpoint into a real model and saves it the trainer's way; both
-directories are then read back here without Megatron (``metadata.json``, ``common.pt``, the DCP
-``.metadata`` and every stored tensor chunk) and compared. Memory is measured on a model whose
-checkpoint is ~100× its largest tensor: the peak growth of the writing rank must stay a small
-multiple of the largest tensor, far below the checkpoint.
+The reference is the trainer's own save: a real model with the HF weights copied in, saved by
+``rltrain.megatron.checkpoint.save_checkpoint`` in a spawned rank. The streamed hf-to-mcore result
+and a streamed mcore-to-mcore copy of it are read back here without Megatron (``metadata.json``,
+``common.pt``, the DCP ``.metadata`` and every stored tensor chunk) and compared with it. Memory is
+measured for all three modes on a model whose checkpoint is ~100× its largest tensor: the peak
+growth of the busiest rank must stay a small multiple of the largest tensor, far below the
+checkpoint (which is what loading a rank's whole shard would cost).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from bridge_ranks import save_the_trainer_way
+from dist_harness import run_ranks
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron_bridge.convert import run_conversion
+from megatron_bridge.hf_io import HFCheckpointReader
 from rltrain.models.tiny import save_tiny_model
 
 pytestmark = pytest.mark.dist
@@ -39,18 +43,9 @@ def _stored_items(step_dir: Path) -> tuple[dict, dict]:
     return metadata.state_dict_metadata, values
 
 
-def test_streamed_checkpoint_equals_save_checkpoint(tmp_path):
-    src = save_tiny_model(tmp_path / "hf", "mixtral", seed=4)
-    # One rank keeps it cheap; the multi-rank layouts load back bit-exact in test_bridge_conversion.
-    # Megatron saves each gated fc1 (experts included) as two halves: views of one parameter.
-    streamed = run_conversion("hf-to-mcore", src, tmp_path / "streamed", verify=False)
-    assert streamed.peak_memory_growth_bytes is not None
-    run_conversion("mcore-to-mcore", tmp_path / "streamed", tmp_path / "classic", verify=False)
-    a, b = tmp_path / "streamed" / "step_0", tmp_path / "classic" / "step_0"
-    assert (tmp_path / "streamed" / "latest").read_text() == "step_0"
+def _assert_same_checkpoint(a: Path, b: Path) -> int:
     assert (a / "metadata.json").read_bytes() == (b / "metadata.json").read_bytes()
     assert torch.load(a / "common.pt", weights_only=False) == torch.load(b / "common.pt", weights_only=False)
-
     meta_a, items_a = _stored_items(a)
     meta_b, items_b = _stored_items(b)
     assert meta_a == meta_b
@@ -64,7 +59,21 @@ def test_streamed_checkpoint_equals_save_checkpoint(tmp_path):
             tensors += 1
         else:
             assert value == items_b[key], key
-    assert tensors > 20
+    return tensors
+
+
+def test_streamed_checkpoints_equal_save_checkpoint(tmp_path):
+    src = save_tiny_model(tmp_path / "hf", "mixtral", seed=4)
+    # One rank keeps it cheap; the multi-rank layouts load back bit-exact in test_bridge_conversion.
+    # Megatron saves each gated fc1 (experts included) as two halves: views of one parameter.
+    run_ranks(save_the_trainer_way, 1, str(src), str(tmp_path / "classic"))
+    streamed = run_conversion("hf-to-mcore", src, tmp_path / "streamed", verify=False)
+    assert streamed.peak_memory_growth_bytes is not None
+    assert (tmp_path / "streamed" / "latest").read_text() == "step_0"
+    run_conversion("mcore-to-mcore", tmp_path / "streamed", tmp_path / "copy", verify=False)
+    classic = tmp_path / "classic" / "step_0"
+    assert _assert_same_checkpoint(tmp_path / "streamed" / "step_0", classic) > 20
+    assert _assert_same_checkpoint(tmp_path / "copy" / "step_0", classic) > 20
 
 
 def test_streamed_write_memory_is_about_the_largest_tensor(tmp_path):
@@ -79,15 +88,27 @@ def test_streamed_write_memory_is_about_the_largest_tensor(tmp_path):
         num_attention_heads=8,
         num_key_value_heads=8,
     )
-    report = run_conversion("hf-to-mcore", src, tmp_path / "mcore", verify=False)
-    print(report.summary())
-    growth, largest, total = (
-        report.peak_memory_growth_bytes,
-        report.largest_tensor_bytes,
-        report.checkpoint_bytes,
-    )
-    assert largest == 512 * 2048 * 4 and total > 60 * largest
-    # One gated-MLP unit (gate + up read, fused, cached, halves written) is ~4 largest tensors;
-    # the rest is a few MiB of planning objects and first-use imports. The whole shard would be ≥ total.
-    assert growth < 8 * largest, report.summary()
-    assert growth < total / 8, report.summary()
+    reports = {
+        "hf-to-mcore": run_conversion("hf-to-mcore", src, tmp_path / "mcore", verify=False),
+        "mcore-to-mcore": run_conversion(
+            "mcore-to-mcore", tmp_path / "mcore", tmp_path / "tp2", tp=2, verify=False
+        ),
+        "mcore-to-hf": run_conversion("mcore-to-hf", tmp_path / "tp2", tmp_path / "back", verify=False),
+    }
+    for mode, report in reports.items():
+        print(report.summary())
+        growth, largest, total = (
+            report.peak_memory_growth_bytes,
+            report.largest_tensor_bytes,
+            report.checkpoint_bytes,
+        )
+        assert largest == 512 * 2048 * 4 and total > 60 * largest, mode
+        # One gated-MLP unit (gate + up read, fused, cached, halves written) is ~4 largest tensors;
+        # the rest is a few MiB of planning objects and first-use imports. The whole shard would be ≥ total
+        # (÷2 at TP=2).
+        assert growth < 8 * largest, report.summary()
+        assert growth < total / 8, report.summary()
+    back = HFCheckpointReader(tmp_path / "back")
+    original = HFCheckpointReader(src)
+    for name in original.names():
+        assert torch.equal(back.get(name), original.get(name)), name
