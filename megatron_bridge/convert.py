@@ -218,15 +218,16 @@ def _rank_main(
 
     memory = PeakMemory.start()
     if mode == "hf-to-mcore":
-        shards = LazyShards(chunks, ctx, bridge, source, progress=progress)
+        shards = LazyShards(chunks, ctx, bridge, source)
         strategy = StreamedSaveStrategy(
             lambda region, placeholder: shards.materialize(placeholder),
             order=lambda region, placeholder: shards.unit_order(placeholder),
+            progress=progress,
         )
         save_checkpoint(dst_p, step=0, ctx=ctx, chunks=chunks, sharded_strategy=strategy)
         shards.close()
     elif mode == "mcore-to-mcore":
-        strategy = StreamedSaveStrategy(_reshard_source(DistCheckpointReader(src_step)))
+        strategy = StreamedSaveStrategy(_reshard_source(DistCheckpointReader(src_step)), progress=progress)
         save_checkpoint(dst_p, step=0, ctx=ctx, chunks=chunks, sharded_strategy=strategy)
     elif ctx.rank == 0:
         _write_hf(source, dst_p, aux_from=hf_dir, progress=progress)

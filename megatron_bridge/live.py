@@ -8,7 +8,7 @@ or anything with its rank attributes and ``groups``):
   no mapping, HF tensors never used by any rank (unexpected), missing HF tensors and mis-shaped ones.
 - ``LazyShards(chunks, ctx, bridge, reader)`` does the same checks for chunks that may sit on the
   meta device, and reads a parameter's values (or any view of it) only when ``materialize``d,
-  keeping one unit: the source of the streamed checkpoint writer (``streamed_save``).
+  keeping one unit: the source of the streamed checkpoint writer (``rltrain.megatron.streamed_checkpoint``).
 - ``export_hf_weights(chunks, ctx, bridge, dst=0)`` (collective generator: every rank must exhaust
   it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only, one unit at a time, in HF order;
   the TP shards travel point-to-point from the one replica that holds them (DP/expert-DP rank 0)

@@ -7,7 +7,8 @@ and drops the result right after, so a rank holds one produced tensor at a time 
 source caches), not its model shard. ``region`` names the chunk in checkpoint coordinates (Megatron
 key, global offsets and sizes, global shape); ``placeholder`` is the (meta) view of the parameter
 the model's state dict holds there. ``order(region, placeholder)`` sorts the tensor writes (a
-source that reads whole units sorts by unit, to read each once). The result is the trainer's own
+source that reads whole units sorts by unit, to read each once); ``progress=True`` shows a bar of
+this rank's writes. The result is the trainer's own
 format: same backend (torch_dist, version 1), planner, metadata and file naming rules, loadable at
 any layout by ``load_checkpoint``.
 
@@ -95,9 +96,11 @@ class _ProducingPlanner(MCoreSavePlanner):
 class _StreamingWriter(FileSystemWriterAsync):
     """Megatron's DCP file writer, minus the up-front resolution: items are resolved while writing."""
 
-    def __init__(self, path: str | os.PathLike, order: Callable[[Region, torch.Tensor], Any] | None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, order: Callable[[Region, torch.Tensor], Any] | None, progress: bool
+    ) -> None:
         super().__init__(path, thread_count=1)
-        self._order = order
+        self._order, self._progress = order, progress
         self._planner: _ProducingPlanner | None = None
         self._results: Any = None
 
@@ -122,9 +125,14 @@ class _StreamingWriter(FileSystemWriterAsync):
         path, storage_key, (blobs, tensors) = self.write_buckets[0]
         transforms = [self.transforms] if hasattr(self, "transforms") else []
         results = []
+        items = blobs + tensors
+        if self._progress:
+            from tqdm import tqdm
+
+            items = tqdm(items, desc="write Megatron checkpoint", unit="tensor")
         try:
             with open(path, "wb") as stream:
-                for item in blobs + tensors:
+                for item in items:
                     data = self._planner.resolve_data(item)
                     results.append(
                         _write_item(
@@ -156,16 +164,22 @@ class _StreamingWriter(FileSystemWriterAsync):
 class StreamedSaveStrategy(TorchDistSaveShardedStrategy):
     """Megatron's torch_dist save (same backend, version, planner and format) with the streaming writer."""
 
-    def __init__(self, source: Source, order: Callable[[Region, torch.Tensor], Any] | None = None) -> None:
+    def __init__(
+        self,
+        source: Source,
+        order: Callable[[Region, torch.Tensor], Any] | None = None,
+        *,
+        progress: bool = False,
+    ) -> None:
         super().__init__("torch_dist", 1)
-        self.source, self.order = source, order
+        self.source, self.order, self.progress = source, order, progress
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Path) -> Any:
         by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict, self.keep_only_main_replica
         )
         pyt_state_dict = mcore_to_pyt_state_dict(by_key, False)
-        writer = _StreamingWriter(checkpoint_dir, self.order)
+        writer = _StreamingWriter(checkpoint_dir, self.order, self.progress)
         planned, *_ = save_state_dict_async_plan(
             pyt_state_dict, writer, None, 0, planner=_ProducingPlanner(self.source)
         )
