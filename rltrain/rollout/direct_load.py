@@ -31,11 +31,15 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
 from rltrain.rollout.bucketing import NamedTensor, fused_group
+
+logger = logging.getLogger(__name__)
 
 _REQUIRED_MEMBERS = {
     "qkv_proj": frozenset({"q_proj", "k_proj", "v_proj"}),
@@ -64,6 +68,8 @@ def direct_load_unsupported(model: torch.nn.Module) -> str | None:
         return f"packed_modules_mapping {dict(packed)} is not the default q/k/v, gate/up packing"
     linear_method, embedding_method = _kernel_methods()
     for name, module in model.named_modules():
+        if name.endswith(".base_layer"):
+            return f"module {name!r} is wrapped for LoRA"
         if not any(True for _ in module.parameters(recurse=False)):
             continue
         method = getattr(module, "quant_method", None)
@@ -72,6 +78,31 @@ def direct_load_unsupported(model: torch.nn.Module) -> str | None:
         if type(method) not in (linear_method, embedding_method):
             return f"module {name!r} uses {type(method).__name__}, not an unquantized linear/embedding"
     return None
+
+
+def direct_loader_for(owner: Any, model: torch.nn.Module, mode: str) -> DirectLoader | None:
+    """The ``DirectLoader`` that ``mode`` selects for ``model`` (None: use ``reload_weights``).
+
+    ``mode`` is ``EngineSettings.weight_load``: ``reload`` never, ``auto`` where exact, ``direct``
+    where exact and an error naming the reason elsewhere. The loader (or the reason) is built once
+    and kept on ``owner``: the in-process engine, or the vLLM worker that holds ``model``.
+    """
+    if mode not in ("auto", "direct", "reload"):
+        raise ValueError(f"weight_load={mode!r} is not one of 'auto', 'direct', 'reload'")
+    if mode == "reload":
+        return None
+    cached = getattr(owner, "_rltrain_direct_loader", None)
+    if cached is None:
+        reason = direct_load_unsupported(model)
+        cached = DirectLoader(model) if reason is None else reason
+        owner._rltrain_direct_loader = cached
+        if reason is not None and mode == "auto":
+            logger.info("weight loads go through vLLM reload_weights: %s", reason)
+    if isinstance(cached, str):
+        if mode == "direct":
+            raise ValueError(f"weight_load='direct' is not possible for this engine: {cached}")
+        return None
+    return cached
 
 
 class DirectLoader:

@@ -5,11 +5,12 @@ Contract:
   assistant turn opened) and returns a ``RolloutOutput``: n samples per prompt, the log-probability
   of every sampled token and why each sample ended.
 - ``load_weights`` takes HF-named tensors (the names of the model's HF checkpoint, unfused) and
-  loads them in place, then resets the prefix cache. An in-process TP=1 CPU engine of a dense
-  unquantized model loads them with ``direct_load.DirectLoader`` (the model's loaders into a reused
-  scratch tensor, then vLLM's CPU repack; ``EngineSettings.weight_load``); everything else goes
-  through the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (raw
-  ``model.load_weights`` fails on the CPU build, whose linear weights are repacked after loading). A call may carry a subset of
+  loads them in place, then resets the prefix cache. A CPU engine of a dense unquantized model
+  loads them with ``direct_load.DirectLoader`` (the model's loaders into a reused scratch tensor,
+  then vLLM's CPU repack; ``EngineSettings.weight_load``), in this process (TP=1) or inside each
+  worker; everything else goes through the worker's ``reload_weights(weights_iterator=...,
+  is_checkpoint_format=True)`` (raw ``model.load_weights`` fails on the CPU build, whose linear
+  weights are repacked after loading). A call may carry a subset of
   the weights, but every fused module it touches must be complete (q/k/v together, gate/up together).
 - ``sleep``/``wake_up`` release and restore weights and KV cache on GPU; on CPU they log once that
   sleep mode is unsupported and return.
@@ -32,7 +33,7 @@ import torch
 
 from rltrain.rollout import checksum, worker_fns
 from rltrain.rollout.bucketing import NamedTensor, fused_group, iter_buckets, tensor_bytes
-from rltrain.rollout.direct_load import DirectLoader, direct_load_unsupported
+from rltrain.rollout.direct_load import DirectLoader, direct_loader_for
 from rltrain.rollout.types import EngineSettings, RolloutOutput, SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ class LoadStats:
     seconds: float
     """Wall time of the load including the prefix-cache reset."""
     path: str = "reload"
-    """How the engine took the weights in: ``direct`` (``direct_load``), ``reload`` (vLLM's
-    ``reload_weights`` in this process) or ``buckets`` (``reload_weights`` inside worker processes)."""
+    """How the engine (or its worker rank 0) took the weights in: ``direct`` (``direct_load``) or
+    ``reload`` (vLLM's ``reload_weights``)."""
 
 
 def _on_gpu() -> bool:
@@ -83,8 +84,6 @@ class RolloutEngine:
         self._sleep_warned = False
         self._asleep = False
         self._weights_awake = False  # asleep, but weights woken for a load (KV cache still released)
-        self._direct: DirectLoader | None = None
-        self._direct_reason: str | None = None
 
     def _engine_kwargs(self) -> dict[str, Any]:
         s = self.settings
@@ -218,40 +217,41 @@ class RolloutEngine:
             worker_fns.finish_reload(self._local_model(), counter.names)
             path = "reload"
         else:
+            path = "reload"
             for bucket in iter_buckets(counter, bucket_bytes):
-                self._load_bucket_remote(bucket)
-            path = "buckets"
+                path = self._load_bucket_remote(bucket)
         counter.check_complete_groups()
         self.llm.reset_prefix_cache()
         return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start, path)
 
     def _direct_loader(self) -> DirectLoader | None:
-        """The engine's ``DirectLoader`` when ``settings.weight_load`` selects it (built once)."""
+        """The in-process engine's ``DirectLoader`` when ``settings.weight_load`` selects it (workers in
+        other processes decide for themselves, in ``worker_fns``)."""
         mode = self.settings.weight_load
-        if mode == "reload":
+        if not self.in_process or mode == "reload":
             return None
-        if self._direct is None and self._direct_reason is None:
-            if not self.in_process or self.settings.tensor_model_parallel_size != 1:
-                self._direct_reason = "the engine's workers are not in this process (TP > 1 or multiprocess)"
-            else:
-                self._direct_reason = direct_load_unsupported(self._local_model())
-            if self._direct_reason is None:
-                self._direct = DirectLoader(self._local_model())
-            elif mode == "auto":
-                logger.info("weight loads go through vLLM reload_weights: %s", self._direct_reason)
-        if mode == "direct" and self._direct is None:
-            raise ValueError(f"weight_load='direct' is not possible for this engine: {self._direct_reason}")
-        return self._direct
+        if self.settings.tensor_model_parallel_size != 1:  # the other TP workers are not in this process
+            if mode == "direct":
+                raise ValueError(
+                    "weight_load='direct' needs TP=1 in process, or workers in their own processes"
+                )
+            return None
+        return direct_loader_for(self, self._local_model(), mode)
 
-    def _load_bucket_remote(self, bucket: list[NamedTensor]) -> None:
+    def _load_bucket_remote(self, bucket: list[NamedTensor]) -> str:
+        """Load one bucket in every worker; returns how worker rank 0 took it in (``direct``/``reload``)."""
+        mode = self.settings.weight_load
         if self.on_gpu:
             packed, handle = worker_fns.share_bucket_cuda_ipc(bucket)
-            self.llm.collective_rpc(worker_fns.reload_from_cuda_ipc, args=(handle, packed.metas))
+            paths = self.llm.collective_rpc(
+                worker_fns.reload_from_cuda_ipc, args=(handle, packed.metas, mode)
+            )
             torch.cuda.synchronize()
             del packed  # the workers are done with the shared buffer
         else:
             blob = worker_fns.serialize_bucket(bucket)
-            self.llm.collective_rpc(worker_fns.reload_from_blob, args=(blob,))
+            paths = self.llm.collective_rpc(worker_fns.reload_from_blob, args=(blob, mode))
+        return paths[0]
 
     def weights_digests(self) -> dict[str, str]:
         """``{hf_name: sha256}`` of the effective weights of worker rank 0's shard."""

@@ -1,8 +1,9 @@
 """Functions that run inside vLLM workers through ``LLM.collective_rpc`` (first argument: the worker).
 
 Used when the workers live in other processes (GPU engines, or ``EngineSettings.multiprocess`` on
-CPU). Each call loads one group-aligned bucket (see ``bucketing``) through the worker's
-``reload_weights(..., is_checkpoint_format=True)``:
+CPU). Each call loads one group-aligned bucket (see ``bucketing``) through ``load_in_worker``: the
+direct load on CPU where exact (``direct_load``, chosen by ``EngineSettings.weight_load``), else the
+worker's ``reload_weights(..., is_checkpoint_format=True)``:
 - CPU: the bucket travels as a safetensors blob (tensors given as plain RPC arguments arrive as
   lists; functions need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set by the engine).
 - GPU (colocated): the trainer packs the bucket into one device buffer and sends its CUDA IPC handle;
@@ -70,13 +71,26 @@ def serialize_bucket(bucket: list[NamedTensor]) -> bytes:
     return save({name: tensor.detach().cpu().contiguous() for name, tensor in bucket})
 
 
-def reload_from_blob(worker: Any, blob: bytes) -> None:
-    """Worker side of ``serialize_bucket``: load the blob's tensors in place."""
+def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) -> str:
+    """Load ``tensors`` into this worker's model: the direct load where ``weight_load`` selects it,
+    else ``reload_weights`` plus ``finish_reload``. Returns the path taken (``direct``/``reload``)."""
+    from rltrain.rollout.direct_load import direct_loader_for
+
+    model = worker.model_runner.get_model()
+    loader = direct_loader_for(worker, model, weight_load)
+    if loader is not None:
+        loader.load(tensors)
+        return "direct"
+    worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+    finish_reload(model, [name for name, _ in tensors])
+    return "reload"
+
+
+def reload_from_blob(worker: Any, blob: bytes, weight_load: str = "auto") -> str:
+    """Worker side of ``serialize_bucket``: load the blob's tensors in place (see ``load_in_worker``)."""
     from safetensors.torch import load
 
-    tensors = load(blob)
-    worker.reload_weights(weights_iterator=list(tensors.items()), is_checkpoint_format=True)
-    finish_reload(worker.model_runner.get_model(), list(tensors))
+    return load_in_worker(worker, list(load(blob).items()), weight_load)
 
 
 def share_bucket_cuda_ipc(bucket: list[NamedTensor]) -> tuple[PackedBucket, tuple[Any, tuple]]:
@@ -90,16 +104,17 @@ def share_bucket_cuda_ipc(bucket: list[NamedTensor]) -> tuple[PackedBucket, tupl
     return packed, reduce_tensor(packed.flat)
 
 
-def reload_from_cuda_ipc(worker: Any, handle: tuple[Any, tuple], metas: list[TensorMeta]) -> None:
+def reload_from_cuda_ipc(
+    worker: Any, handle: tuple[Any, tuple], metas: list[TensorMeta], weight_load: str = "auto"
+) -> str:
     """Worker side of ``share_bucket_cuda_ipc``: map the buffer on this worker's device and load it."""
     rebuild, args = handle
     args = list(args)
     args[6] = torch.cuda.current_device()  # storage_device of rebuild_cuda_tensor: this worker's GPU
     flat = rebuild(*args)
-    tensors = unpack_bucket(PackedBucket(metas, flat))
-    worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
-    finish_reload(worker.model_runner.get_model(), [m.name for m in metas])
+    path = load_in_worker(worker, unpack_bucket(PackedBucket(metas, flat)), weight_load)
     torch.cuda.synchronize()
+    return path
 
 
 def worker_digests(worker: Any) -> dict[str, str]:

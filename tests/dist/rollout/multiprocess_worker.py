@@ -36,6 +36,7 @@ def main(model_dir: str, out_path: str) -> None:
     result = {
         "in_process": engine.in_process,
         "num_tensors": stats.num_tensors,
+        "load_path": stats.path,
         "digest_problems": problems,
         "greedy_changed": changed,
         "restored_bit_identical": after.response_ids == before.response_ids

@@ -34,6 +34,7 @@ def test_multiprocess_engine_bucketed_load_digests_and_restore(tmp_path):
     assert result == {
         "in_process": False,
         "num_tensors": 21,
+        "load_path": "direct",  # the workers load directly (direct_load) into their own models
         "digest_problems": [],
         "greedy_changed": True,
         "restored_bit_identical": True,
