@@ -32,12 +32,13 @@ class WeightSyncConfig:
     """After each sync compare checksums of the engine's weights with the trainer's (slow; debugging)."""
 
     engine_load: Literal["auto", "direct", "reload"] = "auto"
-    """How an in-process CPU engine takes the weights in: ``direct`` runs the model's loaders into a
-    reused scratch tensor and repacks each layer with vLLM's own CPU kernel dispatch
-    (``rltrain.rollout.direct_load``; ~3x faster than ``reload``, same effective weights bit for bit);
-    ``reload`` goes through vLLM's ``reload_weights``; ``auto`` is ``direct`` wherever it is exact
-    (unquantized dense models on an in-process TP=1 CPU engine) and ``reload`` elsewhere.
-    ``direct`` on an engine that cannot take it fails at the first sync, naming the reason."""
+    """How a CPU engine takes the weights in: ``direct`` runs the model's loaders into a reused
+    scratch tensor and repacks each layer with vLLM's own CPU kernel dispatch
+    (``rltrain.rollout.direct_load``; 1.35x faster than ``reload`` for SmolLM2-135M, see
+    ``bench/README.md``; the same effective weights bit for bit); ``reload`` goes through vLLM's
+    ``reload_weights``; ``auto`` is ``direct`` wherever it is exact (unquantized dense models on a
+    CPU engine, in process at TP=1 or inside each worker process) and ``reload`` elsewhere (GPU,
+    quantized, MoE, LoRA). ``direct`` where it is not exact fails at the first sync, naming why."""
 
 
 @dataclass
