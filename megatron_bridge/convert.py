@@ -184,7 +184,7 @@ def _reshard_source(stored: Any):
 
 
 def _rank_main(
-    mode: str, src: str, dst: str, tp: int, pp: int, ep: int, verify: bool, atol: float | None
+    mode: str, src: str, dst: str, hf: str, tp: int, pp: int, ep: int, verify: bool, atol: float | None
 ) -> dict:
     import torch.distributed as dist
 
@@ -198,8 +198,7 @@ def _rank_main(
         raise ValueError(
             f"unknown conversion mode {mode!r}; expected hf-to-mcore, mcore-to-hf, mcore-to-mcore"
         )
-    src_p, dst_p = Path(src), Path(dst)
-    hf_dir = src_p if mode == "hf-to-mcore" else src_p / "hf"
+    src_p, dst_p, hf_dir = Path(src), Path(dst), Path(hf)
     config, ctx, build, chunks, bridge = _setup(hf_dir, tp, pp, ep, meta=True)
     locations = _locations(chunks, ctx, bridge)
     src_step = None
@@ -289,6 +288,31 @@ def _shared_tmp(ctx, tmp: Path) -> Path:
 
 
 # ---- launcher ------------------------------------------------------------------------------------
+MODES = ("hf-to-mcore", "mcore-to-hf", "mcore-to-mcore")
+
+
+def _check_inputs(mode: str, src: Path, hf_config_dir: str | Path | None) -> Path:
+    """The HF directory with the model's config; fails before any rank starts, naming what is missing."""
+    if mode not in MODES:
+        raise ValueError(f"unknown conversion mode {mode!r}; expected one of {', '.join(MODES)}")
+    if mode == "hf-to-mcore":
+        HFCheckpointReader(src)  # raises naming the directory without safetensors
+        hf_dir = src
+    else:
+        if not (src / "latest").is_file():
+            raise FileNotFoundError(
+                f"{src}: no Megatron checkpoint ({src / 'latest'} is missing); pass the directory that "
+                "holds `latest`, e.g. a conversion's output or a run's checkpoints/step_N/actor"
+            )
+        hf_dir = Path(hf_config_dir) if hf_config_dir is not None else src / "hf"
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{hf_dir / 'config.json'} is missing: the HF config (and tokenizer) of the model"
+            + ("" if mode == "hf-to-mcore" else "; pass --hf-config DIR (the model it was trained from)")
+        )
+    return hf_dir
+
+
 def _entry(rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -315,18 +339,24 @@ def run_conversion(
     ep: int = 1,
     verify: bool = True,
     atol: float = 1e-4,
+    hf_config_dir: str | Path | None = None,
     timeout_s: float = 3600,
 ) -> ConversionReport:
-    """Run one conversion on ``tp × pp × ep`` spawned gloo ranks; raises with the failing rank's traceback."""
+    """Run one conversion on ``tp × pp × ep`` spawned gloo ranks; raises with the failing rank's traceback.
+
+    ``hf_config_dir``: for a Megatron source, where its HF config and tokenizer are (default
+    ``src/hf``, which conversions and the trainer's actor checkpoints carry).
+    """
     import torch.multiprocessing as mp
 
+    hf_dir = _check_inputs(mode, Path(src), hf_config_dir)
     world = tp * pp * ep
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp_ctx = mp.get_context("spawn")
     queue = mp_ctx.Queue()
-    args = (mode, str(src), str(dst), tp, pp, ep, verify, atol)
+    args = (mode, str(src), str(dst), str(hf_dir), tp, pp, ep, verify, atol)
     procs = [mp_ctx.Process(target=_entry, args=(r, world, port, args, queue)) for r in range(world)]
     for proc in procs:
         proc.start()

@@ -6,6 +6,9 @@ Subcommands::
     mcore-to-hf   SRC_MCORE_DIR DST_HF_DIR  [--tp/--pp/--ep: layout of the logits check]
     mcore-to-mcore SRC_MCORE_DIR DST_MCORE_DIR --tp N --pp N --ep N   (reshard)
 
+SRC_MCORE_DIR holds ``latest`` (a conversion's output, or a run's ``checkpoints/step_N/actor``);
+the model's HF config and tokenizer come from ``SRC_MCORE_DIR/hf`` or ``--hf-config DIR``.
+
 By default the result is verified (bit-exact round trip of every tensor, logits vs transformers on
 a probe batch within ``--atol``) and the verification is printed; ``--no-verify`` skips it. Exit
 status 1 with the failing tensors named when verification or conversion fails. Conversion and the
@@ -35,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 default=1,
                 help=f"{what}-parallel size of the {'target' if layout else 'logits-check'} layout",
             )
+        if mode != "hf-to-mcore":
+            sub.add_argument(
+                "--hf-config",
+                default=None,
+                help="HF config/tokenizer directory of the model (default: SRC/hf, which conversions "
+                "and the trainer's actor checkpoints carry)",
+            )
         sub.add_argument("--no-verify", action="store_true", help="skip the round-trip and logits checks")
         sub.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed (fp32)")
         sub.add_argument("--no-logits", action="store_true", help="verify the round trip only")
@@ -61,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
             ep=args.ep,
             verify=not args.no_verify,
             atol=None if args.no_logits else args.atol,
+            hf_config_dir=getattr(args, "hf_config", None),
         )
     except (RuntimeError, KeyError, ValueError, FileNotFoundError) as err:
         print(f"convert {args.mode} failed: {err}", file=sys.stderr)

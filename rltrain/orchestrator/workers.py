@@ -331,7 +331,14 @@ class PolicyWorker(_MegatronRankBase):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, root: str, step: int) -> str:
-        return str(self.actor.save_checkpoint(Path(root) / "actor", step=step))
+        """``root/actor``: the Megatron checkpoint, and ``hf/`` with the model's config and tokenizer
+        files, so that ``rltrain convert mcore-to-hf root/actor OUT`` exports it as it stands."""
+        path = self.actor.save_checkpoint(Path(root) / "actor", step=step)
+        if self.ctx.rank == 0:
+            from megatron_bridge.hf_io import copy_hf_aux_files
+
+            copy_hf_aux_files(self.model_dir, Path(root) / "actor" / "hf")
+        return str(path)
 
     def load_checkpoint(self, root: str) -> int | None:
         return self.actor.load_checkpoint(Path(root) / "actor", load_optimizer=True)

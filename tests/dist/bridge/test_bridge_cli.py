@@ -1,0 +1,42 @@
+"""``rltrain convert`` as a user runs it: a subprocess, its printed verification and its exit status."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rltrain.models.tiny import save_tiny_model
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "convert", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_cli_converts_verifies_and_names_bad_input(tmp_path):
+    src = save_tiny_model(tmp_path / "hf", "qwen2", seed=7)
+    done = _convert("hf-to-mcore", str(src), str(tmp_path / "mcore"), "--tp", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hf-to-mcore at TP=2 PP=1 EP=1: 26 tensors" in done.stdout
+    assert "round trip: 26 tensors bit-exact" in done.stdout
+    diff = float(re.search(r"logits vs transformers: max abs diff (\S+)", done.stdout).group(1))
+    assert diff <= 1e-4
+    assert (tmp_path / "mcore" / "latest").read_text() == "step_0"
+
+    (tmp_path / "empty").mkdir()
+    failed = _convert("mcore-to-hf", str(tmp_path / "empty"), str(tmp_path / "out"), "--no-verify")
+    assert failed.returncode == 1
+    assert f"{tmp_path / 'empty'}: no Megatron checkpoint" in failed.stderr
