@@ -49,7 +49,7 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
     bridge = bridge_for_chunks(hf_config, chunks, ctx)
     load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(model_dir))
     planned = PlannedExport(chunks, ctx, bridge)
-    result: dict = {"tp1": {}, "tp2": {}}
+    result: dict = {"tp2": {}}
     for dst in range(ctx.world_size):
         full = list(export_hf_weights(chunks, ctx, bridge, dst=dst))
         ours = list(planned.stream(EngineLayout(tp=1), 0, dst=dst))
@@ -57,7 +57,7 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
             assert [n for n, _ in ours] == [n for n, _ in full], "names or order differ"
             differ = [n for (n, a), (_, b) in zip(ours, full) if not torch.equal(a, b)]
             assert not differ, f"rank {dst}: planned TP=1 stream differs from the full export: {differ}"
-        result["num_tensors"] = len(full) if ctx.rank == dst == 0 else result.get("num_tensors")
+            result["num_tensors"] = len(full)
     full = dict(export_hf_weights(chunks, ctx, bridge, dst=0))
     engine = EngineLayout(tp=2, ep=2 if bridge.dims.num_experts else 1)
     plan = planned.plan(engine)
