@@ -240,8 +240,10 @@ class SafetensorsWriter:
 
 
 def copy_hf_aux_files(source: str | Path, dest: str | Path) -> list[str]:
-    """Copy config, tokenizer and generation-config files present in ``source``; returns their names."""
+    """Copy config, tokenizer and generation-config files present in ``source`` into ``dest`` (created
+    if missing); returns their names."""
     copied = []
+    Path(dest).mkdir(parents=True, exist_ok=True)
     for name in AUX_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, Path(dest) / name)
