@@ -116,6 +116,45 @@ def optim() -> OptimConfig:
     )
 
 
+def _two_train_steps(
+    role: str,
+    hf: Any,
+    parallel: ParallelConfig,
+    batching: MicroBatching,
+    load_from: str | None,
+    save_to: str | None,
+) -> tuple[Any, Any, dict[str, torch.Tensor]]:
+    """Build a ``role`` worker at ``parallel``, forward, two train steps, forward again.
+
+    Returns the forward outputs before and after the first step, and the two steps' losses and grad norms.
+    """
+    forward, loss = {
+        "actor": (MegatronWorker.compute_log_prob, policy_loss),
+        "critic": (MegatronWorker.compute_values, value_loss),
+    }[role]
+    ensure_process_group()
+    ctx = ParallelContext.initialize(parallel, seed=SEED)
+    try:
+        worker = MegatronWorker(hf, ctx=ctx, role=role, batching=batching, optim=optim(), total_steps=4)
+        if load_from:
+            worker.load_checkpoint(load_from, load_optimizer=False)
+        if save_to:
+            worker.save_checkpoint(save_to, step=0)
+        batch = make_batch()
+        tokens = float(batch.response_mask.sum())
+        before = forward(worker, batch)
+        first = worker.update(dp_shard(batch, ctx), loss(tokens))
+        after = forward(worker, batch)
+        second = worker.update(dp_shard(batch, ctx), loss(tokens))
+        steps = {
+            "loss": torch.tensor([first.metrics["loss"], second.metrics["loss"]]),
+            "grad_norm": torch.tensor([first.grad_norm, second.grad_norm]),
+        }
+        return before, after, steps
+    finally:
+        ctx.destroy()
+
+
 def actor_round(
     hf: Any,
     parallel: ParallelConfig,
@@ -125,29 +164,13 @@ def actor_round(
     save_to: str | None = None,
 ) -> dict[str, Any]:
     """Build an actor at ``parallel``, forward, two train steps, forward again; numbers to compare."""
-    ensure_process_group()
-    ctx = ParallelContext.initialize(parallel, seed=SEED)
-    try:
-        worker = MegatronWorker(hf, ctx=ctx, role="actor", batching=batching, optim=optim(), total_steps=4)
-        if load_from:
-            worker.load_checkpoint(load_from, load_optimizer=False)
-        if save_to:
-            worker.save_checkpoint(save_to, step=0)
-        batch = make_batch()
-        tokens = float(batch.response_mask.sum())
-        before = worker.compute_log_prob(batch)
-        first = worker.update(dp_shard(batch, ctx), policy_loss(tokens))
-        after = worker.compute_log_prob(batch)
-        second = worker.update(dp_shard(batch, ctx), policy_loss(tokens))
-        return {
-            "logprobs": before.logprobs,
-            "entropy": before.entropy,
-            "loss": torch.tensor([first.metrics["loss"], second.metrics["loss"]]),
-            "grad_norm": torch.tensor([first.grad_norm, second.grad_norm]),
-            "logprobs_after": after.logprobs,
-        }
-    finally:
-        ctx.destroy()
+    before, after, steps = _two_train_steps("actor", hf, parallel, batching, load_from, save_to)
+    return {
+        "logprobs": before.logprobs,
+        "entropy": before.entropy,
+        **steps,
+        "logprobs_after": after.logprobs,
+    }
 
 
 def critic_round(
@@ -158,28 +181,8 @@ def critic_round(
     load_from: str | None = None,
     save_to: str | None = None,
 ) -> dict[str, Any]:
-    ensure_process_group()
-    ctx = ParallelContext.initialize(parallel, seed=SEED)
-    try:
-        worker = MegatronWorker(hf, ctx=ctx, role="critic", batching=batching, optim=optim(), total_steps=4)
-        if load_from:
-            worker.load_checkpoint(load_from, load_optimizer=False)
-        if save_to:
-            worker.save_checkpoint(save_to, step=0)
-        batch = make_batch()
-        tokens = float(batch.response_mask.sum())
-        values = worker.compute_values(batch)
-        first = worker.update(dp_shard(batch, ctx), value_loss(tokens))
-        after = worker.compute_values(batch)
-        second = worker.update(dp_shard(batch, ctx), value_loss(tokens))
-        return {
-            "values": values,
-            "loss": torch.tensor([first.metrics["loss"], second.metrics["loss"]]),
-            "grad_norm": torch.tensor([first.grad_norm, second.grad_norm]),
-            "values_after": after,
-        }
-    finally:
-        ctx.destroy()
+    values, after, steps = _two_train_steps("critic", hf, parallel, batching, load_from, save_to)
+    return {"values": values, **steps, "values_after": after}
 
 
 def max_diffs(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
