@@ -152,29 +152,25 @@ def train(config: RLConfig) -> int:
     share = 0.5 if config.critic_enabled() else 1.0
     placement = Placement(pg, num_cpus=share, num_gpus=share if gpu else 0.0)
     groups = []
-    try:
-        policy_group = RayWorkerGroup(
-            "actor_rollout_ref",
-            PolicyWorker,
-            world_size=world,
-            placement=placement,
-            args=(config, model_dir),
-            kwargs={"total_steps": total_steps},
+
+    def start_group(role: str, cls: type, size: int, where: Placement, **kwargs) -> RayWorkerGroup:
+        """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)``; killed when the run ends."""
+        group = RayWorkerGroup(
+            role, cls, world_size=size, placement=where, args=(config, model_dir), kwargs=kwargs
         )
-        groups.append(policy_group)
+        groups.append(group)
+        return group
+
+    try:
+        policy_group = start_group(
+            "actor_rollout_ref", PolicyWorker, world, placement, total_steps=total_steps
+        )
         rollout_group = None
         if separate:
             engine_placement = Placement(
                 pg, first_bundle=world, num_cpus=1.0, num_gpus=float(tp) if gpu else 0.0
             )
-            rollout_group = RayWorkerGroup(
-                "rollout",
-                RolloutWorker,
-                world_size=num_engines,
-                placement=engine_placement,
-                args=(config, model_dir),
-            )
-            groups.append(rollout_group)
+            rollout_group = start_group("rollout", RolloutWorker, num_engines, engine_placement)
             address = policy_group.free_address()
             joining = rollout_group.submit("connect_weight_sync", address, num_engines)
             policy_group.call_each(
@@ -183,16 +179,9 @@ def train(config: RLConfig) -> int:
             rollout_group.wait("connect_weight_sync", joining)
         critic = None
         if config.critic_enabled():
-            critic_group = RayWorkerGroup(
-                "critic",
-                CriticWorker,
-                world_size=world,
-                placement=placement,
-                args=(config, model_dir),
-                kwargs={"total_steps": total_steps},
+            critic = CriticRole(
+                start_group("critic", CriticWorker, world, placement, total_steps=total_steps)
             )
-            groups.append(critic_group)
-            critic = CriticRole(critic_group)
         engine_ranks = [] if separate else list(range(0, world, tp))
         roles = Roles(
             policy=PolicyRole(policy_group, engine_ranks=engine_ranks, separate=rollout_group), critic=critic
