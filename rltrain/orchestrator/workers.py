@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -319,14 +319,7 @@ class PolicyWorker(_MegatronRankBase):
         results = []
         for local, counts in mini_batches:
             res = self.actor.update(_token_batch(local, extras), actor_loss_fn(self.config.actor, counts))
-            results.append(
-                {
-                    **res.metrics,
-                    "actor/grad_norm": res.grad_norm,
-                    "actor/lr": res.lr,
-                    "actor/skipped_steps": float(res.skipped),
-                }
-            )
+            results.append(_step_metrics("actor", res))
         return results
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -378,14 +371,7 @@ class CriticWorker(_MegatronRankBase):
             res = self.critic.update(
                 _token_batch(local, ("values", "returns")), critic_loss_fn(self.config.critic, counts)
             )
-            results.append(
-                {
-                    **res.metrics,
-                    "critic/grad_norm": res.grad_norm,
-                    "critic/lr": res.lr,
-                    "critic/skipped_steps": float(res.skipped),
-                }
-            )
+            results.append(_step_metrics("critic", res))
         return results
 
     def save_checkpoint(self, root: str, step: int) -> str:
@@ -395,6 +381,16 @@ class CriticWorker(_MegatronRankBase):
         return self.critic.load_checkpoint(Path(root) / "critic", load_optimizer=True)
 
 
+def _step_metrics(role: str, res) -> dict[str, float]:
+    """A train step's loss metrics plus ``{role}/grad_norm``, ``{role}/lr`` and ``{role}/skipped_steps``."""
+    return {
+        **res.metrics,
+        f"{role}/grad_norm": res.grad_norm,
+        f"{role}/lr": res.lr,
+        f"{role}/skipped_steps": float(res.skipped),
+    }
+
+
 def build_engine(config: RLConfig, model_dir: str):
     """The vLLM engine of ``config.rollout`` for ``model_dir`` (context length from the data if unset)."""
     from rltrain.rollout.engine import RolloutEngine
@@ -402,7 +398,9 @@ def build_engine(config: RLConfig, model_dir: str):
 
     settings = EngineSettings.from_rollout_config(config.rollout)
     max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
-    return RolloutEngine(model_dir, settings=_with(settings, max_model_len=max_len, dtype=config.model.dtype))
+    return RolloutEngine(
+        model_dir, settings=replace(settings, max_model_len=max_len, dtype=config.model.dtype)
+    )
 
 
 def _broadcast_transport(config: RLConfig, address: tuple[str, int], *, group_rank: int, world_size: int):
@@ -471,9 +469,3 @@ def _step_metrics(role: str, result) -> dict[str, float]:
 def _drain(stream) -> None:
     for _ in stream:
         pass
-
-
-def _with(settings, **changes):
-    from dataclasses import replace
-
-    return replace(settings, **changes)
