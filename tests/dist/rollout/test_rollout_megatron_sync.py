@@ -3,24 +3,12 @@ actor's recomputed logprobs within 1e-3 (fp32), after the first sync and after a
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rank_launch import run_two_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e]
-
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_tp2_model(out: Path, seed: int) -> Path:
@@ -37,35 +25,8 @@ def save_tp2_model(out: Path, seed: int) -> Path:
 def run_sync_ranks(tmp_path: Path, engine_dir: Path, actor_dir: Path, layout: str) -> dict:
     """Launch the two ranks of ``megatron_sync_worker.py`` and return rank 0's numbers."""
     out = tmp_path / "result.json"
-    worker = Path(__file__).with_name("megatron_sync_worker.py")
-    port = str(_free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, str(worker), str(engine_dir), str(actor_dir), str(out), layout]
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    try:
-        logs = [p.communicate(timeout=420)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-5000:]}"
-    result = json.loads(out.read_text())
-    print(json.dumps(result))
-    return result
+    args = [str(engine_dir), str(actor_dir), str(out), layout]
+    return run_two_ranks("megatron_sync_worker.py", args, out, timeout=420)
 
 
 def check_sync(result: dict, num_tensors: int) -> None:
