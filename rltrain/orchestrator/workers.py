@@ -284,16 +284,27 @@ class PolicyWorker(_MegatronRankBase):
     def _verify_engine_weights(self) -> list[str]:
         """HF names whose engine digest differs from the trainer's (collective, like the sync)."""
         from rltrain.rollout.checksum import compare_digests, digests
+        from rltrain.rollout.planner import EngineLayout
 
+        tp = self.config.rollout.tensor_model_parallel_size
+        if tp > 1 and not self._planned_export:  # built by the sync this verifies
+            log.warning("weight sync verification skipped: engine TP=%d needs the planned export", tp)
+            return []
         mismatched: list[str] = []
         for engine_rank in self.engine_ranks:
-            stream = self._export(dst=engine_rank)
-            if engine_rank != self.ctx.rank:
-                _drain(stream)
-                continue
-            engine = self.engine.weights_digests()
-            expected = digests(stream, dtype=_dtype(self.config.model.dtype))
-            mismatched = compare_digests({k: v for k, v in expected.items() if k in engine}, engine)
+            host = engine_rank == self.ctx.rank
+            workers = self.engine.all_weights_digests() if host else [None] * tp
+            for worker, engine in enumerate(workers):  # each TP worker against its own shard
+                if tp == 1:
+                    stream = self._export(dst=engine_rank)
+                else:
+                    stream = self._planned_export.shard_stream(EngineLayout(tp=tp), worker, dst=engine_rank)
+                if not host:
+                    _drain(stream)
+                    continue
+                expected = digests(stream, dtype=_dtype(self.config.model.dtype))
+                problems = compare_digests({k: v for k, v in expected.items() if k in engine}, engine)
+                mismatched += [f"engine worker {worker}: {p}" for p in problems]
             for problem in mismatched:
                 log.error("weight sync verification (rank %d): %s", self.ctx.rank, problem)
         return mismatched

