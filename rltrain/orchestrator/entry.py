@@ -79,16 +79,42 @@ def connect_ray(config: RLConfig) -> bool:
         ray.init(address=address, log_to_driver=True)
         log.info("joined the running Ray cluster at %s", address)
         return False
-    try:
-        ray.init(address="auto", log_to_driver=True)
-        log.info("joined the running Ray cluster")
+    found = _running_cluster()
+    if found is not None:
+        ray.init(address=found, log_to_driver=True)
+        log.info("joined the running Ray cluster at %s", found)
         return False
+    ray.init(address="local", num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+    log.info("started a local Ray instance")
+    return True
+
+
+def _running_cluster(timeout_s: float = 3.0) -> str | None:
+    """The address of a Ray cluster running on this machine whose GCS answers, else None.
+
+    ``ray.init(address="auto")`` trusts ``/tmp/ray/ray_current_cluster``; a head that was killed
+    without ``ray stop`` leaves it behind, and ``ray.init`` then retries that address for many
+    minutes. A plain TCP connect tells a live GCS from a stale file first.
+    """
+    import socket
+
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        address = get_ray_address_from_environment("auto", None)
     except ConnectionError:
-        ray.init(
-            address="local", num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True
+        return None
+    host, _, port = str(address).rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return address
+    except (OSError, ValueError):
+        log.warning(
+            "ignoring the Ray cluster address %s found on this machine (nothing answers there: a head "
+            "stopped without `ray stop`?); starting a local Ray instead",
+            address,
         )
-        log.info("started a local Ray instance")
-        return True
+        return None
 
 
 def total_steps_of(config: RLConfig, data: RunData) -> int:

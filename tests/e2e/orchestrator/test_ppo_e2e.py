@@ -182,3 +182,35 @@ def test_rollout_on_its_own_devices_gets_weights_by_broadcast(local_ray, tmp_pat
         assert r["rollout/logprob_abs_diff_max"] < 1e-3
         assert r["weight_sync/num_tensors"] == 21 and r["weight_sync/buckets"] >= 2  # 1 MiB buckets
     assert abs(records[2]["actor/kl"]) > 1e-6
+
+
+def test_rollout_tp2_engine_from_a_tp2_actor(local_ray, tmp_path, model_cache):
+    """vLLM at TP=2 (two CPU workers of one engine, in processes of their own, started from inside a
+    Ray actor) fed by a TP=2 actor; every sync is verified worker by worker against the planned shards."""
+    from rltrain.orchestrator.entry import train
+
+    config = load_config(
+        RECIPE,
+        [
+            *overrides(
+                tmp_path,
+                model_cache,
+                "cluster.n_gpus_per_node=2",
+                "actor.parallel.tensor_model_parallel_size=2",
+                "rollout.tensor_model_parallel_size=2",
+                "rollout.weight_sync.verify_checksums=true",
+                "actor.ppo_micro_batch_size_per_gpu=8",
+                "critic.ppo_micro_batch_size_per_gpu=4",
+                "trainer.total_training_steps=2",
+            ),
+            "trainer.save_freq=0",
+            "trainer.test_freq=0",
+        ],
+    )
+    assert train(config) == 2
+    records = {r["step"]: r for r in read_metrics(config.run_dir())}
+    for step in (1, 2):
+        r = records[step]
+        assert r["weight_sync/checksum_mismatches"] == 0 and r["weight_sync/num_tensors"] == 21
+        assert r["rollout/logprob_abs_diff_max"] < 1e-3
+    assert abs(records[2]["actor/kl"]) > 1e-6  # the second rollout sampled from the updated weights

@@ -1,0 +1,40 @@
+"""``rltrain train`` joins a Ray cluster found on this machine only if its GCS answers.
+
+A head killed without ``ray stop`` leaves its address in ``<ray temp dir>/ray_current_cluster``;
+``ray.init(address="auto")`` would retry it for many minutes. The address file here is Ray's own
+(found through ``RAY_TMPDIR``); the live cluster is stood for by a listening socket (no Ray head is
+started in the unit tier).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from rltrain.orchestrator.entry import _running_cluster
+
+
+def _write_address(tmp_path, monkeypatch, address: str) -> None:
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "ray").mkdir(exist_ok=True)
+    (tmp_path / "ray" / "ray_current_cluster").write_text(address)
+
+
+def test_a_stale_address_file_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
+    with socket.socket() as sock:  # a port that nothing listens on once the socket closes
+        sock.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    _write_address(tmp_path, monkeypatch, dead)
+    with caplog.at_level(logging.WARNING):
+        assert _running_cluster(timeout_s=1.0) is None
+    assert f"ignoring the Ray cluster address {dead}" in caplog.text
+
+
+def test_an_answering_address_is_joined(tmp_path, monkeypatch):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        live = f"127.0.0.1:{server.getsockname()[1]}"
+        _write_address(tmp_path, monkeypatch, live)
+        assert _running_cluster(timeout_s=1.0) == live
