@@ -201,20 +201,31 @@ class PolicyWorker(_MegatronRankBase):
         use the bridge's full-tensor gather instead, said once in the log.
         """
         from megatron_bridge.live import bridge_for_chunks, export_hf_weights
-        from rltrain.rollout.planned_export import PlannedExport
         from rltrain.rollout.planner import EngineLayout
 
-        chunks = self.actor.chunks
-        bridge = bridge_for_chunks(self.hf_config, chunks, self.ctx)
+        planned = self._planned()
+        if not planned:
+            chunks = self.actor.chunks
+            return export_hf_weights(
+                chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx), dst=dst
+            )
+        return planned.stream(EngineLayout(tp=1), 0, dst=dst)
+
+    def _planned(self):
+        """The actor's ``PlannedExport`` (built once, collective), or False where the planner does not apply."""
         if self._planned_export is None:
+            from megatron_bridge.live import bridge_for_chunks
+            from rltrain.rollout.planned_export import PlannedExport
+
+            chunks = self.actor.chunks
             try:
-                self._planned_export = PlannedExport(chunks, self.ctx, bridge)
+                self._planned_export = PlannedExport(
+                    chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx)
+                )
             except NotImplementedError as err:
                 log.info("weight sync gathers whole tensors (export_hf_weights): %s", err)
                 self._planned_export = False
-        if self._planned_export is False:
-            return export_hf_weights(chunks, self.ctx, bridge, dst=dst)
-        return self._planned_export.stream(EngineLayout(tp=1), 0, dst=dst)
+        return self._planned_export
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling) -> Any:
@@ -251,7 +262,8 @@ class PolicyWorker(_MegatronRankBase):
         """Stream the actor's weights (HF names, gathered over TP/PP/EP) to the engines.
 
         Collective over the actor's ranks. Colocated: one gather per engine, each into the engine of
-        its rank. Separate: one gather onto rank 0, which broadcasts buckets to the engines.
+        its rank; a CPU engine with TP>1 workers gets each worker's planned regions only. Separate:
+        one gather onto rank 0, which broadcasts buckets to the engines.
         """
         start = time.perf_counter()
         stats = None
@@ -262,9 +274,21 @@ class PolicyWorker(_MegatronRankBase):
                 stats = self.transport.send(stream)
             else:
                 _drain(stream)
+        tp = self.config.rollout.tensor_model_parallel_size
         for engine_rank in self.engine_ranks:
+            host = engine_rank == self.ctx.rank
+            if tp > 1 and self._planned() and not torch.cuda.is_available():
+                # CPU workers in processes of their own: each takes its own planned regions only
+                from rltrain.rollout.planner import EngineLayout
+
+                regions = self._planned_export.rank_regions(EngineLayout(tp=tp), dst=engine_rank)
+                if host:
+                    stats = self.engine.load_rank_regions(regions, bucket_bytes=bucket)
+                else:
+                    _drain(regions)
+                continue
             stream = self._export(dst=engine_rank)
-            if engine_rank == self.ctx.rank:
+            if host:
                 stats = self.engine.load_weights(stream, bucket_bytes=bucket)
             else:
                 _drain(stream)
@@ -287,7 +311,7 @@ class PolicyWorker(_MegatronRankBase):
         from rltrain.rollout.planner import EngineLayout
 
         tp = self.config.rollout.tensor_model_parallel_size
-        if tp > 1 and not self._planned_export:  # built by the sync this verifies
+        if tp > 1 and not self._planned():
             log.warning("weight sync verification skipped: engine TP=%d needs the planned export", tp)
             return []
         mismatched: list[str] = []

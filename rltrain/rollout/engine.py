@@ -254,6 +254,42 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()
         return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start, path)
 
+    def load_rank_regions(
+        self, items: Iterable[tuple[str, tuple[int, ...], Any]], *, bucket_bytes: int = 256 << 20
+    ) -> LoadStats:
+        """Load planned regions into a CPU engine whose TP workers run in processes of their own:
+        ``items`` yields ``(hf_name, full shape, {worker_rank: [(slices, values)]})``
+        (``PlannedExport.rank_regions``)
+        and each worker receives and deserializes its own regions only. Buckets never split a fused
+        module. ``LoadStats.num_bytes`` counts what the workers took in, all together."""
+        if self.in_process or self.on_gpu:
+            raise NotImplementedError("per-worker regions go to multi-process CPU engines (GPU: CUDA IPC)")
+        start = time.perf_counter()
+        pending: dict[str, Any] = {}
+
+        def sized() -> Iterator[NamedTensor]:  # stand-ins with the regions' byte counts, for bucketing
+            for name, shape, regions in items:
+                pending[name] = (shape, regions)
+                nbytes = sum(v.numel() * v.element_size() for regs in regions.values() for _, v in regs)
+                yield name, torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+        counter = _Counter(sized())
+        path = "reload"
+        for bucket in iter_buckets(counter, bucket_bytes):
+            per_rank: dict[int, list] = {}
+            for name, _ in bucket:
+                shape, regions = pending.pop(name)
+                for rank, regs in regions.items():
+                    per_rank.setdefault(rank, []).append((name, shape, regs))
+            blobs = {rank: worker_fns.serialize_regions(entries) for rank, entries in per_rank.items()}
+            paths = self.llm.collective_rpc(
+                worker_fns.reload_from_regions, args=(blobs, self.settings.weight_load)
+            )
+            path = paths[0]
+        counter.check_complete_groups()
+        self.llm.reset_prefix_cache()
+        return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start, path)
+
     def _direct_loader(self) -> DirectLoader | None:
         """The in-process engine's ``DirectLoader`` when ``settings.weight_load`` selects it (workers in
         other processes decide for themselves, in ``worker_fns``)."""

@@ -16,6 +16,8 @@ Contract (torch.distributed only; collective over the trainer's ranks, like
   shard unfused into HF names, in HF coordinates, by the bridge's own ``to_hf`` at the shard's
   head and vocab counts), ``dst`` receives it. No rank holds more than one unit's pieces at a time.
   For ``EngineLayout(tp=1)`` the stream equals ``export_hf_weights(dst=...)`` bit for bit.
+- ``rank_regions(engine, dst=...)``: per tensor, every engine rank's planned regions (the values
+  only), for engines whose workers each take their own part (``RolloutEngine.load_rank_regions``).
 - ``shard_stream(engine, engine_rank, dst=...)``: the same tensors cut to that rank's region, i.e.
   its local shard (checksums against the engine's per-worker weight readback).
 - ``plan(engine)`` returns ``{engine_rank: [SliceCopy]}`` (what each rank receives; tests, reports).
@@ -43,6 +45,8 @@ from rltrain.rollout.planner import (
 )
 
 NamedTensor = tuple[str, torch.Tensor]
+RankRegions = dict[int, list[tuple[tuple[slice, ...], torch.Tensor]]]
+"""``{engine_rank: [(region in full HF coordinates, its values)]}`` of one HF tensor."""
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -108,6 +112,35 @@ class PlannedExport:
             for copy in copies:
                 if self._owner(copy) == me:
                     dist.send(self._piece(copy.hf_name)[copy.src].contiguous(), dst)
+        finally:
+            self._cached_unit, self._pieces = None, {}
+
+    def rank_regions(
+        self, engine: EngineLayout, *, dst: int
+    ) -> Iterator[tuple[str, tuple[int, ...], RankRegions]]:
+        """Per HF tensor (export order), on ``dst``: its full shape and ``{engine_rank: [(dst slices,
+        region)]}``, every
+        planned region of every engine rank, each moved once from its owner (collective). What a
+        multi-worker engine hands each worker: its own regions, not whole tensors."""
+        plans = self.plan(engine)
+        by_name: dict[str, list[tuple[int, SliceCopy]]] = {}
+        for engine_rank, copies in plans.items():
+            for copy in copies:
+                by_name.setdefault(copy.hf_name, []).append((engine_rank, copy))
+        me = self.ctx.rank
+        try:
+            for name in [n for n in self.shapes if n in by_name]:
+                regions: RankRegions = {}
+                for engine_rank, copy in by_name[name]:
+                    owner = self._owner(copy)
+                    if me == dst:
+                        region = self._fetch(copy)
+                        region = region.clone() if owner == me else region  # the piece cache moves on
+                        regions.setdefault(engine_rank, []).append((copy.dst, region))
+                    elif owner == me:
+                        dist.send(self._piece(name)[copy.src].contiguous(), dst)
+                if me == dst:
+                    yield name, self.shapes[name], regions
         finally:
             self._cached_unit, self._pieces = None, {}
 

@@ -122,3 +122,50 @@ def worker_digests(worker: Any) -> dict[str, str]:
     from rltrain.rollout.checksum import engine_digests
 
     return engine_digests(worker.model_runner.get_model())
+
+
+def serialize_regions(
+    items: list[tuple[str, tuple[int, ...], list[tuple[tuple[slice, ...], torch.Tensor]]]],
+) -> bytes:
+    """A safetensors blob of one worker's regions: ``(hf_name, full shape, [(slices, values)])``."""
+    import json
+
+    from safetensors.torch import save
+
+    tensors, entries = {}, []
+    for name, shape, regions in items:
+        for slices, values in regions:
+            key = str(len(tensors))
+            tensors[key] = values.detach().cpu().contiguous()
+            entries.append([name, list(shape), [[s.start, s.stop] for s in slices], key])
+    return save(tensors, metadata={"regions": json.dumps(entries)})
+
+
+def reload_from_regions(worker: Any, blobs: dict[int, bytes], weight_load: str = "auto") -> str:
+    """Worker side of ``serialize_regions``: take this worker's blob (by its TP rank), put each region
+    into a full-shaped tensor (the rest is never read: vLLM's loader narrows to this rank's part) and
+    load them (see ``load_in_worker``)."""
+    import json
+
+    from safetensors.torch import load
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    blob = blobs.get(get_tensor_model_parallel_rank())
+    if blob is None:
+        return "none"
+    values = load(blob)
+    full: dict[str, torch.Tensor] = {}
+    for name, shape, slices, key in json.loads(_metadata(blob)["regions"]):
+        region = values[key]
+        out = full.setdefault(name, torch.empty(shape, dtype=region.dtype))
+        out[tuple(slice(a, b) for a, b in slices)] = region
+    return load_in_worker(worker, list(full.items()), weight_load)
+
+
+def _metadata(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob (its JSON header)."""
+    import json
+    import struct
+
+    (size,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8 : 8 + size]).get("__metadata__", {})

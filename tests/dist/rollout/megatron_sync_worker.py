@@ -11,6 +11,7 @@ does; the checksums compare against the bridge's full export. Rank 0 writes the 
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import torch
@@ -74,18 +75,23 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
 
     planned = PlannedExport(actor.chunks, ctx, bridge)
 
-    def sync() -> dict:  # as PolicyWorker.sync_weights: the planned stream of a TP=1 engine per rank
+    def sync() -> dict:  # as PolicyWorker.sync_weights
         stats = None
         for engine_rank in engine_ranks:
-            stream = planned.stream(EngineLayout(tp=1), 0, dst=engine_rank)
-            if engine_rank == ctx.rank:
-                stats = transport.send(stream)
-            else:
+            if engine_tp > 1:  # each TP worker of the engine gets its own planned regions only
+                stream = planned.rank_regions(EngineLayout(tp=engine_tp), dst=engine_rank)
+            else:  # the planned stream of a TP=1 engine per rank
+                stream = planned.stream(EngineLayout(tp=1), 0, dst=engine_rank)
+            if engine_rank != ctx.rank:
                 for _ in stream:
                     pass
+            elif engine_tp > 1:
+                stats = engine.load_rank_regions(stream, bucket_bytes=1 << 20)
+            else:
+                stats = transport.send(stream)
         if stats is None:  # a rank without an engine
             return {}
-        return {"num_tensors": stats.num_tensors, "seconds": stats.seconds}
+        return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": stats.seconds}
 
     def rollout_and_compare(tag: str) -> dict:
         box = [engine.generate(PROMPTS, sampling) if ctx.rank == 0 else None]
@@ -129,7 +135,14 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     second = {**sync(), **rollout_and_compare("after_step_and_sync")}
     if ctx.rank == 0:
         mask = first["batch"].response_mask.bool()
+        itemsize = 4  # fp32
+        per_rank = {
+            r: sum(math.prod(sl.stop - sl.start for sl in c.dst) * itemsize for c in copies)
+            for r, copies in planned.plan(EngineLayout(tp=engine_tp)).items()
+        }
         result = {
+            "planned_bytes": per_rank,
+            "full_bytes": sum(math.prod(shape) * itemsize for shape in planned.shapes.values()),
             "runs": [
                 {k: v for k, v in r.items() if k not in ("batch", "trainer")} for r in (before, first, second)
             ],

@@ -48,13 +48,19 @@ def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
 
 
 def test_megatron_tp2_sync_into_a_tp2_engine(tmp_path):
-    """vLLM at TP=2 (two CPU workers in their own processes): its logprobs equal the TP=2 actor's,
-    and each worker's effective weights equal its own planned shard of the actor's, bit for bit."""
+    """vLLM at TP=2 (two CPU workers in their own processes), each worker sent only its planned
+    regions: its logprobs equal the TP=2 actor's, and each worker's effective weights equal its own
+    planned shard of the actor's, bit for bit."""
     engine_dir = save_tp2_model(tmp_path / "engine", seed=0)
     actor_dir = save_tp2_model(tmp_path / "actor", seed=1)
     result = run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2_engine_tp2")
     check_sync(result, num_tensors=21)
     assert result["checksum_problems"] == []
+    # Each worker received its own planned regions, about half the model (whole tensors to both
+    # workers would be twice the model).
+    planned, full = result["planned_bytes"], result["full_bytes"]
+    assert all(0.45 < b / full < 0.55 for b in planned.values()), (planned, full)
+    assert result["runs"][1]["num_bytes"] == result["runs"][2]["num_bytes"] == sum(planned.values())
 
 
 def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
