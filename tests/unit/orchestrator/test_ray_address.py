@@ -3,7 +3,8 @@
 A head killed without ``ray stop`` leaves its address in ``<ray temp dir>/ray_current_cluster``;
 ``ray.init(address="auto")`` would retry it for many minutes. The address file here is Ray's own
 (found through ``RAY_TMPDIR``); the live cluster is stood for by a listening socket (no Ray head is
-started in the unit tier).
+started in the unit tier), and Ray's scan for running GCS processes is switched off so that a
+cluster running on the machine (another test tier's) does not answer instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from rltrain.orchestrator.entry import _running_cluster
 def _write_address(tmp_path, monkeypatch, address: str) -> None:
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # Ray prefers a GCS process it finds running on this machine over the file; the e2e tier's
+    # session cluster may be one. Only the file is under test here.
+    monkeypatch.setattr("ray._private.services.find_gcs_addresses", lambda: [])
     (tmp_path / "ray").mkdir(exist_ok=True)
     (tmp_path / "ray" / "ray_current_cluster").write_text(address)
 
