@@ -66,8 +66,8 @@ class MegatronCheckpointView:
         metas = []
         for canonical in unit.megatron_names:
             key, _, sizes = self._region(canonical)
-            metas.append(torch.empty(sizes[len(self.locations[canonical][1]) :], device="meta"))
-            metas[-1] = metas[-1].to(self.stored.dtype(key))
+            shape = sizes[len(self.locations[canonical][1]) :]
+            metas.append(torch.empty(shape, dtype=self.stored.dtype(key), device="meta"))
         out = self.bridge.to_hf(unit, metas)
         return [
             (name, TensorInfo(self.directory, t.dtype, tuple(t.shape), -1))
