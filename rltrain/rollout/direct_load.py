@@ -17,16 +17,24 @@ Contract:
   embedding, or a plain module with no quant method (norms: loaded in place, never post-processed).
 - ``DirectLoader.load`` takes HF-named tensors in any order; every module a call touches must be
   complete in it (all of q/k/v, gate/up, and their biases where the layer has them), else it raises
-  naming the module, before touching it. It makes one ``model.load_weights`` call (vLLM's TP
-  narrowing and fusing), handing over each module's tensors together, and points a packed linear
-  layer's emptied ``weight`` at a scratch tensor of its model-format shape first (one buffer per
-  shape and dtype, reused across layers and syncs: no fresh allocation). When the loader moves on,
-  it checks that the loader wrote every weight of the module, re-runs the layer's
-  ``quant_method.process_weights_after_loading`` (vLLM's dispatch: the same kernel, a new packed
-  copy) for the module and every module sharing its weight (a tied ``lm_head`` keeps its own
-  packed copy of the embedding), and puts the original empty parameter object back. The engine's
-  effective weights then equal those of a ``reload_weights`` of the same tensors bit for bit, and
-  so do greedy tokens and logprobs (asserted in ``tests/e2e/rollout/test_rollout_weights.py``).
+  naming the module, before touching it. A tensor whose name is one of the model's own parameters
+  (after the q/k/v → ``qkv_proj`` and gate/up → ``gate_up_proj`` renaming, with vLLM's shard ids
+  ``q``/``k``/``v`` and 0/1) is *routed*: once its module is complete, each tensor goes to that
+  parameter's own ``weight_loader`` (vLLM's TP narrowing and fusing), the call vLLM's
+  ``load_weights`` ends in, without its per-tensor name matching. Any other name (a tied
+  ``lm_head``, ``rotary_emb`` buffers, a model whose loader renames) goes through one
+  ``model.load_weights`` call at the end, module by module, the same way.
+  A packed linear layer's emptied ``weight`` is pointed at a scratch tensor of its model-format
+  shape first (one buffer per shape and dtype, reused across layers and syncs: no fresh
+  allocation). A single-tensor module at TP=1 whose tensor already has that shape, dtype and a
+  contiguous layout is packed straight from the sent tensor instead (the loader would only copy
+  it); the kernel keeps its own packed copy, and a check that vLLM's dispatch dropped the sent
+  tensor guards against aliasing it. Then the layer's ``quant_method.process_weights_after_loading``
+  (vLLM's dispatch: the same kernel, a new packed copy) runs for the module and every module
+  sharing its weight (a tied ``lm_head`` keeps its own packed copy of the embedding), and the
+  original empty parameter object is put back. The engine's effective weights then equal those of
+  a ``reload_weights`` of the same tensors bit for bit, and so do greedy tokens and logprobs
+  (asserted in ``tests/e2e/rollout/test_rollout_weights.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,14 @@ logger = logging.getLogger(__name__)
 _REQUIRED_MEMBERS = {
     "qkv_proj": frozenset({"q_proj", "k_proj", "v_proj"}),
     "gate_up_proj": frozenset({"gate_proj", "up_proj"}),
+}
+# HF member → (vLLM fused module, the shard id its weight_loader takes), as vLLM's decoders map them
+_SHARD_IDS: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -123,14 +139,109 @@ class DirectLoader:
             if weight is not None and getattr(module, "quant_method", None) is not None:
                 by_weight.setdefault(id(weight), []).append(module)
         self._sharing = by_weight
+        self._params = dict(model.named_parameters())  # canonical names (a tied head is not one)
+        self._routes: dict[str, tuple[str, str, str | int | None] | None] = {}
+        self._scratch_params: dict[int, torch.nn.Parameter] = {}
         self._open: _OpenGroup | None = None
+        self.zero_copy_modules = 0
+        """Modules the last ``load`` packed straight from the sent tensor (no scratch copy)."""
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[NamedTensor]) -> None:
         """Load the stream (any order; one call must complete every module it touches).
 
-        One ``model.load_weights`` call takes the whole stream (vLLM's loader walks the model per
-        call). The tensors of one module are held back (references, no copy) until the module is
+        Routed tensors are held back (references, no copy) until their module is complete, then
+        loaded and packed; the others go to ``model.load_weights`` at the end (see the module
+        docstring). A module missing tensors at the end raises before it is touched.
+        """
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        done: set[str] = set()
+        others: list[NamedTensor] = []
+        self.zero_copy_modules = 0
+        for name, tensor in named_tensors:
+            route = self._route(name)
+            if route is None:
+                others.append((name, tensor))
+                continue
+            group = route[0]
+            if group in done:
+                raise ValueError(f"module {group!r} loaded twice in one call (again by {name!r})")
+            members = held.setdefault(group, {})
+            members[name] = tensor
+            if self._needed_names(group) <= members.keys():  # type: ignore[operator]
+                done.add(group)
+                self._load_group(group, held.pop(group))
+        for group, tensors in held.items():
+            _raise_partial(group, tensors, self._needed_names(group))
+        if others:
+            self._load_via_model(others)
+
+    def _route(self, name: str) -> tuple[str, str, str | int | None] | None:
+        """``(vLLM module, parameter name, shard id)`` for an HF name that is one of the model's own
+        parameters; None for names only ``model.load_weights`` knows what to do with."""
+        if name not in self._routes:
+            prefix, _, leaf = name.rpartition(".")
+            parent, _, member = prefix.rpartition(".")
+            fused, shard = _SHARD_IDS.get(member, (member, None))
+            group = ".".join(filter(None, (parent, fused)))
+            found = f"{group}.{leaf}" in self._params and group in self._modules
+            self._routes[name] = (group, leaf, shard) if found else None
+        return self._routes[name]
+
+    def _load_group(self, group: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Load one complete module through its parameters' own loaders, then repack it."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        module = self._modules[group]
+        if self._pack_from_sent(module, tensors):
+            return
+        original = self._point_at_scratch(module) if hasattr(module, "cpu_linear") else None
+        try:
+            for name, tensor in tensors.items():
+                _, leaf, shard = self._routes[name]  # type: ignore[misc]
+                param = module._parameters[leaf]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            if hasattr(module, "cpu_linear"):
+                self._repack(module)
+        finally:
+            if original is not None:
+                module._parameters["weight"] = original
+
+    def _pack_from_sent(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+        """Pack a one-tensor TP=1 linear module straight from the sent tensor when the loader would only
+        copy it (same shape, dtype, contiguous); False where it does not apply."""
+        if len(tensors) != 1 or getattr(module, "tp_size", None) != 1 or not hasattr(module, "cpu_linear"):
+            return False
+        (name, tensor), original = next(iter(tensors.items())), module._parameters.get("weight")
+        _, leaf, shard = self._routes[name]  # type: ignore[misc]
+        if leaf != "weight" or shard is not None:
+            return False
+        if original is None or original.numel() > 0 or len(self._sharing.get(id(original), [])) != 1:
+            return False
+        meta = self._packed_meta(module)
+        if tensor.shape != meta.shape or tensor.dtype != meta.dtype or tensor.device.type != "cpu":
+            return False
+        if not tensor.is_contiguous() or getattr(module, "_cpu_skip_gemm_dispatch", False):
+            return False
+        sent = torch.nn.Parameter(tensor.detach(), requires_grad=False)
+        module._parameters["weight"] = sent
+        try:
+            module.quant_method.process_weights_after_loading(module)
+            if module._parameters["weight"] is sent:  # the kernel would read the trainer's tensor
+                raise RuntimeError(
+                    f"{type(module).__name__}: vLLM's CPU GEMM dispatch kept the loaded weight instead "
+                    "of packing a copy; use weight_load='reload' for this model"
+                )
+        finally:
+            module._parameters["weight"] = original
+        self.zero_copy_modules += 1
+        return True
+
+    @torch.no_grad()
+    def _load_via_model(self, named_tensors: Iterable[NamedTensor]) -> None:
+        """Tensors that are not routed: one ``model.load_weights`` call takes them all (vLLM's loader
+        walks the model per call). The tensors of one module are held back (references, no copy) until the module is
         complete, then handed to the loader together; vLLM loads each tensor before asking for the
         next, so a module is finished and repacked when the next one starts. The repack first checks
         that the loader really wrote every weight of the module (a loader that buffered would
@@ -161,13 +272,7 @@ class DirectLoader:
                 emitted.add(group)
                 yield from self._emit(group, list(held.pop(group).items()))
         for group, tensors in held.items():
-            members = {n.rsplit(".", 2)[-2] for n in tensors}
-            missing = sorted(_REQUIRED_MEMBERS.get(group.rsplit(".", 1)[-1], frozenset()) - members)
-            missing = missing or sorted(self._needed_names(group) - tensors.keys())  # type: ignore[operator]
-            raise ValueError(
-                f"partial weight load into fused module {group!r}: got {sorted(members)}, "
-                f"missing {missing}; nothing of it was loaded"
-            )
+            _raise_partial(group, tensors, self._needed_names(group))
 
     def _needed_names(self, group: str) -> set[str] | None:
         """HF names that complete the vLLM module ``group``; None if it is not a module of the model."""
@@ -209,12 +314,29 @@ class DirectLoader:
         weight = module._parameters.get("weight")
         if weight is None or weight.numel() > 0 or getattr(module, "quant_method", None) is None:
             return None
+        module._parameters["weight"] = self._scratch_param(module)
+        return weight
+
+    def _scratch_param(self, module: torch.nn.Module) -> torch.nn.Parameter:
+        """The model-format scratch parameter of a packed linear module (built once per module)."""
+        key = id(module)
+        if key not in self._scratch_params:
+            self._scratch_params[key] = self._new_scratch_param(module)
+        return self._scratch_params[key]
+
+    def _packed_meta(self, module: torch.nn.Module) -> torch.Tensor:
+        """The meta tensor vLLM recorded for a packed weight before packing (its model-format shape)."""
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
         meta = get_layerwise_info(module).restore_metadata[0].get("weight")
         if meta is None:
             raise RuntimeError(f"{type(module).__name__}: packed weight without recorded load metadata")
+        return meta
+
+    def _new_scratch_param(self, module: torch.nn.Module) -> torch.nn.Parameter:
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        meta = self._packed_meta(module)
         shape = tuple(meta.shape)
         buffer = self._scratch.get((shape, meta.dtype))
         if buffer is None:
@@ -230,14 +352,24 @@ class DirectLoader:
             loader = loader.__wrapped__
         if loader is not None:
             scratch.weight_loader = loader
-        module._parameters["weight"] = scratch
-        return weight
+        return scratch
 
     def _repack(self, module: torch.nn.Module) -> None:
         """vLLM's own post-load processing for ``module`` and every module sharing its weight."""
         weight = module._parameters["weight"]
         for target in self._sharing.get(id(weight), [module]):
             target.quant_method.process_weights_after_loading(target)
+
+
+def _raise_partial(group: str, tensors: dict[str, torch.Tensor], needed: set[str] | None) -> None:
+    """The error for a module whose tensors did not all arrive in one load call."""
+    members = {n.rsplit(".", 2)[-2] for n in tensors}
+    missing = sorted(_REQUIRED_MEMBERS.get(group.rsplit(".", 1)[-1], frozenset()) - members)
+    missing = missing or sorted((needed or set()) - tensors.keys())
+    raise ValueError(
+        f"partial weight load into fused module {group!r}: got {sorted(members)}, "
+        f"missing {missing}; nothing of it was loaded"
+    )
 
 
 def repack_tied_copies(model: torch.nn.Module, names: list[str]) -> list[str]:

@@ -150,3 +150,27 @@ def test_tied_head_follows_the_embedding_on_both_load_paths(tied_engine, monkeyp
         assert torch.equal(back["lm_head.weight"], new["model.embed_tokens.weight"]), path
     assert results["direct"][:2] == results["reload"][:2]
     engine.load_weights(grouped_order(original.items()))
+
+
+def test_direct_load_packs_from_sent_tensors_without_keeping_them(restore_weights, tiny_llama_weights):
+    """o_proj and down_proj (one tensor, TP=1, model-format shape) are packed straight from the sent
+    tensors: the kernels must keep their own copies, so changing the sent tensors afterwards changes
+    nothing; a tensor vLLM's loader must place itself (a rotary buffer name) still goes through it."""
+    engine = restore_weights
+    new = perturbed(tiny_llama_weights, scale=0.03)
+    engine.load_weights(grouped_order(new.items()))
+    ref_ids, ref_lps = greedy(engine)
+    loader = engine._direct_loader()
+    layers = sum(name.endswith("o_proj.weight") for name in new)
+    assert layers > 0 and loader.zero_copy_modules == 2 * layers  # o_proj and down_proj of every layer
+
+    sent = {n: t.clone() for n, t in new.items()}
+    inv_freq = ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4))  # vLLM's loader skips it
+    engine.load_weights([*grouped_order(sent.items()), inv_freq])
+    assert loader.zero_copy_modules == 2 * layers
+    for tensor in sent.values():
+        tensor.fill_(7.0)  # the trainer moves on: the engine must not see it
+    ids, lps = greedy(engine)
+    assert ids == ref_ids and lps == ref_lps
+    back = engine.hf_weights()
+    assert all(torch.equal(back[n], t) for n, t in new.items())
