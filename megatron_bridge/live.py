@@ -315,17 +315,37 @@ def _progress_bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="unit")
 
 
+def comm_device() -> torch.device:
+    """The device point-to-point weight transfers use: the current CUDA device when the default group
+    runs NCCL (which moves CUDA tensors only), else the CPU (gloo). Sender and receiver derive it
+    the same way, so both ends of every send/recv use the same backend."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _transfer(local: torch.Tensor | None, *, src: int, dst: int, me: int) -> torch.Tensor | None:
-    """Move one shard from ``src`` to ``dst`` (header with shape and dtype, then the data)."""
+    """Move one shard from ``src`` to ``dst`` (header with shape and dtype, then the data), on
+    ``comm_device()``; the result on ``dst`` is there too."""
+    device = comm_device()
     if src == dst:
-        return local.detach().clone() if me == dst else None
+        return local.detach().to(device, copy=True) if me == dst else None
     if me == src:
         header = torch.zeros(10, dtype=torch.int64)
         header[0], header[1] = _DTYPE_CODES.index(local.dtype), local.dim()
         header[2 : 2 + local.dim()] = torch.tensor(local.shape)
-        dist.send(header, dst)
-        dist.send(local.detach().contiguous(), dst)
+        dist.send(header.to(device), dst)
+        dist.send(local.detach().contiguous().to(device), dst)
         return None
+    if me == dst:
+        header = torch.empty(10, dtype=torch.int64, device=device)
+        dist.recv(header, src)
+        codes = header.tolist()
+        shape = tuple(int(s) for s in codes[2 : 2 + codes[1]])
+        out = torch.empty(shape, dtype=_DTYPE_CODES[codes[0]], device=device)
+        dist.recv(out, src)
+        return out
+    return None
     if me == dst:
         header = torch.empty(10, dtype=torch.int64)
         dist.recv(header, src)

@@ -54,7 +54,7 @@ def megatron_logits(
         parts = [torch.empty_like(out) for _ in range(ctx.tp_size)]
         dist.all_gather(parts, out.contiguous(), group=ctx.groups.tp)
         out = torch.cat(parts, dim=-1)[..., :vocab_size].float()
-    src_flags = torch.tensor([int(out is not None and ctx.tp_rank == 0 and ctx.dp_rank == 0)])
+    src_flags = torch.tensor([int(out is not None and ctx.tp_rank == 0 and ctx.dp_rank == 0)], device=device)
     flags = [torch.zeros_like(src_flags) for _ in range(ctx.world_size)]
     dist.all_gather(flags, src_flags)
     src = next(r for r, f in enumerate(flags) if int(f))

@@ -15,6 +15,8 @@ Contract (torch.distributed only; collective over the trainer's ranks, like
   away). Only those regions travel: each owner sends its region of its *local piece* (its Megatron
   shard unfused into HF names, in HF coordinates, by the bridge's own ``to_hf`` at the shard's
   head and vocab counts), ``dst`` receives it. No rank holds more than one unit's pieces at a time.
+  Regions travel and are assembled on ``megatron_bridge.live.comm_device()`` (the current CUDA
+  device under NCCL, else the CPU), whatever device the parameters are on (offloaded or not).
   For ``EngineLayout(tp=1)`` the stream equals ``export_hf_weights(dst=...)`` bit for bit.
 - ``rank_regions(engine, dst=...)``: per tensor, every engine rank's planned regions (the values
   only), for engines whose workers each take their own part (``RolloutEngine.load_rank_regions``).
@@ -59,9 +61,11 @@ class PlannedExport:
     """Slice-granular export of one trainer model's weights to engine ranks (see the module docstring)."""
 
     def __init__(self, chunks: list[torch.nn.Module], ctx: Any, bridge: Any) -> None:
-        from megatron_bridge.live import chunk_namings, hf_plan
+        from megatron_bridge.live import chunk_namings, comm_device, hf_plan
 
         self.ctx, self.bridge = ctx, bridge
+        self.device = comm_device()
+        """Where regions travel and are assembled (CUDA under NCCL, else CPU; ``comm_device``)."""
         self.params: dict[str, torch.Tensor] = {}
         for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
             for local, param in _unwrap(chunk).named_parameters():
@@ -111,7 +115,7 @@ class PlannedExport:
                 return
             for copy in copies:
                 if self._owner(copy) == me:
-                    dist.send(self._piece(copy.hf_name)[copy.src].contiguous(), dst)
+                    dist.send(self._piece(copy.hf_name)[copy.src].contiguous().to(self.device), dst)
         finally:
             self._cached_unit, self._pieces = None, {}
 
@@ -138,7 +142,7 @@ class PlannedExport:
                         region = region.clone() if owner == me else region  # the piece cache moves on
                         regions.setdefault(engine_rank, []).append((copy.dst, region))
                     elif owner == me:
-                        dist.send(self._piece(name)[copy.src].contiguous(), dst)
+                        dist.send(self._piece(name)[copy.src].contiguous().to(self.device), dst)
                 if me == dst:
                     yield name, self.shapes[name], regions
         finally:
@@ -159,8 +163,9 @@ class PlannedExport:
     def _fetch(self, copy: SliceCopy) -> torch.Tensor:
         owner = self._owner(copy)
         if owner == self.ctx.rank:
-            return self._piece(copy.hf_name)[copy.src]
-        region = torch.empty(tuple(s.stop - s.start for s in copy.src), dtype=self.dtypes[copy.hf_name])
+            return self._piece(copy.hf_name)[copy.src].to(self.device)
+        shape = tuple(s.stop - s.start for s in copy.src)
+        region = torch.empty(shape, dtype=self.dtypes[copy.hf_name], device=self.device)
         dist.recv(region, owner)
         return region
 
