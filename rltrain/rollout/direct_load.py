@@ -17,9 +17,10 @@ Contract:
   embedding, or a plain module with no quant method (norms: loaded in place, never post-processed).
 - ``DirectLoader.load`` takes HF-named tensors in any order; every module a call touches must be
   complete in it (all of q/k/v, gate/up, and their biases where the layer has them), else it raises
-  naming the module, before touching it. A tensor whose name is one of the model's own parameters
-  (after the q/k/v → ``qkv_proj`` and gate/up → ``gate_up_proj`` renaming, with vLLM's shard ids
-  ``q``/``k``/``v`` and 0/1) is *routed*: once its module is complete, each tensor goes to that
+  naming the module, before touching it. For the model classes whose vLLM ``load_weights`` is only
+  that renaming plus each parameter's loader (llama, qwen2, qwen3: ``_ROUTED_MODELS``), a tensor
+  whose name is one of the model's own parameters (after the q/k/v → ``qkv_proj`` and gate/up →
+  ``gate_up_proj`` renaming, with vLLM's shard ids ``q``/``k``/``v`` and 0/1) is *routed*: once its module is complete, each tensor goes to that
   parameter's own ``weight_loader`` (vLLM's TP narrowing and fusing), the call vLLM's
   ``load_weights`` ends in, without its per-tensor name matching. Any other name (a tied
   ``lm_head``, ``rotary_emb`` buffers, a model whose loader renames) goes through one
@@ -54,6 +55,10 @@ _REQUIRED_MEMBERS = {
     "qkv_proj": frozenset({"q_proj", "k_proj", "v_proj"}),
     "gate_up_proj": frozenset({"gate_proj", "up_proj"}),
 }
+# Models whose vLLM ``load_weights`` (0.32.0) is the generic ``AutoWeightsLoader`` with exactly the
+# stacked mapping below and no value transforms: routing a tensor to its parameter's weight_loader is
+# then what load_weights itself does. Any other model sends every tensor through its load_weights.
+_ROUTED_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 # HF member → (vLLM fused module, the shard id its weight_loader takes), as vLLM's decoders map them
 _SHARD_IDS: dict[str, tuple[str, str | int]] = {
     "q_proj": ("qkv_proj", "q"),
@@ -143,6 +148,8 @@ class DirectLoader:
         self._repack_targets = {key: _kernels_in_use(group) for key, group in by_weight.items()}
         self._params = dict(model.named_parameters())  # canonical names (a tied head is not one)
         self._routes: dict[str, tuple[str, str, str | int | None] | None] = {}
+        self.routing = type(model).__name__ in _ROUTED_MODELS
+        """Whether tensors go to their parameters' loaders directly (else all through load_weights)."""
         self._scratch_params: dict[int, torch.nn.Parameter] = {}
         self._open: _OpenGroup | None = None
         self.zero_copy_modules = 0
@@ -181,6 +188,8 @@ class DirectLoader:
     def _route(self, name: str) -> tuple[str, str, str | int | None] | None:
         """``(vLLM module, parameter name, shard id)`` for an HF name that is one of the model's own
         parameters; None for names only ``model.load_weights`` knows what to do with."""
+        if not self.routing:
+            return None
         if name not in self._routes:
             prefix, _, leaf = name.rpartition(".")
             parent, _, member = prefix.rpartition(".")
@@ -243,9 +252,9 @@ class DirectLoader:
     @torch.no_grad()
     def _load_via_model(self, named_tensors: Iterable[NamedTensor]) -> None:
         """Tensors that are not routed: one ``model.load_weights`` call takes them all (vLLM's loader
-        walks the model per call). The tensors of one module are held back (references, no copy) until the module is
-        complete, then handed to the loader together; vLLM loads each tensor before asking for the
-        next, so a module is finished and repacked when the next one starts. The repack first checks
+        walks the model per call). The tensors of one module are held back (references, no copy)
+        until the module is complete, then handed to the loader together; vLLM loads each tensor
+        before asking for the next, so a module is finished and repacked when the next one starts. The repack first checks
         that the loader really wrote every weight of the module (a loader that buffered would
         otherwise go unnoticed). A module missing tensors at the end raises before it is touched.
         """

@@ -100,7 +100,13 @@ def load_both_ways(engine, monkeypatch, original, new) -> dict:
     return results
 
 
-def test_direct_load_equals_vllm_reload_bit_for_bit(restore_weights, tiny_llama_weights, monkeypatch):
+@pytest.mark.parametrize("routing", [True, False], ids=["routed", "through_load_weights"])
+def test_direct_load_equals_vllm_reload_bit_for_bit(
+    restore_weights, tiny_llama_weights, monkeypatch, routing
+):
+    """Both ways the direct load places tensors: routed to each parameter's loader (llama's), and
+    through the model's own ``load_weights`` (every model outside ``_ROUTED_MODELS``)."""
+    monkeypatch.setattr(restore_weights._direct_loader(), "routing", routing)
     new = perturbed(tiny_llama_weights, scale=0.04)
     results = load_both_ways(restore_weights, monkeypatch, tiny_llama_weights, new)
     ids, lps, back = results["direct"]
