@@ -230,7 +230,9 @@ def assemble(
     ``fetch(copy)`` returns the region ``copy.src`` of shard ``copy.source``'s local piece of
     ``copy.hf_name`` (only that region: a transport moves no more). It is called once per copy, in
     plan order. Elements the rank does not need are left uninitialized: vLLM's loader on that rank
-    narrows them away.
+    narrows them away. A tensor that one copy covers whole is the fetched region itself, not a copy
+    of it (it may be a view of the trainer's own weights: a consumer that keeps it past the sync
+    copies it, as every engine load does).
     """
     by_name: dict[str, list[SliceCopy]] = {}
     for c in copies:
@@ -239,6 +241,9 @@ def assemble(
         out: torch.Tensor | None = None
         for c in group:
             region = fetch(c)
+            if len(group) == 1 and tuple(region.shape) == tuple(shapes[name]):
+                out = region
+                break
             if out is None:
                 out = torch.empty(shapes[name], dtype=region.dtype, device=region.device)
             out[c.dst] = region
