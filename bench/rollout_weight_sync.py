@@ -8,6 +8,10 @@ embeddings; ~135 M parameters, ~540 MB) are synced into one in-process vLLM engi
 - ours (stream): ``InProcessTransport``: the HF-named tensors stream straight into the engine's
   direct load (``rltrain.rollout.direct_load``: the model's loaders into a reused scratch tensor,
   then vLLM's CPU repack per layer), then the prefix cache resets (the colocated path).
+- ours from Megatron: the same weights held by a Megatron-Core GPT model (TP=1, one gloo rank, built
+  and loaded by the bridge), exported as the trainer does (``PlannedExport.stream``: each HF tensor
+  from its Megatron shard, q/k/v unfused from the fused QKV) and streamed into the same direct load:
+  the whole sync of a colocated trainer rank.
 - ours (buckets): the same tensors cut into ``--bucket-mb`` buckets, packed into flat buffers and
   unpacked as the broadcast receiver does (the network hop itself excluded), streamed into one load.
 - ours via reload_weights: the same stream through vLLM's own ``reload_weights`` (what the engine
@@ -92,12 +96,42 @@ def paired(times: dict[str, list[float]], num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
-def sync_variants(engine, weights: dict[str, torch.Tensor], *, ckpt: Path, bucket_bytes: int) -> dict:
+def megatron_actor(source_dir: Path):
+    """A one-rank Megatron-Core model (TP=1, gloo) loaded from ``source_dir`` and its ``PlannedExport``."""
+    import socket
+
+    from transformers import AutoConfig
+
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, load_hf_weights
+    from megatron_bridge.megatron_model import build_padded_model
+    from rltrain.config.parallel import ParallelConfig
+    from rltrain.megatron.parallel import ParallelContext
+    from rltrain.rollout.planned_export import PlannedExport
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    ctx = ParallelContext.initialize(ParallelConfig())
+    hf_config = AutoConfig.from_pretrained(source_dir)
+    chunks = build_padded_model(hf_config, ctx)
+    bridge = bridge_for_chunks(hf_config, chunks, ctx)
+    load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(str(source_dir)))
+    return chunks, PlannedExport(chunks, ctx, bridge)
+
+
+def sync_variants(
+    engine, weights: dict[str, torch.Tensor], *, ckpt: Path, bucket_bytes: int, planned=None
+) -> dict:
     """``{name: zero-argument function}`` of every way to move ``weights`` into ``engine``."""
     from safetensors.torch import save_file
     from vllm import _custom_ops as ops
 
     from rltrain.rollout.bucketing import fused_group, iter_buckets, pack_bucket, unpack_bucket
+    from rltrain.rollout.planner import EngineLayout
     from rltrain.rollout.transport import InProcessTransport
     from rltrain.rollout.worker_fns import finish_reload
 
@@ -174,6 +208,7 @@ def sync_variants(engine, weights: dict[str, torch.Tensor], *, ckpt: Path, bucke
         "(f) floor: fuse + repack": floor,
         "(a) memcpy": memcpy,
         "ours (stream)": lambda: transport.send(weights.items()),
+        "ours from Megatron (TP=1)": lambda: transport.send(planned.stream(EngineLayout(tp=1), 0, dst=0)),
     }
 
 
@@ -202,6 +237,11 @@ def report(times: dict[str, list[float]], num_bytes: int) -> None:
         f"our direct load is {paired(times, 'ours via reload_weights', ours):.2f}x faster than vLLM's "
         f"reload_weights; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
+    mega = "ours from Megatron (TP=1)"
+    print(
+        f"the whole colocated sync, from the Megatron actor: {paired(times, mega, memcpy):.1f}x memcpy, "
+        f"{paired(times, disk, mega):.1f}x faster than disk ({paired(times, mega, ours):.2f}x the engine load alone)"
+    )
     floor_memcpy, floor_disk = paired(times, least, memcpy), paired(times, disk, least)
     print(
         f"floor of an exact sync into this engine (f): {floor_memcpy:.1f}x memcpy, {floor_disk:.1f}x faster "
@@ -215,10 +255,11 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     from rltrain.rollout.bucketing import grouped_order
     from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.planner import EngineLayout
     from rltrain.rollout.types import EngineSettings, SamplingConfig
 
     root = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
@@ -231,14 +272,27 @@ def main() -> None:
             n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in grouped_order(checkpoint.items())
         }
         num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        source = root / "megatron_source"  # the same values, for the Megatron actor to load
+        shutil.copytree(model_dir, source)
+        save_file(weights, str(source / "model.safetensors"))
+        _, planned = megatron_actor(source)
         engine = RolloutEngine(
             str(model_dir), settings=EngineSettings(max_model_len=256, kv_cache_space_gb=0.25)
         )
-        variants = sync_variants(engine, weights, ckpt=root / "ckpt", bucket_bytes=args.bucket_mb << 20)
+        variants = sync_variants(
+            engine, weights, ckpt=root / "ckpt", bucket_bytes=args.bucket_mb << 20, planned=planned
+        )
         results = round_times(variants, args.repeats)
-        engine.load_weights(weights.items())
-        back = engine.hf_weights()
-        exact = all(torch.equal(back[n], t) for n, t in weights.items())
+        exact = {}
+        streams = {
+            "HF stream": weights.items,
+            "from Megatron": lambda: planned.stream(EngineLayout(tp=1), 0, dst=0),
+        }
+        for label, stream in streams.items():
+            engine.load_weights(checkpoint.items())  # the unperturbed weights first: the check sees this sync
+            engine.load_weights(stream())
+            back = engine.hf_weights()
+            exact[label] = all(torch.equal(back[n], t) for n, t in weights.items())
         greedy = engine.generate([[5, 6, 7]], SamplingConfig(temperature=0.0, response_length=4)).response_ids
         print(f"model: SmolLM2-135M shape, {sum(t.numel() for t in weights.values()) / 1e6:.1f} M params, "
               f"{num_bytes / 1e6:.0f} MB fp32, {len(weights)} tensors; engine weights bit-exact after sync: "
