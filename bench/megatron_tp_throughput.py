@@ -24,9 +24,10 @@ def _rank(rank: int, world: int, port: int, tp: int, iters: int, queue: mp.Queue
     torch.set_num_threads(1)
     from transformers import LlamaConfig
 
+    from rltrain.algo.token_batch import ModelOutput, TokenBatch
     from rltrain.config.optim import OptimConfig
     from rltrain.config.parallel import ParallelConfig
-    from rltrain.megatron.forward import MicroBatching, ModelOutput, TokenBatch, run_model
+    from rltrain.megatron.forward import MicroBatching, run_model
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
 

@@ -13,14 +13,18 @@ group               keys (all per training step)
 ``response/``       ``length/{mean,min,max}`` response tokens; ``clip_ratio`` fraction that hit
                     ``max_response_length``
 ``prompt/``         ``length/{mean,min,max}`` prompt tokens
-``actor/``          ``pg_loss``, ``entropy``, ``pg_clipfrac``, ``ppo_kl`` (old vs new policy),
-                    ``kl`` (policy vs reference, per token), ``kl_coef`` (β), ``kl_loss``,
-                    ``grad_norm``, ``lr``
-``critic/``         ``vf_loss``, ``vf_clipfrac``, ``grad_norm``, ``lr``, ``values/mean``,
-                    ``advantages/{mean,std}``, ``returns/mean``
+``actor/``          ``pg_loss``, ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
+                    (old vs new policy), ``tis_weight_mean`` (with TIS), ``kl`` (policy vs
+                    reference, per token), ``kl_coef`` (β), ``kl_seq_sum``, ``kl_loss``,
+                    ``entropy_before_update``, ``loss``, ``grad_norm``, ``lr``, ``skipped_steps``
+``critic/``         ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``loss``, ``grad_norm``, ``lr``,
+                    ``skipped_steps``, ``values/mean``, ``advantages/mean``, ``returns/mean``
 ``rollout/``        ``logprob_abs_diff_mean``, ``logprob_abs_diff_max`` |trainer - rollout|
                     logprob gap per response token, ``importance_ratio_mean`` (written by
                     :func:`rltrain.rollout.mismatch.logprob_mismatch`; DESIGN.md principle 6)
+``weight_sync/``    ``seconds``, ``gbytes``, ``num_tensors``, ``checksum_mismatches`` (trainer side);
+                    ``receive_seconds``, ``buckets`` (engines on other devices)
+``val/``            ``accuracy``, ``score/mean`` on the held-out prompts (when evaluated)
 ``timing_s/``       seconds per stage, one key per name in :data:`STAGES`, plus ``step``
 ``perf/``           ``tokens_per_s`` (prompt + response tokens of the step / step seconds),
                     ``num_tokens``
@@ -43,25 +47,47 @@ REWARD_FORMAT_MEAN = "reward/format/mean"
 RESPONSE_LENGTH_MEAN = "response/length/mean"
 RESPONSE_CLIP_RATIO = "response/clip_ratio"
 PROMPT_LENGTH_MEAN = "prompt/length/mean"
+GRAD_NORM = "grad_norm"
+LR = "lr"
+SKIPPED_STEPS = "skipped_steps"
+"""Names of an update step's ``<role>/grad_norm``, ``<role>/lr`` and ``<role>/skipped_steps``."""
 ACTOR_PG_LOSS = "actor/pg_loss"
 ACTOR_ENTROPY = "actor/entropy"
 ACTOR_PG_CLIPFRAC = "actor/pg_clipfrac"
+ACTOR_PG_CLIPFRAC_LOWER = "actor/pg_clipfrac_lower"
 ACTOR_PPO_KL = "actor/ppo_kl"
+ACTOR_TIS_WEIGHT_MEAN = "actor/tis_weight_mean"
 ACTOR_KL = "actor/kl"
 ACTOR_KL_COEF = "actor/kl_coef"
+ACTOR_KL_SEQ_SUM = "actor/kl_seq_sum"
 ACTOR_KL_LOSS = "actor/kl_loss"
-ACTOR_GRAD_NORM = "actor/grad_norm"
-ACTOR_LR = "actor/lr"
+ACTOR_ENTROPY_BEFORE_UPDATE = "actor/entropy_before_update"
+ACTOR_GRAD_NORM = "actor/" + GRAD_NORM
+ACTOR_LR = "actor/" + LR
+ACTOR_SKIPPED_STEPS = "actor/" + SKIPPED_STEPS
 CRITIC_VF_LOSS = "critic/vf_loss"
 CRITIC_VF_CLIPFRAC = "critic/vf_clipfrac"
-CRITIC_GRAD_NORM = "critic/grad_norm"
-CRITIC_LR = "critic/lr"
+CRITIC_VPRED_MEAN = "critic/vpred_mean"
+CRITIC_GRAD_NORM = "critic/" + GRAD_NORM
+CRITIC_LR = "critic/" + LR
+CRITIC_SKIPPED_STEPS = "critic/" + SKIPPED_STEPS
+CRITIC_VALUES_MEAN = "critic/values/mean"
+CRITIC_ADVANTAGES_MEAN = "critic/advantages/mean"
+CRITIC_RETURNS_MEAN = "critic/returns/mean"
 ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_abs_diff_mean"
 ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_abs_diff_max"
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 PERF_NUM_TOKENS = "perf/num_tokens"
 DATA_EPOCH = "data/epoch"
 DATA_NUM_FILTERED = "data/num_filtered_prompts"
+WEIGHT_SYNC_SECONDS = "weight_sync/seconds"
+WEIGHT_SYNC_GBYTES = "weight_sync/gbytes"
+WEIGHT_SYNC_NUM_TENSORS = "weight_sync/num_tensors"
+WEIGHT_SYNC_CHECKSUM_MISMATCHES = "weight_sync/checksum_mismatches"
+WEIGHT_SYNC_RECEIVE_SECONDS = "weight_sync/receive_seconds"
+WEIGHT_SYNC_BUCKETS = "weight_sync/buckets"
+VAL_ACCURACY = "val/accuracy"
+VAL_SCORE_MEAN = "val/score/mean"
 
 TIMING_PREFIX = "timing_s/"
 STAGES = (

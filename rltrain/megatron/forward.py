@@ -1,22 +1,23 @@
 """Forward (and forward-backward) of Megatron model chunks over a batch of token sequences.
 
-Contract: a ``TokenBatch`` holds padded rows ``[prompt (left-padded) | response (right-padded)]``; the
-last ``response_len`` columns are the response. ``run_model`` splits it into micro-batches (fixed
-size, or filled up to a token budget), optionally packs each micro-batch into one row (THD, no
-attention across sequences, positions restarting per sequence), runs them through Megatron's
-pipeline schedule, and returns per-response-token outputs in the original sample order:
-``logprobs``/``entropy`` (actor) or ``values`` (critic), each [batch, response_len], zero on padding.
-The output for response token j comes from position ``seq - response_len - 1 + j`` (the token
-before it), as in verl. Every rank of the pipeline gets the same result (broadcast from the last
-stage). With ``loss_fn`` it also runs the backward; the loss callable sees one micro-batch's
-outputs and must use global denominators (its sum over micro-batches and data-parallel ranks is the
-batch loss), so gradients do not depend on the split.
+Contract: ``run_model`` takes a :class:`~rltrain.algo.token_batch.TokenBatch` (padded rows
+``[prompt (left-padded) | response (right-padded)]``, the last ``response_len`` columns being the
+response), splits it into micro-batches (fixed size, or filled up to a token budget), optionally
+packs each micro-batch into one row (THD, no attention across sequences, positions restarting per
+sequence), runs them through Megatron's pipeline schedule, and returns a
+:class:`~rltrain.algo.token_batch.ModelOutput` in the original sample order: ``logprobs``/``entropy``
+(actor) or ``values`` (critic), each [batch, response_len], zero on padding. The output for
+response token j comes from position ``seq - response_len - 1 + j`` (the token before it), as in
+verl. Every rank of the pipeline gets the same result (broadcast from the last stage). With
+``loss_fn`` (a :class:`~rltrain.algo.token_batch.LossFn`) it also runs the backward; the loss
+callable sees one micro-batch's outputs and must use global denominators (its sum over
+micro-batches and data-parallel ranks is the batch loss), so gradients do not depend on the split.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,44 +26,12 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.data.dynamic_batch import split_by_token_budget, split_fixed
 from rltrain.data.packing import pack_sequences, padded_position_ids
 from rltrain.megatron.local_spec import padded_causal_mask
 from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 from rltrain.megatron.parallel import ParallelContext
-
-
-@dataclass
-class TokenBatch:
-    """Padded token rows; the last ``response_len`` columns are the response."""
-
-    input_ids: torch.Tensor
-    """[batch, seq] long."""
-    attention_mask: torch.Tensor
-    """[batch, seq] 1 for real tokens, 0 for padding (left in the prompt, right in the response)."""
-    response_len: int
-    """Number of response columns at the end of each row."""
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-sample tensors [batch, ...] the loss callable needs (e.g. ``old_logprobs``, ``advantages``);
-    sliced together with the micro-batch."""
-
-    @property
-    def batch_size(self) -> int:
-        return self.input_ids.size(0)
-
-    @property
-    def response_mask(self) -> torch.Tensor:
-        """[batch, response_len] 1 for real response tokens."""
-        return self.attention_mask[:, -self.response_len :]
-
-    def select(self, index: list[int]) -> TokenBatch:
-        idx = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
-        return TokenBatch(
-            input_ids=self.input_ids[idx],
-            attention_mask=self.attention_mask[idx],
-            response_len=self.response_len,
-            extras={k: v[idx.to(v.device)] for k, v in self.extras.items()},
-        )
 
 
 @dataclass
@@ -82,22 +51,6 @@ class MicroBatching:
         if self.use_dynamic_bsz:
             return split_by_token_budget(batch.attention_mask.sum(1).tolist(), self.max_token_len)
         return split_fixed(batch.batch_size, self.micro_batch_size)
-
-
-@dataclass
-class ModelOutput:
-    """Per-response-token outputs, [batch, response_len], zero where the response is padding."""
-
-    logprobs: torch.Tensor | None = None
-    """log p(response token | prefix) (actor / reference)."""
-    entropy: torch.Tensor | None = None
-    """Entropy of the next-token distribution at the same positions (actor / reference)."""
-    values: torch.Tensor | None = None
-    """Critic value at the same positions."""
-
-
-LossFn = Callable[[ModelOutput, TokenBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""(micro-batch outputs, micro-batch) → (loss with global denominators, metrics to sum)."""
 
 
 @dataclass

@@ -26,8 +26,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from rltrain.algo.token_batch import LossFn, TokenBatch
 from rltrain.config.optim import OptimConfig
-from rltrain.megatron.forward import LossFn, MicroBatching, TokenBatch, run_model
+from rltrain.megatron.forward import MicroBatching, run_model
 from rltrain.megatron.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)

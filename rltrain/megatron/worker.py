@@ -10,7 +10,8 @@
 The critic (``role="critic"``) has ``compute_values`` instead of ``compute_log_prob``; the reference
 (``role="reference"``) has no optimizer.
 
-Data: every rank of one data-parallel replica (its TP/PP/CP ranks) must receive the same batch; each
+Data (``TokenBatch``, ``ModelOutput`` and ``LossFn`` of :mod:`rltrain.algo.token_batch`): every
+rank of one data-parallel replica (its TP/PP/CP ranks) must receive the same batch; each
 data-parallel rank receives its own share. Forward outputs come back on every rank of the replica.
 The loss callable must use global denominators (e.g. the response-token count of the whole
 mini-batch over all DP ranks) so that the gradient is the full mini-batch's.
@@ -28,9 +29,10 @@ from typing import Any
 
 import torch
 
+from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
-from rltrain.megatron.forward import LossFn, MicroBatching, ModelOutput, TokenBatch, run_model
+from rltrain.megatron.forward import MicroBatching, run_model
 from rltrain.megatron.model import Role, build_model
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.train_step import TrainStepResult, build_optimizer, train_step, wrap_for_training

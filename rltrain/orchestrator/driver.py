@@ -13,8 +13,9 @@ uninterrupted one: sampling uses seed ``rollout.seed + step``, mini-batch shuffl
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,19 +32,54 @@ from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.timer import StageTimer
 from rltrain.orchestrator.batch import StepBatch, build_step_batch
 from rltrain.orchestrator.checkpoints import RunCheckpoints
+from rltrain.orchestrator.roles import CriticRole, PolicyRole
 from rltrain.rollout.mismatch import logprob_mismatch
 from rltrain.rollout.types import SamplingConfig
+
+if TYPE_CHECKING:
+    from rltrain.data.loader import PromptBatch
+    from rltrain.orchestrator.entry import RunData
+    from rltrain.rewards import RewardOutput
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Roles:
-    policy: Any
-    """:class:`~rltrain.orchestrator.roles.PolicyRole`: actor, reference, rollout."""
+    policy: PolicyRole
+    """Actor, reference and rollout."""
 
-    critic: Any | None
-    """:class:`~rltrain.orchestrator.roles.CriticRole`, or None without a critic."""
+    critic: CriticRole | None
+    """The critic, or None without one."""
+
+
+class Rewards(Protocol):
+    """Scores decoded responses: a :class:`~rltrain.rewards.RewardManager`, or the Ray pool around one
+    (:class:`~rltrain.orchestrator.reward_workers.RayRewardPool`)."""
+
+    def __call__(
+        self, responses: Sequence[str], *, ground_truths: Sequence[str], data_sources: Sequence[str]
+    ) -> RewardOutput: ...
+
+
+class MetricsSink(Protocol):
+    """Where a step's metrics go (:class:`~rltrain.logging.tracker.MetricsLogger`)."""
+
+    def log(self, metrics: Mapping[str, float], *, step: int) -> None: ...
+
+
+class Tokenizer(Protocol):
+    """The part of an HF tokenizer the driver uses."""
+
+    pad_token_id: int
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str: ...
+
+
+class Progress(Protocol):
+    """A progress display (:class:`~rltrain.logging.progress.StepProgress`)."""
+
+    def update(self, metrics: Mapping[str, float] | None = None) -> None: ...
 
 
 class PPOTrainer:
@@ -52,10 +88,10 @@ class PPOTrainer:
         config: RLConfig,
         *,
         roles: Roles,
-        tokenizer,
-        data,
-        rewards,
-        tracker,
+        tokenizer: Tokenizer,
+        data: RunData,
+        rewards: Rewards,
+        tracker: MetricsSink,
         total_steps: int,
         checkpoints: RunCheckpoints | None = None,
     ) -> None:
@@ -72,7 +108,7 @@ class PPOTrainer:
         self.timer = StageTimer()
 
     # ---------------------------------------------------------------------------------------- loop
-    def fit(self, *, progress=None) -> int:
+    def fit(self, *, progress: Progress | None = None) -> int:
         """Train until ``total_steps``; returns the last step. Resumes first when configured."""
         step = self.resume()
         self.roles.policy.sync_weights()
@@ -131,7 +167,7 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------- stages
-    def rollout(self, prompts, sampling: SamplingConfig) -> StepBatch:
+    def rollout(self, prompts: PromptBatch, sampling: SamplingConfig) -> StepBatch:
         output = self.roles.policy.generate(prompts.prompt_ids, sampling)
         return build_step_batch(
             prompt_ids=output.prompt_ids,
@@ -171,7 +207,7 @@ class PPOTrainer:
             metrics |= {
                 mk.ACTOR_KL: kl.kl_token_mean,
                 mk.ACTOR_KL_COEF: beta,
-                "actor/kl_seq_sum": kl.kl_seq_sum,
+                mk.ACTOR_KL_SEQ_SUM: kl.kl_seq_sum,
             }
         else:
             batch.token_level_rewards = _score_at_last_token(batch.scores, mask)
@@ -191,10 +227,10 @@ class PPOTrainer:
             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         )
         batch.advantages, batch.returns = out.advantages, out.returns
-        metrics["critic/advantages/mean"] = float(masked_mean(out.advantages, mask))
-        metrics["critic/returns/mean"] = float(masked_mean(out.returns, mask))
+        metrics[mk.CRITIC_ADVANTAGES_MEAN] = float(masked_mean(out.advantages, mask))
+        metrics[mk.CRITIC_RETURNS_MEAN] = float(masked_mean(out.returns, mask))
         if batch.values is not None:
-            metrics["critic/values/mean"] = float(masked_mean(batch.values, mask))
+            metrics[mk.CRITIC_VALUES_MEAN] = float(masked_mean(batch.values, mask))
         return metrics
 
     def mini_batches(self, batch: StepBatch, step: int) -> list[StepBatch]:
@@ -214,7 +250,9 @@ class PPOTrainer:
             out += [batch.select(order[i : i + size]) for i in range(0, batch.batch_size, size)]
         return out
 
-    def step_metrics(self, batch: StepBatch, *, entropy: torch.Tensor, prompts) -> dict[str, float]:
+    def step_metrics(
+        self, batch: StepBatch, *, entropy: torch.Tensor, prompts: PromptBatch
+    ) -> dict[str, float]:
         mask = batch.response_mask
         response_lengths = mask.sum(-1).tolist()
         prompt_lengths = [len(p) for p in prompts.prompt_ids]
@@ -222,7 +260,7 @@ class PPOTrainer:
         metrics |= logprob_mismatch(
             batch.old_logprobs, batch.rollout_logprobs, mask, tis_cap=self.config.actor.tis_imp_ratio_cap
         )
-        metrics["actor/entropy_before_update"] = float(masked_mean(entropy, mask.float()))
+        metrics[mk.ACTOR_ENTROPY_BEFORE_UPDATE] = float(masked_mean(entropy, mask.float()))
         metrics[mk.DATA_EPOCH] = float(prompts.epoch)
         return metrics
 
@@ -252,8 +290,8 @@ class PPOTrainer:
             data_sources=[ex.data_source for ex in val for _ in range(n)],
         )
         return {
-            "val/accuracy": float(result.correct.float().mean()),
-            "val/score/mean": float(result.scores.mean()),
+            mk.VAL_ACCURACY: float(result.correct.float().mean()),
+            mk.VAL_SCORE_MEAN: float(result.scores.mean()),
         }
 
     def save(self, step: int) -> None:
@@ -299,5 +337,5 @@ def _mean_over_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
     """Average each metric over the optimizer steps of the update (skip counts add up)."""
     keys = per_step[0].keys()
     return {
-        k: sum(m[k] for m in per_step) / (1 if k.endswith("skipped_steps") else len(per_step)) for k in keys
+        k: sum(m[k] for m in per_step) / (1 if k.endswith(mk.SKIPPED_STEPS) else len(per_step)) for k in keys
     }

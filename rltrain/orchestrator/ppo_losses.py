@@ -1,17 +1,17 @@
 """Loss callables of the actor and critic updates, assembled from :mod:`rltrain.algo`.
 
-A callable sees one micro-batch: the model's outputs (``logprobs``/``entropy`` or ``values``,
-``[batch, response_len]``) and the micro-batch, whose ``extras`` carry the step's tensors under the
-:class:`~rltrain.orchestrator.batch.StepBatch` field names. Every term is aggregated with the
+Each is a :class:`~rltrain.algo.token_batch.LossFn`: it sees one micro-batch's model outputs
+(``logprobs``/``entropy`` or ``values``, ``[batch, response_len]``) and the micro-batch
+(:class:`~rltrain.algo.token_batch.TokenBatch`), whose named loss inputs it reads: the actor
+``old_logprobs``, ``advantages`` (+ ``ref_logprobs`` with the KL loss, ``rollout_logprobs`` with
+TIS), the critic ``values`` and ``returns``. Every term is aggregated with the
 mini-batch's global denominators, so the sum over micro-batches and data-parallel ranks is the
 mini-batch loss; the metrics use the same denominators and add up the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,9 +24,9 @@ from rltrain.algo import (
     compute_policy_loss,
     compute_value_loss,
 )
+from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config import ActorConfig, CriticConfig
-
-LossFn = Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+from rltrain.logging import metrics as mk
 
 
 @dataclass(frozen=True)
@@ -72,35 +72,34 @@ def actor_loss_fn(cfg: ActorConfig, counts: GlobalCounts) -> LossFn:
     # Metrics are token means over the mini-batch whatever the loss aggregation mode.
     token_mean = counts.agg("token-mean")
 
-    def loss_fn(output, micro_batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        extras = micro_batch.extras
+    def loss_fn(output: ModelOutput, micro_batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = micro_batch.response_mask.to(output.logprobs.dtype)
         inputs = PolicyLossInputs(
-            old_logprobs=extras["old_logprobs"],
+            old_logprobs=micro_batch.old_logprobs,
             logprobs=output.logprobs,
-            advantages=extras["advantages"],
+            advantages=micro_batch.advantages,
             response_mask=mask,
-            rollout_logprobs=extras.get("rollout_logprobs"),
+            rollout_logprobs=micro_batch.rollout_logprobs,
         )
         policy = compute_policy_loss(cfg.policy_loss, inputs, params=params, agg=agg)
         loss = policy.loss
         metrics = {
-            "actor/pg_loss": policy.loss.detach(),
-            "actor/pg_clipfrac": policy.clipfrac,
-            "actor/pg_clipfrac_lower": policy.clipfrac_lower,
-            "actor/ppo_kl": policy.ppo_kl,
-            "actor/entropy": compute_entropy_loss(output.entropy.detach(), mask, token_mean),
+            mk.ACTOR_PG_LOSS: policy.loss.detach(),
+            mk.ACTOR_PG_CLIPFRAC: policy.clipfrac,
+            mk.ACTOR_PG_CLIPFRAC_LOWER: policy.clipfrac_lower,
+            mk.ACTOR_PPO_KL: policy.ppo_kl,
+            mk.ACTOR_ENTROPY: compute_entropy_loss(output.entropy.detach(), mask, token_mean),
         }
         if policy.tis_weight_mean is not None:
-            metrics["actor/tis_weight_mean"] = policy.tis_weight_mean
+            metrics[mk.ACTOR_TIS_WEIGHT_MEAN] = policy.tis_weight_mean
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * compute_entropy_loss(output.entropy, mask, agg)
         if cfg.use_kl_loss:
             kl = compute_kl_loss(
-                output.logprobs, extras["ref_logprobs"], mask, kind=cfg.kl_loss_type, agg=agg
+                output.logprobs, micro_batch.ref_logprobs, mask, kind=cfg.kl_loss_type, agg=agg
             )
             loss = loss + cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl.detach()
+            metrics[mk.ACTOR_KL_LOSS] = kl.detach()
         return loss, metrics
 
     return loss_fn
@@ -111,21 +110,20 @@ def critic_loss_fn(cfg: CriticConfig, counts: GlobalCounts) -> LossFn:
     agg = counts.agg(cfg.loss_agg_mode)
     token_mean = counts.agg("token-mean")
 
-    def loss_fn(output, micro_batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        extras = micro_batch.extras
+    def loss_fn(output: ModelOutput, micro_batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = micro_batch.response_mask.to(output.values.dtype)
         result = compute_value_loss(
             vpreds=output.values,
-            values=extras["values"],
-            returns=extras["returns"],
+            values=micro_batch.values,
+            returns=micro_batch.returns,
             response_mask=mask,
             cliprange_value=cfg.cliprange_value,
             agg=agg,
         )
         metrics = {
-            "critic/vf_loss": result.loss.detach(),
-            "critic/vf_clipfrac": result.vf_clipfrac,
-            "critic/vpred_mean": token_mean(output.values.detach(), mask),
+            mk.CRITIC_VF_LOSS: result.loss.detach(),
+            mk.CRITIC_VF_CLIPFRAC: result.vf_clipfrac,
+            mk.CRITIC_VPRED_MEAN: token_mean(output.values.detach(), mask),
         }
         return result.loss, metrics
 

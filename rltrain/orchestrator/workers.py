@@ -16,13 +16,18 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrain.algo.token_batch import TokenBatch
 from rltrain.config import RLConfig
+from rltrain.logging import metrics as mk
 from rltrain.orchestrator.batch import StepBatch
 from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
+
+if TYPE_CHECKING:
+    from rltrain.megatron.train_step import TrainStepResult
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +57,10 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _token_batch(batch: StepBatch, extras: tuple[str, ...] = ()):
-    from rltrain.megatron.forward import TokenBatch
-
+def _token_batch(batch: StepBatch, loss_inputs: tuple[str, ...] = ()) -> TokenBatch:
+    """The rows of ``batch`` plus the named ``loss_inputs`` (fields of both batches) the loss reads."""
     tensors = {}
-    for name in extras:
+    for name in loss_inputs:
         value = getattr(batch, name)
         if value is None:
             raise ValueError(f"StepBatch.{name} is needed here but was not computed")
@@ -65,7 +69,7 @@ def _token_batch(batch: StepBatch, extras: tuple[str, ...] = ()):
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         response_len=batch.response_len,
-        extras=tensors,
+        **tensors,
     )
 
 
@@ -348,12 +352,16 @@ class PolicyWorker(_MegatronRankBase):
 
     def update_actor(self, mini_batches: list[tuple[StepBatch, GlobalCounts]]) -> list[dict[str, float]]:
         """One optimizer step per (local mini-batch, its global counts); metrics per step."""
-        extras = ("old_logprobs", "advantages") + (("ref_logprobs",) if self.config.actor.use_kl_loss else ())
+        loss_inputs = ("old_logprobs", "advantages")
+        if self.config.actor.use_kl_loss:
+            loss_inputs += ("ref_logprobs",)
         if self.config.actor.tis_imp_ratio_cap is not None:
-            extras += ("rollout_logprobs",)
+            loss_inputs += ("rollout_logprobs",)
         results = []
         for local, counts in mini_batches:
-            res = self.actor.update(_token_batch(local, extras), actor_loss_fn(self.config.actor, counts))
+            res = self.actor.update(
+                _token_batch(local, loss_inputs), actor_loss_fn(self.config.actor, counts)
+            )
             results.append(_step_metrics("actor", res))
         return results
 
@@ -414,16 +422,6 @@ class CriticWorker(_MegatronRankBase):
 
     def load_checkpoint(self, root: str) -> int | None:
         return self.critic.load_checkpoint(Path(root) / "critic", load_optimizer=True)
-
-
-def _step_metrics(role: str, res) -> dict[str, float]:
-    """A train step's loss metrics plus ``{role}/grad_norm``, ``{role}/lr`` and ``{role}/skipped_steps``."""
-    return {
-        **res.metrics,
-        f"{role}/grad_norm": res.grad_norm,
-        f"{role}/lr": res.lr,
-        f"{role}/skipped_steps": float(res.skipped),
-    }
 
 
 def build_engine(config: RLConfig, model_dir: str):
@@ -491,13 +489,14 @@ def _run_engine(engine, config: RLConfig, prompts: list[list[int]], sampling) ->
     return output
 
 
-def _step_metrics(role: str, result) -> dict[str, float]:
-    """A train step's metrics under the role's prefix (the backend reports the total as ``loss``)."""
+def _step_metrics(role: str, result: TrainStepResult) -> dict[str, float]:
+    """A train step's metrics under the role's prefix (the backend reports the total as ``loss``),
+    plus ``{role}/grad_norm``, ``{role}/lr`` and ``{role}/skipped_steps``."""
     metrics = {(k if "/" in k else f"{role}/{k}"): v for k, v in result.metrics.items()}
     return metrics | {
-        f"{role}/grad_norm": result.grad_norm,
-        f"{role}/lr": result.lr,
-        f"{role}/skipped_steps": float(result.skipped),
+        f"{role}/{mk.GRAD_NORM}": result.grad_norm,
+        f"{role}/{mk.LR}": result.lr,
+        f"{role}/{mk.SKIPPED_STEPS}": float(result.skipped),
     }
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.forward import MicroBatching, ModelOutput, TokenBatch
+from rltrain.megatron.forward import MicroBatching
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 
@@ -77,12 +77,16 @@ def make_batch(batch_size: int = 4, seq: int = 16, response_len: int = 8, seed: 
             0 if row % 2 else 1
         )  # right padding of the response
     input_ids = input_ids * mask
-    extras = {
-        "advantages": torch.randn(batch_size, response_len, generator=gen),
-        "returns": torch.randn(batch_size, response_len, generator=gen),
-    }
+    advantages = torch.randn(batch_size, response_len, generator=gen)
+    returns = torch.randn(batch_size, response_len, generator=gen)
     assert mask[:, prompt_len - 1].all()
-    return TokenBatch(input_ids=input_ids, attention_mask=mask, response_len=response_len, extras=extras)
+    return TokenBatch(
+        input_ids=input_ids,
+        attention_mask=mask,
+        response_len=response_len,
+        advantages=advantages,
+        returns=returns,
+    )
 
 
 def dp_shard(batch: TokenBatch, ctx: ParallelContext) -> TokenBatch:
@@ -90,22 +94,22 @@ def dp_shard(batch: TokenBatch, ctx: ParallelContext) -> TokenBatch:
     return batch.select(list(range(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)))
 
 
-def policy_loss(global_tokens: float) -> Callable[[ModelOutput, TokenBatch], tuple[torch.Tensor, dict]]:
+def policy_loss(global_tokens: float) -> LossFn:
     """A policy-gradient loss with an entropy bonus, normalized by the global response-token count."""
 
     def loss_fn(out: ModelOutput, mb: TokenBatch) -> tuple[torch.Tensor, dict]:
         mask = mb.response_mask.float()
-        pg = -(out.logprobs * mb.extras["advantages"] * mask).sum() / global_tokens
+        pg = -(out.logprobs * mb.advantages * mask).sum() / global_tokens
         ent = (out.entropy * mask).sum() / global_tokens
         return pg - 0.01 * ent, {"entropy": ent.detach()}
 
     return loss_fn
 
 
-def value_loss(global_tokens: float) -> Callable[[ModelOutput, TokenBatch], tuple[torch.Tensor, dict]]:
+def value_loss(global_tokens: float) -> LossFn:
     def loss_fn(out: ModelOutput, mb: TokenBatch) -> tuple[torch.Tensor, dict]:
         mask = mb.response_mask.float()
-        return 0.5 * (((out.values - mb.extras["returns"]) ** 2) * mask).sum() / global_tokens, {}
+        return 0.5 * (((out.values - mb.returns) ** 2) * mask).sum() / global_tokens, {}
 
     return loss_fn
 

@@ -21,7 +21,7 @@ PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150], [11, 12, 13, 14, 15, 16]]
 
 
 def token_batch(out, response_length: int, pad_id: int):
-    from rltrain.megatron.forward import TokenBatch
+    from rltrain.algo.token_batch import TokenBatch
 
     prompt_len = max(len(p) for p in out.prompt_ids)
     rows = torch.full((out.num_samples, prompt_len + response_length), pad_id, dtype=torch.long)

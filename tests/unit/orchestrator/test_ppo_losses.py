@@ -1,15 +1,16 @@
 """Loss callables: micro-batch sums equal the full mini-batch loss and a hand-computed reference."""
 
-from types import SimpleNamespace
-
 import torch
 
+from rltrain.algo.token_batch import ModelOutput, TokenBatch
 from rltrain.config import ActorConfig, CriticConfig
 from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
 
 
-def micro(mask, **extras):
-    return SimpleNamespace(response_mask=mask, extras=extras)
+def micro(mask: torch.Tensor, **loss_inputs: torch.Tensor) -> TokenBatch:
+    """A micro-batch whose rows are all response (``response_mask`` is ``mask``)."""
+    ids = torch.zeros(mask.shape, dtype=torch.long)
+    return TokenBatch(input_ids=ids, attention_mask=mask, response_len=mask.size(1), **loss_inputs)
 
 
 def test_actor_loss_sums_over_micro_batches_to_token_mean():
@@ -25,12 +26,12 @@ def test_actor_loss_sums_over_micro_batches_to_token_mean():
     )
     fn = actor_loss_fn(cfg, GlobalCounts.of(mask))
     full, _ = fn(
-        SimpleNamespace(logprobs=new, entropy=entropy),
+        ModelOutput(logprobs=new, entropy=entropy),
         micro(mask, old_logprobs=old, advantages=adv, ref_logprobs=ref),
     )
     total = torch.tensor(0.0)
     for rows in ([0], [1, 2], [3]):
-        out = SimpleNamespace(logprobs=new[rows], entropy=entropy[rows])
+        out = ModelOutput(logprobs=new[rows], entropy=entropy[rows])
         loss, _ = fn(
             out, micro(mask[rows], old_logprobs=old[rows], advantages=adv[rows], ref_logprobs=ref[rows])
         )
@@ -53,7 +54,7 @@ def test_critic_loss_matches_clipped_value_loss_by_hand():
     vpreds = torch.tensor([[1.0, 1.0], [2.2, 9.0]])
     returns = torch.tensor([[1.0, 0.0], [3.0, 0.0]])
     fn = critic_loss_fn(CriticConfig(cliprange_value=0.5), GlobalCounts.of(mask))
-    loss, metrics = fn(SimpleNamespace(values=vpreds), micro(mask, values=values, returns=returns))
+    loss, metrics = fn(ModelOutput(values=vpreds), micro(mask, values=values, returns=returns))
     # (0,0): clip(1, -0.5, 0.5)=0.5 -> max(0, 0.25)=0.25, clipped; (0,1): max(1, 1)=1;
     # (1,0): clip(2.2, 1.5, 2.5)=2.2 -> 0.64; (1,1) is padding.
     torch.testing.assert_close(loss, torch.tensor(0.5 * (0.25 + 1.0 + 0.64) / 3))
