@@ -3,7 +3,8 @@
 Ray: joins the cluster named by ``cluster.ray_address`` or ``RAY_ADDRESS``, else one that
 ``ray.init(address="auto")`` finds (a ``ray start`` head on this machine, or the cluster a
 ``ray job submit`` runs in), else starts a local one with ``cluster.num_cpus`` CPUs.
-Placement: one placement-group bundle per device (``nnodes × n_gpus_per_node``); the policy worker
+Placement (:func:`~rltrain.orchestrator.placement.rollout_placement`, read by every worker too):
+one placement-group bundle per device (``nnodes × n_gpus_per_node``); the policy worker
 (actor + reference + rollout engine) and the critic worker of rank i share bundle i (colocated).
 With ``rollout.mode: separate`` each engine gets a bundle of its own after those, and weights travel
 from actor rank 0 by broadcast.
@@ -158,6 +159,7 @@ def train(config: RLConfig) -> int:
     from ray.util.placement_group import placement_group
 
     from rltrain.orchestrator.driver import Roles
+    from rltrain.orchestrator.placement import rollout_placement
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
     from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup
     from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RolloutWorker
@@ -167,13 +169,8 @@ def train(config: RLConfig) -> int:
     started_ray = connect_ray(config)
     world = config.cluster.world_size()
     gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
-    tp = config.rollout.tensor_model_parallel_size
-    separate = config.rollout.mode == "separate"
-    num_engines = config.rollout.num_devices // tp if separate else 0
-    # Bundles: one per trainer device, then (separate rollout) one per engine holding its TP devices.
-    bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
-    bundles += [{"CPU": 1, "GPU": tp} if gpu else {"CPU": 1} for _ in range(num_engines)]
-    pg = placement_group(bundles, strategy="PACK")
+    layout = rollout_placement(config, gpu=gpu)
+    pg = placement_group([b.resources() for b in layout.bundles], strategy="PACK")
     ray.get(pg.ready())
     share = 0.5 if config.critic_enabled() else 1.0
     placement = Placement(pg, num_cpus=share, num_gpus=share if gpu else 0.0)
@@ -189,12 +186,16 @@ def train(config: RLConfig) -> int:
 
     try:
         policy_group = start_group(
-            "actor_rollout_ref", PolicyWorker, world, placement, total_steps=total_steps
+            "actor_rollout_ref", PolicyWorker, world, placement, total_steps=total_steps, placement=layout
         )
         rollout_group = None
-        if separate:
+        if layout.separate:
+            num_engines = layout.num_engines
             engine_placement = Placement(
-                pg, first_bundle=world, num_cpus=1.0, num_gpus=float(tp) if gpu else 0.0
+                pg,
+                first_bundle=layout.first_engine_bundle,
+                num_cpus=1.0,
+                num_gpus=float(layout.engine_tp) if gpu else 0.0,
             )
             rollout_group = start_group("rollout", RolloutWorker, num_engines, engine_placement)
             address = policy_group.free_address()
@@ -208,9 +209,8 @@ def train(config: RLConfig) -> int:
             critic = CriticRole(
                 start_group("critic", CriticWorker, world, placement, total_steps=total_steps)
             )
-        engine_ranks = [] if separate else list(range(0, world, tp))
         roles = Roles(
-            policy=PolicyRole(policy_group, engine_ranks=engine_ranks, separate=rollout_group), critic=critic
+            policy=PolicyRole(policy_group, placement=layout, separate=rollout_group), critic=critic
         )
         return run_driver(config, setup, roles)
     finally:
@@ -234,6 +234,7 @@ def run_driver(
 
     ``use_reward_workers``: score in Ray CPU tasks when ``reward.num_workers`` > 0 (the Ray mode);
     the torchrun mode has no Ray and scores in the driver."""
+    from rltrain.logging import metrics as mk
     from rltrain.logging.progress import StepProgress
     from rltrain.logging.tracker import MetricsLogger
     from rltrain.orchestrator.driver import PPOTrainer
@@ -241,7 +242,7 @@ def run_driver(
 
     backends = config.trainer.logger if is_logger else ()
     tracker = MetricsLogger(config.run_dir(), backends=backends, total_steps=setup.total_steps)
-    tracker.log({"data/num_filtered_prompts": float(setup.data.num_filtered)}, step=0)
+    tracker.log({mk.DATA_NUM_FILTERED: float(setup.data.num_filtered)}, step=0)
     rewards = RewardManager.from_config(config.reward)
     if config.reward.num_workers and use_reward_workers:
         from rltrain.orchestrator.reward_workers import RayRewardPool

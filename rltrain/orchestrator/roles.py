@@ -14,7 +14,9 @@ from typing import Any, Protocol
 import torch
 
 from rltrain.orchestrator.batch import StepBatch
+from rltrain.orchestrator.placement import RolloutPlacement
 from rltrain.orchestrator.ppo_losses import GlobalCounts
+from rltrain.rollout.types import RolloutOutput, SamplingConfig
 
 
 class Group(Protocol):
@@ -24,6 +26,15 @@ class Group(Protocol):
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
 
     def call_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list[Any]: ...
+
+
+class EngineGroup(Group, Protocol):
+    """A group that also starts a call without waiting (the separate engines receive weights while
+    the actor sends them): ``wait(method, submit(method, ...))`` is ``call(method, ...)``."""
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list: ...
+
+    def wait(self, method: str, refs: list) -> list[Any]: ...
 
 
 class _DataParallelRole:
@@ -60,20 +71,28 @@ class _DataParallelRole:
 
 
 class PolicyRole(_DataParallelRole):
-    """Actor + reference, and the rollout engines: colocated on the actor's ranks (``engine_ranks``),
-    or a separate engine group (``separate``, weights broadcast from actor rank 0)."""
+    """Actor + reference, and the rollout engines: colocated on the actor's ranks
+    (``placement.engine_ranks``), or a separate engine group (``separate``, weights broadcast from
+    actor rank 0)."""
 
-    def __init__(self, group: Group, *, engine_ranks: list[int], separate: Any = None) -> None:
+    def __init__(
+        self, group: Group, *, placement: RolloutPlacement, separate: EngineGroup | None = None
+    ) -> None:
+        if placement.separate != (separate is not None):
+            raise ValueError(
+                f"rollout.mode={placement.mode} needs "
+                + ("a separate engine group" if placement.separate else "no separate engine group")
+            )
         super().__init__(group)
-        self.engine_ranks = engine_ranks
+        self.placement = placement
         self.separate = separate
 
-    def generate(self, prompts: list[list[int]], sampling) -> Any:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> RolloutOutput:
         """n samples per prompt; prompts are split contiguously over the engines, outputs merged."""
-        from rltrain.rollout.types import RolloutOutput
-
         group = self.separate or self.group
-        engines = list(range(self.separate.world_size)) if self.separate else self.engine_ranks
+        engines = (
+            list(range(self.separate.world_size)) if self.separate else list(self.placement.engine_ranks)
+        )
         shares = _split_even(prompts, len(engines))
         args = [((), sampling)] * group.world_size
         for share, rank in zip(shares, engines):

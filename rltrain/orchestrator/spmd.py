@@ -84,6 +84,7 @@ def train_spmd(config: RLConfig) -> int:
     from rltrain.orchestrator.checkpoints import RunCheckpoints
     from rltrain.orchestrator.driver import Roles
     from rltrain.orchestrator.entry import prepare_run, run_driver
+    from rltrain.orchestrator.placement import rollout_placement
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
     from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
 
@@ -96,14 +97,15 @@ def train_spmd(config: RLConfig) -> int:
     setup = prepare_run(config, write_config=True) if rank == 0 else None
     dist.barrier()
     setup = setup or prepare_run(config, write_config=False)
-    worker = PolicyWorker(config, setup.model_dir, None, total_steps=setup.total_steps)
+    placement = rollout_placement(config, gpu=torch.cuda.is_available())
+    worker = PolicyWorker(config, setup.model_dir, None, total_steps=setup.total_steps, placement=placement)
     critic, critic_worker = None, None
     if config.critic_enabled():
         critic_worker = CriticWorker(
             config, setup.model_dir, None, total_steps=setup.total_steps, ctx=worker.ctx
         )
         critic = CriticRole(SPMDGroup("critic", critic_worker))
-    policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), engine_ranks=worker.engine_ranks)
+    policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), placement=placement)
     checkpoints = RunCheckpoints(
         config.run_dir() / "checkpoints",
         keep=config.trainer.checkpoint.max_ckpt_to_keep,

@@ -24,6 +24,7 @@ from rltrain.algo.token_batch import TokenBatch
 from rltrain.config import RLConfig
 from rltrain.logging import metrics as mk
 from rltrain.orchestrator.batch import StepBatch
+from rltrain.orchestrator.placement import RolloutPlacement
 from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
 
 if TYPE_CHECKING:
@@ -153,12 +154,25 @@ class PolicyWorker(_MegatronRankBase):
     """Actor (+ reference, + colocated rollout engine) on one rank."""
 
     def __init__(
-        self, config: RLConfig, model_dir: str, info: RankInfo | None, *, total_steps: int, ctx=None
+        self,
+        config: RLConfig,
+        model_dir: str,
+        info: RankInfo | None,
+        *,
+        total_steps: int,
+        placement: RolloutPlacement,
+        ctx=None,
     ) -> None:
+        """``placement``: the run's rollout layout (which ranks host an engine, its TP size)."""
         super().__init__(config, model_dir, info, config.actor.parallel, ctx)
-        tp = config.rollout.tensor_model_parallel_size
-        colocated = config.rollout.mode == "colocated"
-        self.engine_ranks = list(range(0, self.ctx.world_size, tp)) if colocated else []
+        if len(placement.trainer_bundles) != self.ctx.world_size:
+            raise ValueError(
+                f"rollout placement is for {len(placement.trainer_bundles)} trainer ranks, "
+                f"the actor has {self.ctx.world_size}"
+            )
+        self.placement = placement
+        self.engine_ranks = list(placement.engine_ranks)
+        """Ranks that host a colocated engine (``placement.engine_ranks`` as a list)."""
         engine_rank = self.ctx.rank in self.engine_ranks
         from rltrain.megatron.worker import MegatronWorker
 
