@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -204,46 +203,33 @@ class PolicyWorker(_MegatronRankBase):
             )
             load_hf_into(self.ref, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.engine = build_engine(config, model_dir) if engine_rank else None
-        self.transport = None
-        """Broadcast transport to engines on other devices (``rollout.mode: separate``), on rank 0."""
-        self._planned_export: Any = None
-        """``PlannedExport`` of the actor (built at the first sync), or False where it does not apply."""
+        self._broadcast: tuple[Any, Any] | None = None
+        """(group, device) of the broadcast to engines on other devices (``rollout.mode: separate``),
+        on rank 0."""
+        self._sender: Any = None
+        """The actor's ``rltrain.weight_sync.WeightSender`` (built at the first sync: collective)."""
 
-    def _export(self, dst: int):
-        """HF-named full tensors of the actor, yielded on rank ``dst`` (collective: all ranks iterate).
-
-        Built from the weight-sync plan (``rltrain.rollout.planned_export``): each planned slice comes
-        point-to-point from the rank that owns it. The engine on ``dst`` loads them through vLLM,
-        whose workers narrow each tensor themselves, so it is planned as one TP=1 engine rank (the
-        whole tensors). Models the planner cannot describe (HF tensors that are themselves fused)
-        use the bridge's full-tensor gather instead, said once in the log.
-        """
-        from megatron_bridge.live import bridge_for_chunks, export_hf_weights
-        from rltrain.rollout.planner import EngineLayout
-
-        planned = self._planned()
-        if not planned:
-            chunks = self.actor.chunks
-            return export_hf_weights(
-                chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx), dst=dst
-            )
-        return planned.stream(EngineLayout(tp=1), 0, dst=dst)
-
-    def _planned(self):
-        """The actor's ``PlannedExport`` (built once, collective), or False where the planner does not apply."""
-        if self._planned_export is None:
+    def _weight_sender(self):
+        """The actor's ``WeightSender``: its ``PlannedExport`` and the configured transport."""
+        if self._sender is None:
             from megatron_bridge.live import bridge_for_chunks
-            from rltrain.rollout.planned_export import PlannedExport
+            from rltrain.weight_sync import PlannedExport, build_sender
 
             chunks = self.actor.chunks
-            try:
-                self._planned_export = PlannedExport(
-                    chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx)
-                )
-            except NotImplementedError as err:
-                log.info("weight sync gathers whole tensors (export_hf_weights): %s", err)
-                self._planned_export = False
-        return self._planned_export
+            group, device = self._broadcast or (None, "cpu")
+            self._sender = build_sender(
+                PlannedExport(chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx)),
+                sync_config=self.config.rollout.weight_sync,
+                mode=self.placement.mode,
+                rank=self.ctx.rank,
+                host_ranks=self.engine_ranks,
+                engine_tp=self.placement.engine_tp,
+                engine=self.engine,
+                group=group,
+                device=device,
+                dtype=_dtype(self.config.model.dtype),
+            )
+        return self._sender
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling) -> Any:
@@ -272,84 +258,14 @@ class PolicyWorker(_MegatronRankBase):
     def connect_weight_sync(self, address: tuple[str, int] | None, num_engines: int) -> None:
         """Rank 0 joins the broadcast group of the separate engines (``address`` = its rendezvous)."""
         if address is not None:
-            self.transport = _broadcast_transport(
-                self.config, address, group_rank=0, world_size=1 + num_engines
-            )
+            from rltrain.weight_sync.broadcast import join_broadcast_group
+
+            self._broadcast = join_broadcast_group(address, group_rank=0, world_size=1 + num_engines)
 
     def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's weights (HF names, gathered over TP/PP/EP) to the engines.
-
-        Collective over the actor's ranks. Colocated: one gather per engine, each into the engine of
-        its rank; a CPU engine with TP>1 workers gets each worker's planned regions only. Separate:
-        one gather onto rank 0, which broadcasts buckets to the engines.
-        """
-        start = time.perf_counter()
-        stats = None
-        bucket = self.config.rollout.weight_sync.bucket_size_mb << 20
-        if self.config.rollout.mode == "separate":
-            stream = self._export(dst=0)
-            if self.transport is not None:
-                stats = self.transport.send(stream)
-            else:
-                _drain(stream)
-        tp = self.config.rollout.tensor_model_parallel_size
-        for engine_rank in self.engine_ranks:
-            host = engine_rank == self.ctx.rank
-            if tp > 1 and self._planned() and not torch.cuda.is_available():
-                # CPU workers in processes of their own: each takes its own planned regions only
-                from rltrain.rollout.planner import EngineLayout
-
-                regions = self._planned_export.rank_regions(EngineLayout(tp=tp), dst=engine_rank)
-                if host:
-                    stats = self.engine.load_rank_regions(regions, bucket_bytes=bucket)
-                else:
-                    _drain(regions)
-                continue
-            stream = self._export(dst=engine_rank)
-            if host:
-                stats = self.engine.load_weights(stream, bucket_bytes=bucket)
-            else:
-                _drain(stream)
-        metrics = {}
-        if stats is not None:
-            metrics = {
-                "weight_sync/seconds": time.perf_counter() - start,
-                "weight_sync/gbytes": stats.num_bytes / 1e9,
-                "weight_sync/num_tensors": float(stats.num_tensors),
-            }
-        if self.config.rollout.weight_sync.verify_checksums and self.engine_ranks:
-            mismatched = self._verify_engine_weights()
-            if stats is not None:
-                metrics["weight_sync/checksum_mismatches"] = float(len(mismatched))
-        return metrics
-
-    def _verify_engine_weights(self) -> list[str]:
-        """HF names whose engine digest differs from the trainer's (collective, like the sync)."""
-        from rltrain.rollout.checksum import compare_digests, digests
-        from rltrain.rollout.planner import EngineLayout
-
-        tp = self.config.rollout.tensor_model_parallel_size
-        if tp > 1 and not self._planned():
-            log.warning("weight sync verification skipped: engine TP=%d needs the planned export", tp)
-            return []
-        mismatched: list[str] = []
-        for engine_rank in self.engine_ranks:
-            host = engine_rank == self.ctx.rank
-            workers = self.engine.all_weights_digests() if host else [None] * tp
-            for worker, engine in enumerate(workers):  # each TP worker against its own shard
-                if tp == 1:
-                    stream = self._export(dst=engine_rank)
-                else:
-                    stream = self._planned_export.shard_stream(EngineLayout(tp=tp), worker, dst=engine_rank)
-                if not host:
-                    _drain(stream)
-                    continue
-                expected = digests(stream, dtype=_dtype(self.config.model.dtype))
-                problems = compare_digests({k: v for k, v in expected.items() if k in engine}, engine)
-                mismatched += [f"engine worker {worker}: {p}" for p in problems]
-            for problem in mismatched:
-                log.error("weight sync verification (rank %d): %s", self.ctx.rank, problem)
-        return mismatched
+        """Move the actor's weights to the engines (collective over the actor's ranks; see
+        ``rltrain.weight_sync``); the metrics come from the rank that reports them."""
+        return self._weight_sender().sync()
 
     # ---- trainer forward / update ---------------------------------------------------------------
     def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,25 +366,6 @@ def build_engine(config: RLConfig, model_dir: str):
     )
 
 
-def _broadcast_transport(config: RLConfig, address: tuple[str, int], *, group_rank: int, world_size: int):
-    import torch
-
-    from rltrain.rollout.transport import BroadcastTransport, standalone_group
-
-    cuda = torch.cuda.is_available()
-    group = standalone_group(
-        host=address[0],
-        port=address[1],
-        rank=group_rank,
-        world_size=world_size,
-        backend="nccl" if cuda else "gloo",
-    )
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return BroadcastTransport(
-        group=group, src_rank=0, bucket_bytes=config.rollout.weight_sync.bucket_size_mb << 20, device=device
-    )
-
-
 class RolloutWorker:
     """A vLLM engine on its own devices (``rollout.mode: separate``); weights arrive by broadcast."""
 
@@ -476,16 +373,19 @@ class RolloutWorker:
         self.config = config
         self.rank = info.rank
         self.engine = build_engine(config, model_dir)
-        self.transport = None
+        self.receiver: Any = None
+        """This engine's end of the broadcast (``rltrain.weight_sync.broadcast``)."""
 
     def connect_weight_sync(self, address: tuple[str, int], num_engines: int) -> None:
-        self.transport = _broadcast_transport(
-            self.config, address, group_rank=1 + self.rank, world_size=1 + num_engines
-        )
+        from rltrain.weight_sync.broadcast import BroadcastTransport, join_broadcast_group
+
+        group, device = join_broadcast_group(address, group_rank=1 + self.rank, world_size=1 + num_engines)
+        bucket_bytes = self.config.rollout.weight_sync.bucket_size_mb << 20
+        self.receiver = BroadcastTransport(group=group, src_rank=0, bucket_bytes=bucket_bytes, device=device)
 
     def receive_weights(self) -> dict[str, float]:
-        stats = self.transport.receive(self.engine)
-        return {"weight_sync/receive_seconds": stats.seconds, "weight_sync/buckets": float(stats.num_buckets)}
+        stats = self.receiver.receive(self.engine)
+        return {mk.WEIGHT_SYNC_RECEIVE_SECONDS: stats.seconds, mk.WEIGHT_SYNC_BUCKETS: float(stats.num_buckets)}
 
     def generate(self, prompts: list[list[int]], sampling) -> Any:
         return _run_engine(self.engine, self.config, prompts, sampling) if prompts else None
@@ -512,8 +412,3 @@ def _step_metrics(role: str, result: TrainStepResult) -> dict[str, float]:
         f"{role}/{mk.LR}": result.lr,
         f"{role}/{mk.SKIPPED_STEPS}": float(result.skipped),
     }
-
-
-def _drain(stream) -> None:
-    for _ in stream:
-        pass

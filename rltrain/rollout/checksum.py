@@ -10,46 +10,22 @@ What is compared, and why it is real:
   weights are split back by the layer's ``output_partition_sizes`` into the HF names of the model's
   ``packed_modules_mapping``; padded vocab rows are dropped. An LM head is read through its own
   kernel too: tied to the embedding, it still keeps a separate packed copy for the logits.
-- ``tensor_digest`` is a SHA-256 of the bytes after casting to the engine dtype (what vLLM's loader
+- ``tensor_digest`` (``rltrain.weight_sync.checksum``) is a SHA-256 of the bytes after casting to the engine dtype (what vLLM's loader
   does with ``copy_``), so equality means bit-identical weights in the engine.
 The readback runs where the model lives (in-process, or inside each worker via ``collective_rpc``)
-and covers the worker's own shard; the trainer side digests the same shard of the tensors it sent.
+and covers the worker's own shard; the trainer side (``rltrain.weight_sync.sender``) digests the
+same shard of the tensors it sent.
 Dense decoders are covered; a fused-MoE module raises, naming it.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 
-NamedTensor = tuple[str, torch.Tensor]
-
-
-def tensor_digest(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> str:
-    """SHA-256 hex digest of ``tensor``'s bytes (after casting to ``dtype`` when given)."""
-    t = tensor.detach()
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
-    data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data.tobytes()).hexdigest()
-
-
-def digests(named_tensors: Iterable[NamedTensor], dtype: torch.dtype | None = None) -> dict[str, str]:
-    """``{hf_name: digest}`` of the trainer-side tensors (cast to the engine dtype)."""
-    return {name: tensor_digest(tensor, dtype) for name, tensor in named_tensors}
-
-
-def compare_digests(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
-    """Problems (one line each) for every expected name missing from or differing in ``actual``."""
-    problems = []
-    for name, digest in expected.items():
-        if name not in actual:
-            problems.append(f"{name}: sent by the trainer but not found among the engine's weights")
-        elif actual[name] != digest:
-            problems.append(f"{name}: engine weights differ from the trainer's (sha256 mismatch)")
-    return problems
+from rltrain.weight_sync.checksum import tensor_digest
+from rltrain.weight_sync.types import NamedTensor
 
 
 def _linear_weight(module: torch.nn.Module) -> torch.Tensor:

@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-from rltrain.rollout.bucketing import NamedTensor, fused_group
+from megatron_bridge.vllm_names import fused_group
+from rltrain.weight_sync.types import NamedTensor
 
 logger = logging.getLogger(__name__)
 

@@ -4,20 +4,23 @@ Contract:
 - ``generate`` takes token-id prompts or chat conversations (the tokenizer's chat template with the
   assistant turn opened) and returns a ``RolloutOutput``: n samples per prompt, the log-probability
   of every sampled token and why each sample ended.
-- ``load_weights`` takes HF-named tensors (the names of the model's HF checkpoint, unfused) and
-  loads them in place, then resets the prefix cache. A CPU engine of a dense unquantized model
+- ``receive`` is the engine side of weight sync (every transport of ``rltrain.weight_sync`` ends
+  in it): per HF tensor (the names of the model's HF checkpoint, unfused) the regions each worker
+  reads, loaded in place, then the prefix cache resets. A CPU engine of a dense unquantized model
   loads them with ``direct_load.DirectLoader`` (the model's loaders into a reused scratch tensor,
   then vLLM's CPU repack; ``EngineSettings.weight_load``), in this process (TP=1) or inside each
   worker; everything else goes through the worker's ``reload_weights(weights_iterator=...,
   is_checkpoint_format=True)`` (raw ``model.load_weights`` fails on the CPU build, whose linear
-  weights are repacked after loading). A call may carry a subset of
-  the weights, but every fused module it touches must be complete (q/k/v together, gate/up together).
+  weights are repacked after loading). A call may carry a subset of the weights, but every fused
+  module it touches must be complete (q/k/v together, gate/up together). ``load_weights`` is
+  ``receive`` of whole tensors.
 - ``sleep``/``wake_up`` release and restore weights and KV cache on GPU; on CPU they log once that
   sleep mode is unsupported and return.
 - ``weights_digests`` reads back the engine's effective weights (see ``checksum``).
 How weights reach the workers is chosen by detection, not by the caller: an in-process engine
-(the CPU default) receives the iterator itself, streamed through one reload call; multi-process
-workers receive group-aligned buckets, by CUDA IPC handle on GPU or as a serialized blob on CPU.
+(the CPU default) receives the tensors themselves, streamed through one load; multi-process
+workers receive group-aligned buckets of their own regions, by CUDA IPC handle on GPU or as a
+serialized blob on CPU.
 """
 
 from __future__ import annotations
@@ -26,35 +29,21 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_bridge.vllm_names import fused_group
 from rltrain.rollout import checksum, worker_fns
-from rltrain.rollout.bucketing import NamedTensor, fused_group, iter_buckets, tensor_bytes
 from rltrain.rollout.direct_load import DirectLoader, direct_loader_for
 from rltrain.rollout.types import EngineSettings, RolloutOutput, SamplingConfig
+from rltrain.weight_sync.buckets import iter_buckets
+from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
 logger = logging.getLogger(__name__)
 
 Prompt = list[int] | list[dict[str, str]]
 """Token ids, or a chat conversation ``[{"role": ..., "content": ...}, ...]``."""
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """What one ``load_weights`` call moved."""
-
-    num_tensors: int
-    """HF tensors loaded."""
-    num_bytes: int
-    """Bytes of those tensors."""
-    seconds: float
-    """Wall time of the load including the prefix-cache reset."""
-    path: str = "reload"
-    """How the engine (or its worker rank 0) took the weights in: ``direct`` (``direct_load``) or
-    ``reload`` (vLLM's ``reload_weights``)."""
 
 
 def _bind_cpu_workers(tp: int) -> None:
@@ -221,74 +210,57 @@ class RolloutEngine:
 
     # -------------------------------------------------------------------------------------- weights
 
+    @property
+    def num_workers(self) -> int:
+        """The engine's TP workers (what ``TensorRegions.regions`` is keyed by)."""
+        return self.settings.tensor_model_parallel_size
+
     def load_weights(
         self, named_tensors: Iterable[NamedTensor], *, bucket_bytes: int = 256 << 20
-    ) -> LoadStats:
-        """Load HF-named tensors in place, then reset the prefix cache (a sleeping GPU engine gets its
-        weight memory back first; its KV cache waits for ``wake_up``).
+    ) -> SyncStats:
+        """``receive`` of whole HF tensors: every worker reads each tensor whole (vLLM narrows it)."""
+        tp = self.num_workers
+        return self.receive(
+            (TensorRegions.whole(n, t, tp) for n, t in named_tensors), bucket_bytes=bucket_bytes
+        )
 
-        ``bucket_bytes`` sizes the units handed to multi-process workers; an in-process engine streams
-        the iterator through a single reload call and ignores it.
+    def receive(self, updates: Iterable[TensorRegions], *, bucket_bytes: int = 256 << 20) -> SyncStats:
+        """Load HF tensors in place, each worker its own regions, then reset the prefix cache (a
+        sleeping GPU engine gets its weight memory back first; its KV cache waits for ``wake_up``).
+
+        The one receive path of every transport. An in-process worker (TP=1) takes the tensors
+        themselves, streamed through one load; workers in processes of their own take group-aligned
+        buckets of about ``bucket_bytes``, each worker one buffer with its own regions only (a CUDA
+        IPC handle on GPU, a serialized blob on CPU). Every fused module a call touches must be
+        complete in it. ``SyncStats.num_bytes`` counts what the workers took in, all together.
         """
         start = time.perf_counter()
         if self._asleep and not self._weights_awake:
             # Weights first, KV cache at wake_up(): the load never competes with the cache for memory.
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        counter = _Counter(named_tensors)
+        counter = _Counter(updates)
+        num_calls = 1
         direct = self._direct_loader()
         if direct is not None:
-            direct.load(counter)
+            direct.load((u.name, u.full(0)) for u in counter)
             path = "direct"
         elif self.in_process:
+            stream = ((u.name, u.full(0)) for u in counter)
             self.llm.collective_rpc(
-                "reload_weights", kwargs=dict(weights_iterator=iter(counter), is_checkpoint_format=True)
+                "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
             )
             worker_fns.finish_reload(self._local_model(), counter.names)
             path = "reload"
         else:
-            path = "reload"
-            for bucket in iter_buckets(counter, bucket_bytes):
-                path = self._load_bucket_remote(bucket)
+            path, num_calls = "reload", 0
+            named = ((u.name, u) for u in counter)
+            for bucket in iter_buckets(named, bucket_bytes, weigh=lambda u: u.num_bytes):
+                path = self._load_bucket_remote([u for _, u in bucket])
+                num_calls += 1
         counter.check_complete_groups()
         self.llm.reset_prefix_cache()
-        return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start, path)
-
-    def load_rank_regions(
-        self, items: Iterable[tuple[str, tuple[int, ...], Any]], *, bucket_bytes: int = 256 << 20
-    ) -> LoadStats:
-        """Load planned regions into a CPU engine whose TP workers run in processes of their own:
-        ``items`` yields ``(hf_name, full shape, {worker_rank: [(slices, values)]})``
-        (``PlannedExport.rank_regions``)
-        and each worker receives and deserializes its own regions only. Buckets never split a fused
-        module. ``LoadStats.num_bytes`` counts what the workers took in, all together."""
-        if self.in_process or self.on_gpu:
-            raise NotImplementedError("per-worker regions go to multi-process CPU engines (GPU: CUDA IPC)")
-        start = time.perf_counter()
-        pending: dict[str, Any] = {}
-
-        def sized() -> Iterator[NamedTensor]:  # stand-ins with the regions' byte counts, for bucketing
-            for name, shape, regions in items:
-                pending[name] = (shape, regions)
-                nbytes = sum(v.numel() * v.element_size() for regs in regions.values() for _, v in regs)
-                yield name, torch.empty(nbytes, dtype=torch.uint8, device="meta")
-
-        counter = _Counter(sized())
-        path = "reload"
-        for bucket in iter_buckets(counter, bucket_bytes):
-            per_rank: dict[int, list] = {}
-            for name, _ in bucket:
-                shape, regions = pending.pop(name)
-                for rank, regs in regions.items():
-                    per_rank.setdefault(rank, []).append((name, shape, regs))
-            blobs = {rank: worker_fns.serialize_regions(entries) for rank, entries in per_rank.items()}
-            paths = self.llm.collective_rpc(
-                worker_fns.reload_from_regions, args=(blobs, self.settings.weight_load)
-            )
-            path = paths[0]
-        counter.check_complete_groups()
-        self.llm.reset_prefix_cache()
-        return LoadStats(counter.num_tensors, counter.num_bytes, time.perf_counter() - start, path)
+        return SyncStats(counter.num_tensors, counter.num_bytes, num_calls, time.perf_counter() - start, path)
 
     def _direct_loader(self) -> DirectLoader | None:
         """The in-process engine's ``DirectLoader`` when ``settings.weight_load`` selects it (workers in
@@ -304,19 +276,21 @@ class RolloutEngine:
             return None
         return direct_loader_for(self, self._local_model(), mode)
 
-    def _load_bucket_remote(self, bucket: list[NamedTensor]) -> str:
-        """Load one bucket in every worker; returns how worker rank 0 took it in (``direct``/``reload``)."""
+    def _load_bucket_remote(self, bucket: list[TensorRegions]) -> str:
+        """Load one bucket, every worker its own regions; returns how worker rank 0 took it in."""
+        per_worker: dict[int, list[tuple[str, tuple[int, ...], list]]] = {}
+        for update in bucket:
+            for worker, regions in update.regions.items():
+                per_worker.setdefault(worker, []).append((update.name, update.shape, regions))
         mode = self.settings.weight_load
         if self.on_gpu:
-            packed, handle = worker_fns.share_bucket_cuda_ipc(bucket)
-            paths = self.llm.collective_rpc(
-                worker_fns.reload_from_cuda_ipc, args=(handle, packed.metas, mode)
-            )
+            buffers, parcels = worker_fns.share_per_worker_cuda_ipc(per_worker)
+            paths = self.llm.collective_rpc(worker_fns.load_regions, args=(parcels, mode))
             torch.cuda.synchronize()
-            del packed  # the workers are done with the shared buffer
+            del buffers  # the workers are done with the shared memory
         else:
-            blob = worker_fns.serialize_bucket(bucket)
-            paths = self.llm.collective_rpc(worker_fns.reload_from_blob, args=(blob, mode))
+            parcels = worker_fns.serialize_per_worker(per_worker)
+            paths = self.llm.collective_rpc(worker_fns.load_regions, args=(parcels, mode))
         return paths[0]
 
     def weights_digests(self) -> dict[str, str]:
@@ -349,20 +323,20 @@ class RolloutEngine:
 class _Counter:
     """Wraps a weight stream: counts tensors/bytes and tracks which fused modules were completed."""
 
-    def __init__(self, named_tensors: Iterable[NamedTensor]) -> None:
-        self._source = named_tensors
+    def __init__(self, updates: Iterable[TensorRegions]) -> None:
+        self._source = updates
         self.num_tensors = 0
         self.num_bytes = 0
         self.names: list[str] = []
         self._members: dict[str, set[str]] = {}
 
-    def __iter__(self) -> Iterator[NamedTensor]:
-        for name, tensor in self._source:
+    def __iter__(self) -> Iterator[TensorRegions]:
+        for update in self._source:
             self.num_tensors += 1
-            self.num_bytes += tensor_bytes(tensor)
-            self.names.append(name)
-            self._members.setdefault(fused_group(name), set()).add(name.rsplit(".", 2)[-2])
-            yield name, tensor
+            self.num_bytes += update.num_bytes
+            self.names.append(update.name)
+            self._members.setdefault(fused_group(update.name), set()).add(update.name.rsplit(".", 2)[-2])
+            yield update
 
     def check_complete_groups(self) -> None:
         """Raise if a fused q/k/v or gate/up module got only part of its HF tensors."""

@@ -1,29 +1,32 @@
 """Functions that run inside vLLM workers through ``LLM.collective_rpc`` (first argument: the worker).
 
-Used when the workers live in other processes (GPU engines, or ``EngineSettings.multiprocess`` on
-CPU). Each call loads one group-aligned bucket (see ``bucketing``) through ``load_in_worker``: the
-direct load on CPU where exact (``direct_load``, chosen by ``EngineSettings.weight_load``), else the
-worker's ``reload_weights(..., is_checkpoint_format=True)``:
-- CPU: the bucket travels as a safetensors blob (tensors given as plain RPC arguments arrive as
-  lists; functions need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set by the engine).
-- GPU (colocated): the trainer packs the bucket into one device buffer and sends its CUDA IPC handle;
-  every worker maps the same memory on its own device, no copy through the host.
+Used when the workers live in other processes (GPU engines, or TP>1 on CPU). Each call loads one
+group-aligned bucket (see ``rltrain.weight_sync.buckets``): every worker gets a parcel with its own
+regions of each tensor (``RolloutEngine.receive``), rebuilds the full-shaped tensors its loader
+narrows, and loads them through ``load_in_worker``: the direct load on CPU where exact
+(``direct_load``, chosen by ``EngineSettings.weight_load``), else the worker's
+``reload_weights(..., is_checkpoint_format=True)``. How a parcel travels:
+- CPU: a safetensors blob (tensors given as plain RPC arguments arrive as lists; functions need
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set by the engine).
+- GPU (colocated): the regions packed into one device buffer, sent as its CUDA IPC handle; the
+  worker maps the memory on its own device, no copy through the host.
+Workers whose regions are the same tensors (whole tensors, every worker narrowing them itself)
+share one parcel.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 
-from rltrain.rollout.bucketing import (
-    NamedTensor,
-    PackedBucket,
-    TensorMeta,
-    fused_group,
-    pack_bucket,
-    unpack_bucket,
-)
+from megatron_bridge.vllm_names import fused_group
+from rltrain.weight_sync.buckets import PackedBucket, pack_bucket, unpack_bucket
+from rltrain.weight_sync.types import NamedTensor
+
+WorkerEntries = list[tuple[str, tuple[int, ...], list[tuple[tuple[slice, ...], torch.Tensor]]]]
+"""One worker's part of a bucket: ``(hf_name, full shape, [(slices, values)])`` per tensor."""
 
 
 def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
@@ -64,13 +67,6 @@ def finish_reload(model: torch.nn.Module, names: list[str]) -> None:
     repack_tied_copies(model, names)
 
 
-def serialize_bucket(bucket: list[NamedTensor]) -> bytes:
-    """A safetensors blob of ``bucket`` (host copies of the tensors)."""
-    from safetensors.torch import save
-
-    return save({name: tensor.detach().cpu().contiguous() for name, tensor in bucket})
-
-
 def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) -> str:
     """Load ``tensors`` into this worker's model: the direct load where ``weight_load`` selects it,
     else ``reload_weights`` plus ``finish_reload``. Returns the path taken (``direct``/``reload``)."""
@@ -86,37 +82,6 @@ def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) ->
     return "reload"
 
 
-def reload_from_blob(worker: Any, blob: bytes, weight_load: str = "auto") -> str:
-    """Worker side of ``serialize_bucket``: load the blob's tensors in place (see ``load_in_worker``)."""
-    from safetensors.torch import load
-
-    return load_in_worker(worker, list(load(blob).items()), weight_load)
-
-
-def share_bucket_cuda_ipc(bucket: list[NamedTensor]) -> tuple[PackedBucket, tuple[Any, tuple]]:
-    """Pack ``bucket`` on the current CUDA device; return ``(packed, ipc_handle)``.
-
-    The caller keeps ``packed`` alive until the workers returned (the handle does not own the memory).
-    """
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    packed = pack_bucket(bucket, device=torch.device("cuda", torch.cuda.current_device()))
-    return packed, reduce_tensor(packed.flat)
-
-
-def reload_from_cuda_ipc(
-    worker: Any, handle: tuple[Any, tuple], metas: list[TensorMeta], weight_load: str = "auto"
-) -> str:
-    """Worker side of ``share_bucket_cuda_ipc``: map the buffer on this worker's device and load it."""
-    rebuild, args = handle
-    args = list(args)
-    args[6] = torch.cuda.current_device()  # storage_device of rebuild_cuda_tensor: this worker's GPU
-    flat = rebuild(*args)
-    path = load_in_worker(worker, unpack_bucket(PackedBucket(metas, flat)), weight_load)
-    torch.cuda.synchronize()
-    return path
-
-
 def worker_digests(worker: Any) -> dict[str, str]:
     """``{hf_name: sha256}`` of this worker's effective weights."""
     from rltrain.rollout.checksum import engine_digests
@@ -124,47 +89,97 @@ def worker_digests(worker: Any) -> dict[str, str]:
     return engine_digests(worker.model_runner.get_model())
 
 
-def serialize_regions(
-    items: list[tuple[str, tuple[int, ...], list[tuple[tuple[slice, ...], torch.Tensor]]]],
-) -> bytes:
-    """A safetensors blob of one worker's regions: ``(hf_name, full shape, [(slices, values)])``."""
-    import json
+def _shared_key(entries: WorkerEntries) -> tuple[int, ...]:
+    return tuple(id(values) for _, _, regions in entries for _, values in regions)
 
+
+def _index(entries: WorkerEntries) -> tuple[list[list], list[NamedTensor]]:
+    """Entries as JSON-able ``[name, shape, [[start, stop], ...], key]`` rows plus the named values."""
+    rows, values = [], []
+    for name, shape, regions in entries:
+        for slices, region in regions:
+            key = str(len(values))
+            values.append((key, region))
+            rows.append([name, list(shape), [[s.start, s.stop] for s in slices], key])
+    return rows, values
+
+
+def serialize_per_worker(per_worker: dict[int, WorkerEntries]) -> dict[int, bytes]:
+    """A safetensors blob of each worker's regions (workers with the same tensors share one)."""
     from safetensors.torch import save
 
-    tensors, entries = {}, []
-    for name, shape, regions in items:
-        for slices, values in regions:
-            key = str(len(tensors))
-            tensors[key] = values.detach().cpu().contiguous()
-            entries.append([name, list(shape), [[s.start, s.stop] for s in slices], key])
-    return save(tensors, metadata={"regions": json.dumps(entries)})
+    blobs: dict[int, bytes] = {}
+    made: dict[tuple[int, ...], bytes] = {}
+    for worker, entries in per_worker.items():
+        key = _shared_key(entries)
+        if key not in made:
+            rows, values = _index(entries)
+            tensors = {k: v.detach().cpu().contiguous() for k, v in values}
+            made[key] = save(tensors, metadata={"regions": json.dumps(rows)})
+        blobs[worker] = made[key]
+    return blobs
 
 
-def reload_from_regions(worker: Any, blobs: dict[int, bytes], weight_load: str = "auto") -> str:
-    """Worker side of ``serialize_regions``: take this worker's blob (by its TP rank), put each region
-    into a full-shaped tensor (the rest is never read: vLLM's loader narrows to this rank's part) and
-    load them (see ``load_in_worker``)."""
-    import json
+def share_per_worker_cuda_ipc(
+    per_worker: dict[int, WorkerEntries],
+) -> tuple[list[PackedBucket], dict[int, Any]]:
+    """Each worker's regions packed on the current CUDA device, as ``(buffers, {worker: parcel})``
+    (workers with the same tensors share one buffer). The caller keeps ``buffers`` alive until the
+    workers returned (an IPC handle does not own the memory)."""
+    from torch.multiprocessing.reductions import reduce_tensor
 
-    from safetensors.torch import load
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffers: list[PackedBucket] = []
+    parcels: dict[int, Any] = {}
+    made: dict[tuple[int, ...], Any] = {}
+    for worker, entries in per_worker.items():
+        key = _shared_key(entries)
+        if key not in made:
+            rows, values = _index(entries)
+            packed = pack_bucket(values, device=device)
+            buffers.append(packed)
+            made[key] = (reduce_tensor(packed.flat), packed.metas, rows)
+        parcels[worker] = made[key]
+    return buffers, parcels
+
+
+def _parcel_regions(parcel: Any) -> tuple[list[list], dict[str, torch.Tensor]]:
+    if isinstance(parcel, bytes):
+        from safetensors.torch import load
+
+        return json.loads(_metadata(parcel)["regions"]), load(parcel)
+    (rebuild, args), metas, rows = parcel
+    args = list(args)
+    args[6] = torch.cuda.current_device()  # storage_device of rebuild_cuda_tensor: this worker's GPU
+    return rows, dict(unpack_bucket(PackedBucket(metas, rebuild(*args))))
+
+
+def load_regions(worker: Any, parcels: dict[int, Any], weight_load: str = "auto") -> str:
+    """Worker side of ``RolloutEngine.receive``: take this worker's parcel (by its TP rank), put each
+    region into a full-shaped tensor (the rest is never read: vLLM's loader narrows to this rank's
+    part) and load them (see ``load_in_worker``). Returns the path taken, ``none`` without a parcel."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    blob = blobs.get(get_tensor_model_parallel_rank())
-    if blob is None:
+    parcel = parcels.get(get_tensor_model_parallel_rank())
+    if parcel is None:
         return "none"
-    values = load(blob)
+    rows, values = _parcel_regions(parcel)
     full: dict[str, torch.Tensor] = {}
-    for name, shape, slices, key in json.loads(_metadata(blob)["regions"]):
+    for name, shape, slices, key in rows:
         region = values[key]
-        out = full.setdefault(name, torch.empty(shape, dtype=region.dtype))
+        if tuple(region.shape) == tuple(shape) and name not in full:
+            full[name] = region  # the whole tensor: no copy
+            continue
+        out = full.setdefault(name, torch.empty(shape, dtype=region.dtype, device=region.device))
         out[tuple(slice(a, b) for a, b in slices)] = region
-    return load_in_worker(worker, list(full.items()), weight_load)
+    path = load_in_worker(worker, list(full.items()), weight_load)
+    if not isinstance(parcel, bytes):
+        torch.cuda.synchronize()
+    return path
 
 
 def _metadata(blob: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors blob (its JSON header)."""
-    import json
     import struct
 
     (size,) = struct.unpack("<Q", blob[:8])

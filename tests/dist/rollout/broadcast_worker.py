@@ -14,7 +14,7 @@ import torch
 def perturbed_weights(model_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from rltrain.rollout.bucketing import grouped_order
+    from megatron_bridge.vllm_names import grouped_order
 
     gen = torch.Generator().manual_seed(7)
     weights = grouped_order(load_file(os.path.join(model_dir, "model.safetensors")).items())
@@ -22,14 +22,15 @@ def perturbed_weights(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    from rltrain.rollout.transport import BroadcastTransport, standalone_group
+    from rltrain.weight_sync import TensorSource
+    from rltrain.weight_sync.broadcast import BroadcastTransport, standalone_group
 
     group = standalone_group(host="127.0.0.1", port=port, rank=rank, world_size=2)
     weights = perturbed_weights(model_dir)
     transport = BroadcastTransport(group=group, src_rank=0, bucket_bytes=64 << 10)
     result: dict = {}
     if rank == 0:
-        stats = transport.send(weights.items())
+        stats = transport.send(TensorSource(weights))
         result = {
             "num_tensors": stats.num_tensors,
             "num_bytes": stats.num_bytes,

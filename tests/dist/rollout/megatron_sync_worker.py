@@ -5,8 +5,9 @@ python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: tp2 | 
 The engine starts from ENGINE_DIR's weights, the actor from ACTOR_DIR's (a different seed), so the
 first sync has to move every weight. Each rank hosts an in-process engine (vLLM builds its groups
 collectively over the default group, so every rank must start one); the sync streams the actor's
-HF-named weights into each engine in turn through the planner-driven export, as the policy worker
-does; the checksums compare against the bridge's full export. Rank 0 writes the numbers."""
+HF-named weights into each engine in turn through the policy worker's own ``WeightSender`` (planned
+export, colocated transport, ``RolloutEngine.receive``); the checksums compare against the bridge's
+full export. Rank 0 writes the numbers."""
 
 from __future__ import annotations
 
@@ -46,17 +47,16 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
 
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
+    from megatron_bridge.reshard import EngineLayout
     from rltrain.config.optim import OptimConfig
     from rltrain.config.parallel import ParallelConfig
+    from rltrain.config.rollout import WeightSyncConfig
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
-    from rltrain.rollout import checksum
     from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.mismatch import logprob_mismatch
-    from rltrain.rollout.planned_export import PlannedExport
-    from rltrain.rollout.planner import EngineLayout
-    from rltrain.rollout.transport import InProcessTransport
     from rltrain.rollout.types import EngineSettings, SamplingConfig
+    from rltrain.weight_sync import PlannedExport, build_sender, checksum
 
     ctx = ParallelContext.initialize(ParallelConfig(**LAYOUTS[layout]))
     hf_config = AutoConfig.from_pretrained(actor_dir)
@@ -69,26 +69,22 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     engine_ranks = list(range(ctx.world_size)) if engine_tp == 1 else [0]
     settings = EngineSettings(max_model_len=128, kv_cache_space_gb=0.1, tensor_model_parallel_size=engine_tp)
     engine = RolloutEngine(engine_dir, settings=settings) if ctx.rank in engine_ranks else None
-    transport = InProcessTransport(engine, bucket_bytes=1 << 20) if engine is not None else None
     sampling = SamplingConfig(temperature=1.0, n=2, response_length=12, seed=11)
     pad_id = AutoTokenizer.from_pretrained(engine_dir).pad_token_id
 
     planned = PlannedExport(actor.chunks, ctx, bridge)
+    sender = build_sender(
+        planned,
+        sync_config=WeightSyncConfig(bucket_size_mb=1),
+        mode="colocated",
+        rank=ctx.rank,
+        host_ranks=engine_ranks,
+        engine_tp=engine_tp,
+        engine=engine,
+    )
 
     def sync() -> dict:  # as PolicyWorker.sync_weights
-        stats = None
-        for engine_rank in engine_ranks:
-            if engine_tp > 1:  # each TP worker of the engine gets its own planned regions only
-                stream = planned.rank_regions(EngineLayout(tp=engine_tp), dst=engine_rank)
-            else:  # the planned stream of a TP=1 engine per rank
-                stream = planned.stream(EngineLayout(tp=1), 0, dst=engine_rank)
-            if engine_rank != ctx.rank:
-                for _ in stream:
-                    pass
-            elif engine_tp > 1:
-                stats = engine.load_rank_regions(stream, bucket_bytes=1 << 20)
-            else:
-                stats = transport.send(stream)
+        stats = sender.transport.send(planned)
         if stats is None:  # a rank without an engine
             return {}
         return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": stats.seconds}
@@ -117,14 +113,15 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
         problems = checksum.compare_digests(expected, engine.weights_digests()) if ctx.rank == 0 else []
     if layout == "tp2_engine_tp2":  # each engine worker against its own shard, as vLLM narrows it
         problems, per_worker = [], engine.all_weights_digests() if engine is not None else [None] * 2
+        shards = [(u.name, u) for u in planned.regions(EngineLayout(tp=2), dst=0)]
         for worker, engine_digests in enumerate(per_worker):
-            stream = planned.shard_stream(EngineLayout(tp=2), worker, dst=0)
-            expected = checksum.digests(stream)
+            expected = checksum.digests((n, u.shard(worker)) for n, u in shards if worker in u.regions)
             if ctx.rank == 0:
                 problems += [
                     f"worker {worker}: {p}" for p in checksum.compare_digests(expected, engine_digests)
                 ]
                 problems += [] if len(expected) == 21 else [f"worker {worker}: {len(expected)} tensors"]
+        problems += sender.verify()  # the product's own check agrees
 
     def loss_fn(output, mb):
         mask = mb.response_mask.float()

@@ -16,10 +16,10 @@ import torch
 def main(model_dir: str, out_path: str) -> None:
     from safetensors.torch import load_file
 
-    from rltrain.rollout import checksum
-    from rltrain.rollout.bucketing import grouped_order
+    from megatron_bridge.vllm_names import grouped_order
     from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings, SamplingConfig
+    from rltrain.weight_sync import checksum
 
     weights = grouped_order(load_file(os.path.join(model_dir, "model.safetensors")).items())
     gen = torch.Generator().manual_seed(3)

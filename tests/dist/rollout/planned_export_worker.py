@@ -37,11 +37,11 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
 
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
-    from megatron_bridge.megatron_model import build_padded_model
+    from megatron_bridge.reshard import EngineLayout
     from rltrain.config.parallel import ParallelConfig
+    from rltrain.convert.model import build_padded_model
     from rltrain.megatron.parallel import ParallelContext
-    from rltrain.rollout.planned_export import PlannedExport
-    from rltrain.rollout.planner import EngineLayout
+    from rltrain.weight_sync import PlannedExport
 
     ctx = ParallelContext.initialize(ParallelConfig(**LAYOUTS[layout]))
     hf_config = AutoConfig.from_pretrained(model_dir)

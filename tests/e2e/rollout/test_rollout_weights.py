@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from rltrain.rollout import checksum
-from rltrain.rollout.bucketing import grouped_order, iter_buckets, pack_bucket, unpack_bucket
+from megatron_bridge.vllm_names import grouped_order
 from rltrain.rollout.types import SamplingConfig
+from rltrain.weight_sync import checksum
+from rltrain.weight_sync.broadcast import load_buckets
+from rltrain.weight_sync.buckets import BufferPool, iter_buckets, pack_bucket
 
 pytestmark = pytest.mark.e2e
 
@@ -70,8 +72,9 @@ def test_many_small_bucketed_loads_equal_one_load(restore_weights, tiny_llama_we
         iter_buckets(grouped_order(new.items()), 64 << 10)
     )  # 64 KiB: one or two fused modules each
     assert len(buckets) >= 8
-    for bucket in buckets:  # one engine call per bucket, through pack/unpack as a transport does
-        engine.load_weights(unpack_bucket(pack_bucket(bucket)))
+    pool = BufferPool()  # one flat buffer, rewritten for every bucket as the broadcast receiver does
+    stats = load_buckets(engine, (pack_bucket(b, pool=pool) for b in buckets), bucket_bytes=64 << 10)
+    assert stats.num_buckets == len(buckets) and stats.num_tensors == len(new) and stats.path == "direct"
     ids, lps = greedy(engine)
     assert ids == ref_ids and lps == ref_lps
     back = engine.hf_weights()

@@ -1,5 +1,6 @@
-"""Planner coverage: every element of every engine rank's target region is covered exactly once, and
-copying through the plan reproduces the full tensor there. The reference shards are written here
+"""Reshard planner coverage: every element of every engine rank's target region is covered exactly
+once, and copying through the plan (assembled by the engine-side ``TensorRegions.full``) reproduces
+the full tensor there. The reference shards are written here
 independently (torch.chunk on padded tensors, vLLM's KV-head replication rule)."""
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ import itertools
 import pytest
 import torch
 
-from rltrain.rollout.planner import (
+from megatron_bridge.reshard import (
     EngineLayout,
     ShardId,
+    SliceCopy,
     TensorLayout,
     TrainerLayout,
-    assemble,
     decoder_layouts,
     plan_weight_sync,
 )
+from rltrain.weight_sync.types import TensorRegions
 
 DIM = {"column": 0, "kv_heads": 0, "vocab": 0, "row": 1}
 
@@ -83,14 +85,23 @@ def reference_need(t: TensorLayout, engine: EngineLayout, rank: int, num_experts
     return mask
 
 
+def assemble(copies: list[SliceCopy], shapes: dict, fetch) -> dict[str, torch.Tensor]:
+    """Each tensor of one engine rank as the engine builds it from its planned regions."""
+    updates: dict[str, TensorRegions] = {}
+    for c in copies:
+        update = updates.setdefault(c.hf_name, TensorRegions(c.hf_name, shapes[c.hf_name], {0: []}))
+        update.regions[0].append((c.dst, fetch(c)))
+    return {name: update.full(0) for name, update in updates.items()}
+
+
 def check_plan(tensors: list[TensorLayout], trainer: TrainerLayout, engine: EngineLayout) -> None:
     plan = plan_weight_sync(tensors, trainer, engine)
     assert sorted(plan) == list(range(engine.tp))
     shapes = {t.hf_name: t.shape for t in tensors}
     by_name = {t.hf_name: t for t in tensors}
     for rank, copies in plan.items():
-        assembled = dict(
-            assemble(copies, shapes, lambda c: reference_piece(by_name[c.hf_name], trainer, c.source)[c.src])
+        assembled = assemble(
+            copies, shapes, lambda c: reference_piece(by_name[c.hf_name], trainer, c.source)[c.src]
         )
         for t in tensors:
             need = reference_need(t, engine, rank, trainer.num_experts)
@@ -157,8 +168,8 @@ def _bridge_layouts(model_type: str, tmp_path):
     from transformers import AutoConfig
 
     from megatron_bridge.bridge import Bridge
+    from megatron_bridge.reshard import layouts_from_bridge
     from rltrain.models.tiny import save_tiny_model
-    from rltrain.rollout.bridge_layouts import layouts_from_bridge
 
     path = save_tiny_model(tmp_path / model_type, model_type)
     with safe_open(str(path / "model.safetensors"), "pt") as f:

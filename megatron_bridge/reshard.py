@@ -1,6 +1,8 @@
-"""Weight-sync planner: which slices of which trainer shards each rollout-engine rank needs.
+"""The reshard planner of live weight sync: which slices of which trainer shards each rollout-engine
+rank needs, in vLLM's (HF) names.
 
-Pure (no torch.distributed, no vLLM, no Megatron). Everything is in *HF coordinates*: a trainer shard
+Pure layout knowledge (no torch.distributed, no vLLM, no Megatron, nothing of rltrain); the trainer's
+sender (``rltrain.weight_sync``) moves what it plans. Everything is in *HF coordinates*: a trainer shard
 holds a region of each HF tensor (the bridge unfuses Megatron's QKV / gate-up shards into HF-named
 pieces), and an engine rank needs a region of each HF tensor (the rows/columns vLLM's loader narrows
 the full HF tensor to on that rank). The plan intersects the two.
@@ -21,11 +23,11 @@ each element once (tested for TP 1/2/4/8 → 1/2/4/8, PP and EP layouts).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import torch
+from megatron_bridge import mappings as m
+from megatron_bridge.naming import match
 
 SplitKind = Literal["replicated", "column", "row", "vocab", "kv_heads"]
 _SPLIT_DIM = {"column": 0, "row": 1, "vocab": 0, "kv_heads": 0}
@@ -220,37 +222,6 @@ def plan_weight_sync(
     return plan
 
 
-def assemble(
-    copies: list[SliceCopy],
-    shapes: dict[str, tuple[int, ...]],
-    fetch: Callable[[SliceCopy], torch.Tensor],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full-shaped HF tensors for one engine rank from its copies (grouped by tensor, in plan order).
-
-    ``fetch(copy)`` returns the region ``copy.src`` of shard ``copy.source``'s local piece of
-    ``copy.hf_name`` (only that region: a transport moves no more). It is called once per copy, in
-    plan order. Elements the rank does not need are left uninitialized: vLLM's loader on that rank
-    narrows them away. A tensor that one copy covers whole is the fetched region itself, not a copy
-    of it (it may be a view of the trainer's own weights: a consumer that keeps it past the sync
-    copies it, as every engine load does).
-    """
-    by_name: dict[str, list[SliceCopy]] = {}
-    for c in copies:
-        by_name.setdefault(c.hf_name, []).append(c)
-    for name, group in by_name.items():
-        out: torch.Tensor | None = None
-        for c in group:
-            region = fetch(c)
-            if len(group) == 1 and tuple(region.shape) == tuple(shapes[name]):
-                out = region
-                break
-            if out is None:
-                out = torch.empty(shapes[name], dtype=region.dtype, device=region.device)
-            out[c.dst] = region
-        assert out is not None
-        yield name, out
-
-
 def decoder_layouts(
     *,
     num_layers: int,
@@ -289,3 +260,78 @@ def decoder_layouts(
     if not tie_word_embeddings:
         out.append(TensorLayout("lm_head.weight", (vocab_size, h), "vocab", last_stage=True))
     return out
+
+
+# ---- layouts read off the bridge's mapping tables -------------------------------------------------
+#
+# ``TensorLayout``s for the planner, read off the weight bridge's declarative mapping tables.
+#
+# The bridge's typed mappings already know how each tensor splits (``megatron_bridge.mappings``); this
+# translates them, HF tensor by HF tensor, into the planner's split kinds:
+#
+# | bridge mapping                | HF tensors → planner split                          |
+# |-------------------------------|-----------------------------------------------------|
+# | ``Replicated``                | replicated                                          |
+# | ``ColumnParallel``/``RowParallel`` | column / row                                   |
+# | ``VocabParallel``             | vocab (embedding on the first stage, head on the last) |
+# | ``QKV``                       | q: column, k/v: kv_heads (``head_dim`` rows a head) |
+# | ``GatedMLP``                  | gate, up: column                                    |
+# | ``PerExpert(inner)``          | ``inner``'s kinds, with the expert index            |
+#
+# Layer and expert indices come from matching each HF name against the mapping's own HF pattern.
+# Mappings whose HF tensor is itself fused or stacked (``FusedGatedMLP``, ``GroupedExperts``: vLLM
+# splits each half / each expert on its side) raise ``NotImplementedError`` naming the tensor.
+
+
+def _kinds(mapping: Any, head_dim: int) -> list[tuple[SplitKind, int]]:
+    """(split kind, head_dim) for each HF tensor of ``mapping``, in ``hf_patterns()`` order."""
+    inner = mapping.inner if isinstance(mapping, m.PerExpert) else mapping
+    if isinstance(inner, m.FusedGatedMLP | m.GroupedExperts):
+        raise NotImplementedError(
+            f"{type(inner).__name__} ({inner.hf_patterns()[0]}): an HF tensor that is itself fused; "
+            "the reshard planner splits unfused HF tensors only, so live weight sync cannot serve this family"
+        )
+    if isinstance(inner, m.QKV):
+        return [("column", 1), ("kv_heads", head_dim), ("kv_heads", head_dim)]
+    if isinstance(inner, m.GatedMLP):
+        return [("column", 1), ("column", 1)]
+    if isinstance(inner, m.VocabParallel):
+        return [("vocab", 1)]
+    if isinstance(inner, m.RowParallel):
+        return [("row", 1)]
+    if isinstance(inner, m.ColumnParallel):
+        return [("column", 1)]
+    if isinstance(inner, m.Replicated) or inner.tp_dim is None:
+        return [("replicated", 1)]
+    raise NotImplementedError(
+        f"no planner split for bridge mapping {type(inner).__name__} ({inner.megatron})"
+    )
+
+
+def layouts_from_bridge(bridge: Any, shapes: dict[str, tuple[int, ...]]) -> list[TensorLayout]:
+    """Layouts of every exported (untied) HF tensor of ``bridge`` (a ``megatron_bridge.bridge.Bridge``).
+
+    ``shapes`` maps HF names to full shapes (an HF checkpoint's, or ``megatron_bridge.live.hf_plan``).
+    """
+    layouts = []
+    for unit in bridge.units:
+        if unit.tied:
+            continue
+        patterns = unit.mapping.hf_patterns()
+        kinds = _kinds(unit.mapping, bridge.dims.head_dim)
+        for hf_name, pattern, (kind, head_dim) in zip(unit.hf_names, patterns, kinds):
+            if hf_name not in shapes:
+                raise KeyError(f"no shape given for HF tensor {hf_name!r}")
+            values = match(pattern, hf_name) or ()
+            layouts.append(
+                TensorLayout(
+                    hf_name,
+                    tuple(shapes[hf_name]),
+                    kind,
+                    layer=values[0] if values else None,
+                    last_stage=not values and not unit.mapping.megatron.startswith("embedding."),
+                    expert=values[1] if unit.is_expert else None,
+                    head_dim=head_dim,
+                )
+            )
+    return layouts

@@ -6,55 +6,27 @@ Contract:
   layer → one fused-MoE module). vLLM's in-place reload processes a module once all its elements
   arrived; a group cut between two reload calls would be processed half-loaded. A single group
   larger than ``bucket_bytes`` becomes one oversized bucket.
-- ``pack_bucket`` copies a bucket into one contiguous uint8 buffer plus per-tensor metadata;
-  ``unpack_bucket`` returns views into that buffer (no copy), bit-identical to the inputs.
+- ``pack_bucket`` copies a bucket into one contiguous uint8 buffer plus per-tensor metadata (into
+  a buffer the caller keeps, when given: ``BufferPool``); ``unpack_bucket`` returns views into that
+  buffer (no copy), bit-identical to the inputs.
+- ``BufferPool`` hands out flat buffers that outlive one sync: a bucket's buffer is written again
+  only after the engine took the bucket in, so no sync after the first allocates (fresh large
+  buffers page-fault on every touch, which made the bucketed receive slower than a naive load).
 Pure torch; no vLLM, no process groups.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
+from megatron_bridge.vllm_names import fused_group
+
 NamedTensor = tuple[str, torch.Tensor]
-
-# HF sub-module → vLLM fused module, the packing every vLLM decoder family in scope uses.
-DEFAULT_PACKED_MODULES: dict[str, str] = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
-_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
-
-
-def fused_group(hf_name: str, packed_modules: dict[str, str] | None = None) -> str:
-    """Name of the vLLM module that ``hf_name`` is loaded into (the unit a bucket must not split)."""
-    packed = DEFAULT_PACKED_MODULES if packed_modules is None else packed_modules
-    expert = _EXPERT_INDEX.search(hf_name)
-    if expert is not None:
-        return hf_name[: expert.start()] + ".experts"
-    parts = hf_name.split(".")
-    module = parts[:-1]
-    if module and module[-1] in packed:
-        module = [*module[:-1], packed[module[-1]]]
-    return ".".join(module)
-
-
-def grouped_order(
-    named_tensors: Iterable[NamedTensor], packed_modules: dict[str, str] | None = None
-) -> list[NamedTensor]:
-    """``named_tensors`` reordered so that the members of each fused module are adjacent
-    (stable otherwise: modules keep the order of their first member)."""
-    items = list(named_tensors)
-    first: dict[str, int] = {}
-    for i, (name, _) in enumerate(items):
-        first.setdefault(fused_group(name, packed_modules), i)
-    return sorted(items, key=lambda kv: first[fused_group(kv[0], packed_modules)])
+T = TypeVar("T")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -62,21 +34,23 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def iter_buckets(
-    named_tensors: Iterable[NamedTensor],
+    named_tensors: Iterable[tuple[str, T]],
     bucket_bytes: int,
     *,
     packed_modules: dict[str, str] | None = None,
-) -> Iterator[list[NamedTensor]]:
-    """Yield lists of (name, tensor) of about ``bucket_bytes`` each, cut only between fused groups.
+    weigh: Callable[[T], int] = tensor_bytes,  # type: ignore[assignment]
+) -> Iterator[list[tuple[str, T]]]:
+    """Yield lists of (name, item) of about ``bucket_bytes`` each (an item weighs ``weigh(item)``:
+    a tensor its bytes), cut only between fused groups.
 
     Tensors of one fused group must arrive adjacent in the stream (as HF checkpoints and the bridge's
     export order them); a group that reappears after another started raises, naming both.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: list[NamedTensor] = []
+    bucket: list[tuple[str, T]] = []
     size = 0
-    group: list[NamedTensor] = []
+    group: list[tuple[str, T]] = []
     group_key: str | None = None
     group_size = 0
     closed: set[str] = set()
@@ -98,7 +72,7 @@ def iter_buckets(
                 size += group_size
             group, group_key, group_size = [], key, 0
         group.append((name, tensor))
-        group_size += tensor_bytes(tensor)
+        group_size += weigh(tensor)
     if group:
         if bucket and size + group_size > bucket_bytes:
             yield bucket
@@ -145,10 +119,14 @@ def bucket_layout(bucket: list[NamedTensor]) -> tuple[list[TensorMeta], int]:
     return metas, offset
 
 
-def pack_bucket(bucket: list[NamedTensor], *, device: torch.device | str = "cpu") -> PackedBucket:
-    """Copy ``bucket`` into one flat uint8 buffer on ``device``."""
+def pack_bucket(
+    bucket: list[NamedTensor], *, device: torch.device | str = "cpu", pool: BufferPool | None = None
+) -> PackedBucket:
+    """Copy ``bucket`` into one flat uint8 buffer on ``device`` (``pool``'s next buffer when given)."""
     metas, num_bytes = bucket_layout(bucket)
-    flat = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    flat = (
+        pool.take(num_bytes) if pool is not None else torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    )
     for meta, (_, tensor) in zip(metas, bucket):
         nbytes = tensor_bytes(tensor)
         flat[meta.offset : meta.offset + nbytes].copy_(
@@ -168,3 +146,29 @@ def unpack_bucket(packed: PackedBucket) -> list[NamedTensor]:
         view = packed.flat[meta.offset : meta.offset + nbytes].view(meta.dtype).view(meta.shape)
         out.append((meta.name, view))
     return out
+
+
+class BufferPool:
+    """Flat uint8 buffers reused across buckets and syncs, on one device.
+
+    ``take(num_bytes)`` returns the next of ``num_buffers`` buffers in turn (each grown to the largest
+    size asked of it, never shrunk), as a view of exactly ``num_bytes``. The caller must be done
+    with a buffer before it comes round again: with one buffer, the previous bucket must have been
+    loaded by the time the next one is received.
+    """
+
+    def __init__(self, *, device: torch.device | str = "cpu", num_buffers: int = 1) -> None:
+        if num_buffers < 1:
+            raise ValueError(f"num_buffers must be >= 1, got {num_buffers}")
+        self.device = torch.device(device)
+        self._buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self._next = 0
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        index = self._next
+        self._next = (self._next + 1) % len(self._buffers)
+        buffer = self._buffers[index]
+        if buffer is None or buffer.numel() < num_bytes:
+            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            self._buffers[index] = buffer
+        return buffer[:num_bytes]

@@ -1,30 +1,27 @@
-"""Planner-driven weight export: an engine rank's HF stream built with ``planner.plan_weight_sync`` and
-``planner.assemble``, every planned slice fetched point-to-point from the trainer rank that owns it.
+"""The trainer side of weight sync: an engine layout's HF tensors built from this trainer's Megatron
+shards with the reshard plan (``megatron_bridge.reshard``), each planned slice sent once,
+point-to-point, by the trainer rank that owns it.
 
-Contract (torch.distributed only; collective over the trainer's ranks, like
-``megatron_bridge.live.export_hf_weights``, which stays the reference it is tested against):
+Contract (torch.distributed only; collective over the trainer's ranks):
 - ``PlannedExport(chunks, ctx, bridge)`` (collective; build once per model, reuse every sync) reads
   the trainer layout off ``ctx`` and ``bridge`` (TP, PP, EP, expert-TP, Megatron's padded vocab),
-  every exported HF tensor's shape, dtype and planner layout (``bridge_layouts``), and which ranks
-  hold which Megatron parameters. A shard is served by its DP replica 0 (expert-DP replica 0 for
-  experts), found by parameter name, so uneven or virtual pipeline stages need no special case.
-- ``stream(engine, engine_rank, dst=...)`` (collective generator: every rank iterates to the end)
-  yields on ``dst`` the full-shaped HF tensors that rank ``engine_rank`` of an engine laid out as
-  ``engine`` reads, in export order, under the names vLLM's loader accepts. The regions the plan
-  gives that rank are filled; the rest is left uninitialized (vLLM's loader on that rank narrows it
-  away). Only those regions travel: each owner sends its region of its *local piece* (its Megatron
-  shard unfused into HF names, in HF coordinates, by the bridge's own ``to_hf`` at the shard's
-  head and vocab counts), ``dst`` receives it. No rank holds more than one unit's pieces at a time.
-  Regions travel and are assembled on ``megatron_bridge.live.comm_device()`` (the current CUDA
-  device under NCCL, else the CPU), whatever device the parameters are on (offloaded or not).
-  For ``EngineLayout(tp=1)`` the stream equals ``export_hf_weights(dst=...)`` bit for bit.
-- ``rank_regions(engine, dst=...)``: per tensor, every engine rank's planned regions (the values
-  only), for engines whose workers each take their own part (``RolloutEngine.load_rank_regions``).
-- ``shard_stream(engine, engine_rank, dst=...)``: the same tensors cut to that rank's region, i.e.
-  its local shard (checksums against the engine's per-worker weight readback).
+  every exported HF tensor's shape, dtype and planner layout (``reshard.layouts_from_bridge``), and
+  which ranks hold which Megatron parameters. A shard is served by its DP replica 0 (expert-DP
+  replica 0 for experts), found by parameter name, so uneven or virtual pipeline stages need no
+  special case. A family whose HF tensors are themselves fused (``FusedGatedMLP``,
+  ``GroupedExperts``; none of the shipped families) is refused here, naming the tensor.
+- ``regions(engine, dst=...)`` (collective generator: every rank iterates to the end) yields on
+  ``dst``, per HF tensor in export order, a ``TensorRegions``: every engine rank's planned regions,
+  each moved once from its owner. Owners send their region of their *local piece* (their Megatron
+  shard unfused into HF names, in HF coordinates, by the bridge's own ``to_hf`` at the shard's head
+  and vocab counts); no rank holds more than one unit's pieces at a time. A region this rank owns
+  is a view of its piece, not a copy (every engine load copies what it keeps). Regions travel and
+  are assembled on ``megatron_bridge.live.comm_device()`` (the current CUDA device under NCCL, else
+  the CPU), whatever device the parameters are on (offloaded or not).
+- ``stream(engine, engine_rank, dst=...)``: the full-shaped tensors that rank reads (its regions
+  filled, the rest uninitialized); for ``EngineLayout(tp=1)`` they equal
+  ``megatron_bridge.live.export_hf_weights(dst=...)`` bit for bit.
 - ``plan(engine)`` returns ``{engine_rank: [SliceCopy]}`` (what each rank receives; tests, reports).
-Models whose HF tensors are themselves fused (``FusedGatedMLP``, ``GroupedExperts``) raise
-``NotImplementedError`` at construction (see ``bridge_layouts``).
 """
 
 from __future__ import annotations
@@ -36,19 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rltrain.rollout.bridge_layouts import layouts_from_bridge
-from rltrain.rollout.planner import (
+from megatron_bridge.reshard import (
     EngineLayout,
     SliceCopy,
     TrainerLayout,
-    assemble,
+    layouts_from_bridge,
     plan_weight_sync,
     trainer_range,
 )
-
-NamedTensor = tuple[str, torch.Tensor]
-RankRegions = dict[int, list[tuple[tuple[slice, ...], torch.Tensor]]]
-"""``{engine_rank: [(region in full HF coordinates, its values)]}`` of one HF tensor."""
+from rltrain.weight_sync.types import NamedTensor, TensorRegions
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -105,59 +98,31 @@ class PlannedExport:
             self._plans[engine] = plan_weight_sync(list(self.layouts.values()), self.trainer, engine)
         return self._plans[engine]
 
-    def stream(self, engine: EngineLayout, engine_rank: int, *, dst: int) -> Iterator[NamedTensor]:
-        """Yield engine rank ``engine_rank``'s HF tensors on global rank ``dst`` (collective)."""
-        copies = self.plan(engine)[engine_rank]
-        me = self.ctx.rank
-        try:
-            if me == dst:
-                yield from assemble(copies, self.shapes, self._fetch)
-                return
-            for copy in copies:
-                if self._owner(copy) == me:
-                    dist.send(self._piece(copy.hf_name)[copy.src].contiguous().to(self.device), dst)
-        finally:
-            self._cached_unit, self._pieces = None, {}
-
-    def rank_regions(
-        self, engine: EngineLayout, *, dst: int
-    ) -> Iterator[tuple[str, tuple[int, ...], RankRegions]]:
-        """Per HF tensor (export order), on ``dst``: its full shape and ``{engine_rank: [(dst slices,
-        region)]}``, every
-        planned region of every engine rank, each moved once from its owner (collective). What a
-        multi-worker engine hands each worker: its own regions, not whole tensors."""
-        plans = self.plan(engine)
+    def regions(self, engine: EngineLayout, *, dst: int) -> Iterator[TensorRegions]:
+        """Per HF tensor (export order), on ``dst``: every engine rank's planned regions (collective)."""
         by_name: dict[str, list[tuple[int, SliceCopy]]] = {}
-        for engine_rank, copies in plans.items():
+        for engine_rank, copies in self.plan(engine).items():
             for copy in copies:
                 by_name.setdefault(copy.hf_name, []).append((engine_rank, copy))
         me = self.ctx.rank
         try:
             for name in [n for n in self.shapes if n in by_name]:
-                regions: RankRegions = {}
+                update = TensorRegions(name, self.shapes[name], {})
                 for engine_rank, copy in by_name[name]:
-                    owner = self._owner(copy)
                     if me == dst:
-                        region = self._fetch(copy)
-                        region = region.clone() if owner == me else region  # the piece cache moves on
-                        regions.setdefault(engine_rank, []).append((copy.dst, region))
-                    elif owner == me:
+                        update.regions.setdefault(engine_rank, []).append((copy.dst, self._fetch(copy)))
+                    elif self._owner(copy) == me:
                         dist.send(self._piece(name)[copy.src].contiguous().to(self.device), dst)
                 if me == dst:
-                    yield name, self.shapes[name], regions
+                    yield update
         finally:
             self._cached_unit, self._pieces = None, {}
 
-    def shard_stream(self, engine: EngineLayout, engine_rank: int, *, dst: int) -> Iterator[NamedTensor]:
-        """Like ``stream``, but each tensor cut to the region engine rank ``engine_rank`` reads: its
-        local shard, as vLLM's loader narrows it there (what its weight readback reports)."""
-        boxes: dict[str, list[slice]] = {}
-        for copy in self.plan(engine)[engine_rank]:
-            box = boxes.setdefault(copy.hf_name, list(copy.dst))
-            for d, piece in enumerate(copy.dst):
-                box[d] = slice(min(box[d].start, piece.start), max(box[d].stop, piece.stop))
-        for name, full in self.stream(engine, engine_rank, dst=dst):
-            yield name, full[tuple(boxes[name])].contiguous()
+    def stream(self, engine: EngineLayout, engine_rank: int, *, dst: int) -> Iterator[NamedTensor]:
+        """Engine rank ``engine_rank``'s full-shaped HF tensors, on ``dst`` (collective)."""
+        for update in self.regions(engine, dst=dst):
+            if engine_rank in update.regions:
+                yield update.name, update.full(engine_rank)
 
     @torch.no_grad()
     def _fetch(self, copy: SliceCopy) -> torch.Tensor:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rltrain.rollout.bucketing import fused_group, grouped_order, iter_buckets, pack_bucket, unpack_bucket
+from megatron_bridge.vllm_names import fused_group, grouped_order
+from rltrain.weight_sync.buckets import BufferPool, iter_buckets, pack_bucket, unpack_bucket
 
 
 def _layer(i: int) -> list[tuple[str, torch.Tensor]]:
@@ -67,3 +68,21 @@ def test_grouped_order_makes_a_sorted_state_dict_bucketable():
     regrouped = grouped_order(stream)
     assert sorted(regrouped) == stream
     assert [n for b in iter_buckets(regrouped, 1 << 20) for n, _ in b] == [n for n, _ in regrouped]
+
+
+def test_buffer_pool_reuses_its_buffers_and_packs_bit_exact_into_them():
+    pool = BufferPool(num_buffers=2)
+    a, b, c = pool.take(100), pool.take(50), pool.take(60)
+    assert a.numel() == 100 and b.numel() == 50 and c.numel() == 60
+    assert c.data_ptr() == a.data_ptr()  # the first buffer again, big enough: no new allocation
+    d = pool.take(80)
+    assert d.data_ptr() != b.data_ptr() and d.numel() == 80  # the second grew
+    bucket = [("x", torch.randn(3, 5)), ("y", torch.arange(7, dtype=torch.int64))]
+    first = pack_bucket(bucket, pool=BufferPool())
+    pool = BufferPool()
+    for _ in range(2):
+        packed = pack_bucket(bucket, pool=pool)
+        assert all(torch.equal(t, u) for (_, t), (_, u) in zip(bucket, unpack_bucket(packed)))
+    assert packed.flat.data_ptr() == pool.take(1).data_ptr() and packed.metas == first.metas
+    with pytest.raises(ValueError, match="num_buffers must be >= 1"):
+        BufferPool(num_buffers=0)
