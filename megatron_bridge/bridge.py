@@ -1,4 +1,4 @@
-"""A family table bound to one model's dimensions: the full list of tensor units, both ways.
+"""A family's mapping table bound to one model's dimensions: the full list of tensor units, both ways.
 
 Contract:
 - ``Bridge.units`` lists every unit of the model (layer-major order); each unit names its canonical
@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from megatron_bridge.dims import ModelDims
+from megatron_bridge.family import ModelFamily
 from megatron_bridge.mappings import AnyMapping, GroupedExperts
 from megatron_bridge.naming import num_wildcards
-from megatron_bridge.registry import FamilyTable, get_family
+from megatron_bridge.registry import get_family
 
 _OUTPUT = "output_layer.weight"
 _EMBED_HF = "model.embed_tokens.weight"
@@ -46,7 +47,7 @@ class Unit:
 class Bridge:
     """Mappings of ``family`` resolved for a model of shape ``dims``."""
 
-    def __init__(self, family: FamilyTable, dims: ModelDims) -> None:
+    def __init__(self, family: ModelFamily, dims: ModelDims) -> None:
         self.family = family
         self.dims = dims
         self.units = self._build_units()

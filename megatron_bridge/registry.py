@@ -1,46 +1,35 @@
-"""Registry of model-family tables keyed by HF ``model_type``.
+"""Registry of model families keyed by HF ``model_type``.
 
-Contract: ``get_family(model_type)`` returns the registered ``FamilyTable`` or raises ``KeyError``
-listing every supported ``model_type``. Tables register themselves when ``megatron_bridge.models``
-is imported, which ``get_family`` does on first use.
+Contract: ``get_family(model_type)`` returns the registered ``ModelFamily`` or raises ``KeyError``
+listing every supported ``model_type``. Families register themselves when ``megatron_bridge.models``
+is imported (every module there but ``common``), which ``get_family`` and ``supported_model_types``
+do on first use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from megatron_bridge.family import ModelFamily
 
-from megatron_bridge.mappings import AnyMapping
-
-
-@dataclass(frozen=True)
-class FamilyTable:
-    """The mapping rows of one model family, written in canonical Megatron names."""
-
-    name: str
-    model_types: tuple[str, ...]
-    mappings: tuple[AnyMapping, ...]
+_FAMILIES: dict[str, ModelFamily] = {}
 
 
-_FAMILIES: dict[str, FamilyTable] = {}
-
-
-def register(table: FamilyTable) -> FamilyTable:
-    for model_type in table.model_types:
-        if model_type in _FAMILIES and _FAMILIES[model_type] is not table:
+def register(family: ModelFamily) -> ModelFamily:
+    for model_type in family.model_types:
+        if model_type in _FAMILIES and _FAMILIES[model_type] is not family:
             raise ValueError(
                 f"model_type {model_type!r} is already registered by {_FAMILIES[model_type].name}"
             )
-        _FAMILIES[model_type] = table
-    return table
+        _FAMILIES[model_type] = family
+    return family
 
 
 def supported_model_types() -> list[str]:
-    import megatron_bridge.models  # noqa: F401  (registers the tables)
+    import megatron_bridge.models  # noqa: F401  (registers the families)
 
     return sorted(_FAMILIES)
 
 
-def get_family(model_type: str) -> FamilyTable:
+def get_family(model_type: str) -> ModelFamily:
     supported = supported_model_types()
     if model_type not in _FAMILIES:
         raise KeyError(

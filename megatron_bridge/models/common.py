@@ -1,11 +1,17 @@
-"""Mapping rows shared by the Llama-style families (canonical Megatron names, HF checkpoint names).
+"""Pieces shared by the Llama-style families: mapping rows, readers of HF config facts, tiny shapes.
 
-Contract: each helper returns a tuple of mappings; a family table is the concatenation of the
-pieces it uses, so every row of every family is visible in one place here or in its own file.
+Contract: each row helper returns a tuple of mappings (canonical Megatron names, HF checkpoint
+names); a family's table is the concatenation of the pieces it uses, so every row of every family
+is visible here or in its own file. ``decoder_facts`` builds a family's facts reader, which takes an
+HF config (``PretrainedConfig`` or a ``config.json`` dict) and reads only standard HF attribute names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from megatron_bridge.family import ArchitectureFacts, MoEFacts, config_value
 from megatron_bridge.mappings import (
     QKV,
     AnyMapping,
@@ -18,6 +24,27 @@ from megatron_bridge.mappings import (
 
 L = "decoder.layers.*."
 H = "model.layers.*."
+
+# The smallest shapes every backend accepts: vLLM's CPU attention needs a head size of 32 or more,
+# Megatron at TP=2 needs heads and KV heads divisible by 2. Families add their own fields.
+TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+# The experts of the tiny Qwen-MoE models.
+TINY_QWEN_EXPERTS: dict[str, Any] = dict(
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.001,
+)
 
 
 def embeddings_and_head() -> tuple[AnyMapping, ...]:
@@ -69,10 +96,90 @@ def gated_mlp(megatron_prefix: str, hf_prefix: str) -> tuple[AnyMapping, ...]:
     )
 
 
-def experts(*, hf_expert: str, gate: str, up: str, down: str) -> tuple[AnyMapping, ...]:
-    """Per-expert SwiGLU tensors; ``hf_expert`` is the HF prefix with (layer, expert) wildcards."""
+def routed_experts(
+    *, hf_router: str, hf_expert: str, gate: str, up: str, down: str
+) -> tuple[AnyMapping, ...]:
+    """Router and per-expert SwiGLU tensors; ``hf_expert``: the HF prefix with (layer, expert) wildcards."""
     m = L + "mlp.experts.local_experts.*."
     return (
+        Replicated(L + "mlp.router.weight", hf_router),
         PerExpert(GatedMLP(m + "linear_fc1.weight", hf_expert + gate, up=hf_expert + up)),
         PerExpert(RowParallel(m + "linear_fc2.weight", hf_expert + down)),
     )
+
+
+def qwen_routed_experts() -> tuple[AnyMapping, ...]:
+    """The router and experts of Qwen2-MoE and Qwen3-MoE (``mlp.gate``, ``mlp.experts.*.*_proj``)."""
+    return routed_experts(
+        hf_router=H + "mlp.gate.weight",
+        hf_expert=H + "mlp.experts.*.",
+        gate="gate_proj.weight",
+        up="up_proj.weight",
+        down="down_proj.weight",
+    )
+
+
+# ---- architecture facts ------------------------------------------------------------------------
+def decoder_facts(
+    *,
+    qkv_bias: bool | None = None,
+    qk_norm: bool = False,
+    experts: bool = False,
+    renormalize_topk: bool | None = None,
+    shared_expert: bool = False,
+) -> Callable[[Any], ArchitectureFacts]:
+    """The facts reader of a Llama-style decoder family; each ``None`` is read from the config.
+
+    ``qkv_bias``: from ``qkv_bias`` / ``attention_bias`` (default none). ``experts``: the family routes
+    tokens to experts when the config sets ``num_local_experts`` / ``num_experts``;
+    ``renormalize_topk``: from ``norm_topk_prob`` (default off); ``shared_expert``: a sigmoid-gated
+    shared expert of ``shared_expert_intermediate_size`` (Qwen2-MoE). Tied embeddings always come
+    from ``tie_word_embeddings``.
+    """
+
+    def facts(config: Any) -> ArchitectureFacts:
+        bias = (
+            config_value(config, "qkv_bias", "attention_bias", default=False)
+            if qkv_bias is None
+            else qkv_bias
+        )
+        return ArchitectureFacts(
+            qkv_bias=bool(bias),
+            qk_norm=qk_norm,
+            tie_word_embeddings=bool(config_value(config, "tie_word_embeddings", default=False)),
+            moe=_moe_facts(config, renormalize_topk=renormalize_topk, shared_expert=shared_expert)
+            if experts
+            else None,
+        )
+
+    return facts
+
+
+def _moe_facts(config: Any, *, renormalize_topk: bool | None, shared_expert: bool) -> MoEFacts | None:
+    num_experts = config_value(config, "num_local_experts", "num_experts")
+    if not num_experts:
+        return None
+    if renormalize_topk is None:
+        renormalize_topk = bool(config_value(config, "norm_topk_prob", default=False))
+    shared = config_value(config, "shared_expert_intermediate_size", default=0) if shared_expert else 0
+    return MoEFacts(
+        num_experts=num_experts,
+        top_k=config_value(config, "num_experts_per_tok"),
+        ffn_hidden_size=config_value(config, "moe_intermediate_size", "intermediate_size"),
+        renormalize_topk=renormalize_topk,
+        aux_loss_coeff=float(config_value(config, "router_aux_loss_coef", default=0.0)),
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=bool(shared),
+        dense_layers=dense_layers(config),
+    )
+
+
+def dense_layers(config: Any) -> tuple[int, ...]:
+    """Layers with a dense MLP in a Qwen-MoE-style config: those in ``mlp_only_layers`` and, with
+    ``decoder_sparse_step=s``, every layer ``i`` with ``(i + 1) % s != 0`` (HF's rule)."""
+    mlp_only = config_value(config, "mlp_only_layers", default=[])
+    step = config_value(config, "decoder_sparse_step", default=1)
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step={step} must be at least 1")
+    num_layers = config_value(config, "num_hidden_layers")
+    return tuple(sorted(set(mlp_only) | {i for i in range(num_layers) if (i + 1) % step}))

@@ -1,23 +1,43 @@
-"""Mixtral: Llama attention, top-k routed SwiGLU experts named ``w1`` (gate), ``w3`` (up), ``w2`` (down)."""
+"""Mixtral: Llama attention, top-k routed SwiGLU experts named ``w1`` (gate), ``w3`` (up), ``w2`` (down).
 
-from megatron_bridge.mappings import Replicated
-from megatron_bridge.models.common import H, L, attention, embeddings_and_head, experts
-from megatron_bridge.registry import FamilyTable, register
+The router renormalizes the top-k probabilities (a softmax over the chosen experts' logits).
+"""
+
+from megatron_bridge.family import ModelFamily
+from megatron_bridge.models.common import (
+    TINY_SHAPE,
+    H,
+    attention,
+    decoder_facts,
+    embeddings_and_head,
+    routed_experts,
+)
+from megatron_bridge.registry import register
 
 MIXTRAL = register(
-    FamilyTable(
+    ModelFamily(
         name="mixtral",
         model_types=("mixtral",),
         mappings=(
             *embeddings_and_head(),
             *attention(),
-            Replicated(L + "mlp.router.weight", H + "block_sparse_moe.gate.weight"),
-            *experts(
+            *routed_experts(
+                hf_router=H + "block_sparse_moe.gate.weight",
                 hf_expert=H + "block_sparse_moe.experts.*.",
                 gate="w1.weight",
                 up="w3.weight",
                 down="w2.weight",
             ),
         ),
+        facts=decoder_facts(experts=True, renormalize_topk=True),
+        tiny_preset={
+            **TINY_SHAPE,
+            "intermediate_size": 128,
+            "rope_theta": 1e6,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.01,
+            "tie_word_embeddings": False,
+        },
     )
 )

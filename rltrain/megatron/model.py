@@ -1,10 +1,15 @@
-"""Megatron ``GPTModel`` chunks from a Hugging Face config (Llama, Qwen2, Qwen3, Mixtral, Qwen2-/Qwen3-MoE).
+"""Megatron ``GPTModel`` chunks from a Hugging Face config of any registered model family.
 
 Contract: ``build_model(hf_config, ctx=..., role=...)`` returns this rank's model chunks (one per
 virtual pipeline stage; a single chunk without VPP) with randomly initialized weights; the weight
 bridge loads real weights into them through their ``state_dict``. ``role="actor"`` (also used for the
 reference) ends in the vocab-parallel LM head; ``role="critic"`` ends in a value head mapping each
 token's final hidden state to one scalar (``output_layer.weight``: [1, hidden], replicated over TP).
+
+Shapes come from the HF config; what differs between families (Q/K/V biases, q/k norm, tied
+embeddings, experts, router and shared expert) comes from the family's ``ArchitectureFacts``
+(``megatron_bridge/models/``), translated here into ``TransformerConfig`` fields; no code here branches
+on ``model_type``.
 
 On a GPU the layers use Transformer Engine's spec; without CUDA they use Megatron's local spec with
 an attention that also accepts packed (THD) sequences. Bad layouts fail before any allocation, naming
@@ -25,12 +30,13 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_bridge.family import ArchitectureFacts, MoEFacts, config_value
+from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.local_spec import local_block_spec
 from rltrain.megatron.parallel import ParallelContext
 
 Role = Literal["actor", "reference", "critic"]
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -48,25 +54,21 @@ class GPTOptions:
     tie_word_embeddings: bool
 
 
-def _get(hf_config: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = getattr(hf_config, name, None)
-        if value is not None:
-            return value
-    return default
+def architecture_facts(hf_config: Any) -> ArchitectureFacts:
+    """What the model family of ``hf_config`` (``megatron_bridge/models/``) says about this model."""
+    model_type = hf_config.model_type
+    supported = supported_model_types()
+    if model_type not in supported:
+        raise NotImplementedError(f"model_type={model_type!r}; supported: {', '.join(supported)}")
+    return get_family(model_type).facts(hf_config)
 
 
-def _num_experts(hf_config: Any) -> int | None:
-    return _get(hf_config, "num_local_experts", "num_experts")
-
-
-def validate_layout(hf_config: Any, parallel: ParallelConfig) -> list[str]:
-    """Problems of running ``hf_config`` at ``parallel``, each naming both numbers."""
+def validate_layout(hf_config: Any, parallel: ParallelConfig, *, moe: MoEFacts | None) -> list[str]:
+    """Problems of running ``hf_config`` (with experts ``moe``) at ``parallel``, each naming both numbers."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     vpp = parallel.virtual_pipeline_model_parallel_size or 1
     ep = parallel.expert_model_parallel_size
     etp = parallel.expert_tensor_parallel_size or tp
-    num_experts = _num_experts(hf_config)
     checks = [
         ("tensor_model_parallel_size", tp, "num_attention_heads", hf_config.num_attention_heads),
         ("tensor_model_parallel_size", tp, "num_key_value_heads", _kv_heads(hf_config)),
@@ -77,9 +79,9 @@ def validate_layout(hf_config: Any, parallel: ParallelConfig) -> list[str]:
             hf_config.num_hidden_layers,
         ),
     ]
-    if num_experts:
-        checks.append(("expert_model_parallel_size", ep, "num_experts", num_experts))
-        checks.append(("expert_tensor_parallel_size", etp, "moe_intermediate_size", _moe_ffn(hf_config)))
+    if moe:
+        checks.append(("expert_model_parallel_size", ep, "num_experts", moe.num_experts))
+        checks.append(("expert_tensor_parallel_size", etp, "moe_intermediate_size", moe.ffn_hidden_size))
     else:
         checks.append(("tensor_model_parallel_size", tp, "intermediate_size", hf_config.intermediate_size))
         if ep > 1:
@@ -88,16 +90,12 @@ def validate_layout(hf_config: Any, parallel: ParallelConfig) -> list[str]:
 
 
 def _kv_heads(hf_config: Any) -> int:
-    return _get(hf_config, "num_key_value_heads", default=hf_config.num_attention_heads)
-
-
-def _moe_ffn(hf_config: Any) -> int:
-    return _get(hf_config, "moe_intermediate_size", "intermediate_size")
+    return config_value(hf_config, "num_key_value_heads", default=hf_config.num_attention_heads)
 
 
 def _rope(hf_config: Any) -> dict:
-    params = dict(_get(hf_config, "rope_parameters", "rope_scaling", default={}) or {})
-    params.setdefault("rope_theta", _get(hf_config, "rope_theta", default=10000.0))
+    params = dict(config_value(hf_config, "rope_parameters", "rope_scaling", default={}) or {})
+    params.setdefault("rope_theta", config_value(hf_config, "rope_theta", default=10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
 
@@ -110,6 +108,7 @@ def padded_vocab_size(vocab_size: int, *, tp_size: int, divisible_by: int = 1) -
 
 def gpt_options(hf_config: Any, *, role: Role, vocab_size: int | None = None) -> GPTOptions:
     """The ``GPTModel`` arguments for ``hf_config`` (RoPE base and scaling, vocabulary, tying)."""
+    facts = architecture_facts(hf_config)
     rope = _rope(hf_config)
     rope_type = rope["rope_type"]
     llama3 = rope_type == "llama3"
@@ -130,7 +129,7 @@ def gpt_options(hf_config: Any, *, role: Role, vocab_size: int | None = None) ->
         rope_scaling=llama3,
         rope_scaling_factor=float(rope.get("factor", 8.0)),
         seq_len_interpolation_factor=float(rope["factor"]) if rope_type == "linear" else None,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)) and role != "critic",
+        tie_word_embeddings=facts.tie_word_embeddings and role != "critic",
     )
 
 
@@ -143,12 +142,11 @@ def transformer_config_from_hf(
 ) -> TransformerConfig:
     """``TransformerConfig`` for ``hf_config`` at layout ``parallel``; raises on a bad layout."""
     model_type = hf_config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type={model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    problems = validate_layout(hf_config, parallel)
+    facts = architecture_facts(hf_config)
+    problems = validate_layout(hf_config, parallel, moe=facts.moe)
     if problems:
         raise ValueError(f"{model_type}: " + "; ".join(problems))
-    if _get(hf_config, "use_sliding_window", default=False):
+    if config_value(hf_config, "use_sliding_window", default=False):
         raise NotImplementedError(f"{model_type}: sliding-window attention is not supported")
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
@@ -157,7 +155,7 @@ def transformer_config_from_hf(
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=_kv_heads(hf_config),
-        kv_channels=_get(
+        kv_channels=config_value(
             hf_config, "head_dim", default=hf_config.hidden_size // hf_config.num_attention_heads
         ),
         normalization="RMSNorm",
@@ -165,11 +163,11 @@ def transformer_config_from_hf(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=_qkv_bias(hf_config),
-        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
+        add_qkv_bias=facts.qkv_bias,
+        qk_layernorm=facts.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=_get(hf_config, "initializer_range", default=0.02),
+        init_method_std=config_value(hf_config, "initializer_range", default=0.02),
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -199,43 +197,34 @@ def transformer_config_from_hf(
     )
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    kwargs.update(_moe_kwargs(hf_config))
+    if facts.moe:
+        kwargs.update(_moe_kwargs(facts.moe, model_type=model_type))
     return TransformerConfig(**kwargs)
 
 
-def _qkv_bias(hf_config: Any) -> bool:
-    if hf_config.model_type == "qwen2":
-        return True  # Qwen2 always has q/k/v biases; its config has no switch.
-    return bool(_get(hf_config, "qkv_bias", "attention_bias", default=False))
-
-
-def _moe_kwargs(hf_config: Any) -> dict[str, Any]:
-    num_experts = _num_experts(hf_config)
-    if not num_experts:
-        return {}
-    if (
-        _get(hf_config, "mlp_only_layers", default=[])
-        or _get(hf_config, "decoder_sparse_step", default=1) != 1
-    ):
+def _moe_kwargs(moe: MoEFacts, *, model_type: str) -> dict[str, Any]:
+    if moe.dense_layers:
+        dense = list(moe.dense_layers)
         raise NotImplementedError(
-            f"{hf_config.model_type}: dense layers between MoE layers are not supported"
+            f"{model_type}: dense layers between MoE layers are not supported ({dense})"
         )
-    # Mixtral and Qwen3-MoE (norm_topk_prob) renormalize the top-k probabilities, which equals a softmax
-    # over the top-k logits (Megatron's default); Qwen2-MoE keeps the full-softmax probabilities.
-    pre_softmax = hf_config.model_type != "mixtral" and not _get(hf_config, "norm_topk_prob", default=False)
     kwargs: dict[str, Any] = dict(
-        num_moe_experts=num_experts,
-        moe_ffn_hidden_size=_moe_ffn(hf_config),
-        moe_router_topk=hf_config.num_experts_per_tok,
-        moe_router_pre_softmax=pre_softmax,
-        moe_aux_loss_coeff=float(_get(hf_config, "router_aux_loss_coef", default=0.0)),
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.top_k,
+        # Renormalized top-k probabilities equal a softmax over the top-k logits (Megatron's default);
+        # keeping the full-softmax probabilities of the top k is Megatron's pre-softmax routing.
+        moe_router_pre_softmax=not moe.renormalize_topk,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss",
         moe_grouped_gemm=torch.cuda.is_available(),
         moe_router_dtype="fp32",
     )
-    shared = _get(hf_config, "shared_expert_intermediate_size", default=0)
-    if shared:
-        kwargs.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    if moe.shared_expert_ffn_hidden_size:
+        kwargs.update(
+            moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=moe.shared_expert_gate,
+        )
     return kwargs
 
 

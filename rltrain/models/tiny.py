@@ -3,17 +3,21 @@
 Tests, the CPU quickstart and benchmarks use these. Everything is deterministic for a given seed:
 the tokenizer is trained on a fixed corpus, the weights come from ``torch.manual_seed(seed)``.
 
-The default shapes are the smallest that every backend accepts: vLLM's CPU attention needs a head
-size of 32 or more, Megatron tensor parallelism at TP=2 needs heads and KV heads divisible by 2.
+The default shapes are each model family's ``tiny_preset`` (``megatron_bridge/models/``), the
+smallest that every backend accepts: vLLM's CPU attention needs a head size of 32 or more, Megatron
+tensor parallelism at TP=2 needs heads and KV heads divisible by 2.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from megatron_bridge.registry import get_family, supported_model_types
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -24,76 +28,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-_TINY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    ),
-    "qwen2": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-    ),
-    "mixtral": dict(
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        router_aux_loss_coef=0.01,
-        tie_word_embeddings=False,
-    ),
-    "qwen2_moe": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        router_aux_loss_coef=0.001,
-        tie_word_embeddings=False,
-    ),
-    "qwen3": dict(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=True,
-    ),
-}
 
 
 def default_corpus() -> list[str]:
@@ -145,12 +79,14 @@ def build_tiny_tokenizer(*, vocab_size: int = 512, corpus: list[str] | None = No
 
 
 def tiny_hf_config(model_type: str, *, vocab_size: int, **overrides: Any):
-    """An HF ``PretrainedConfig`` of a tiny model of ``model_type`` (llama, qwen2, mixtral, qwen2_moe, qwen3)."""
+    """An HF ``PretrainedConfig`` of the tiny model of ``model_type``: its family's ``tiny_preset``
+    (``megatron_bridge/models/``) with ``overrides`` applied."""
     from transformers import AutoConfig
 
-    if model_type not in _TINY_DEFAULTS:
-        raise ValueError(f"no tiny preset for model_type={model_type!r}; known: {sorted(_TINY_DEFAULTS)}")
-    kwargs = {**_TINY_DEFAULTS[model_type], **overrides}
+    supported = supported_model_types()
+    if model_type not in supported:
+        raise ValueError(f"no tiny preset for model_type={model_type!r}; known: {supported}")
+    kwargs = {**copy.deepcopy(dict(get_family(model_type).tiny_preset)), **overrides}
     kwargs.setdefault("dtype", "float32")
     return AutoConfig.for_model(model_type, vocab_size=vocab_size, **kwargs)
 

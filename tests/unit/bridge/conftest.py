@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from megatron_bridge.registry import supported_model_types
 from rltrain.models.tiny import save_tiny_model
 
-FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe", "qwen3")
+FAMILIES = tuple(supported_model_types())
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from megatron_bridge.naming import ChunkNaming
 from megatron_bridge.registry import get_family, supported_model_types
 from megatron_bridge.sharding import all_positions, merge_states, split_state
 
-FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe", "qwen3")
+FAMILIES = tuple(supported_model_types())
 
 
 def _equal_states(a: dict, b: dict) -> None:
@@ -37,6 +37,7 @@ def test_table_covers_exactly_the_checkpoint_and_round_trips(tiny_states, model_
         ("qwen3", 2, 1, 1),
         ("mixtral", 2, 2, 2),
         ("qwen2_moe", 2, 2, 2),
+        ("qwen3_moe", 2, 2, 2),
     ],
 )
 @pytest.mark.parametrize("te_spec", [False, True])

@@ -1,0 +1,89 @@
+"""What one model family is: its mapping table, the architecture facts a model builder needs, its
+tiny test preset.
+
+Contract:
+- ``ModelFamily`` is frozen data: the HF ``model_types`` it serves, its mapping rows (canonical
+  Megatron names ↔ HF checkpoint names), ``facts`` — a pure function from a concrete model's HF
+  config (a ``PretrainedConfig`` or the dict of its ``config.json``) to ``ArchitectureFacts`` — and
+  ``tiny_preset``, the HF-config keyword arguments of the family's tiny random test model.
+- ``ArchitectureFacts`` says what differs between families in words of the architecture (biases,
+  norms, tying, experts and their router), not in any builder's vocabulary: the Megatron builder
+  (``rltrain/megatron/model.py``) translates it into ``TransformerConfig`` fields, and nothing else
+  in the trainer asks which family a model belongs to.
+- Each family lives in one file under ``megatron_bridge/models/``; ``megatron_bridge.registry``
+  finds it by ``model_type``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from megatron_bridge.mappings import AnyMapping
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """A decoder whose MLPs are routed experts (every layer unless ``dense_layers`` says otherwise)."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Experts each token is routed to."""
+    ffn_hidden_size: int
+    """Intermediate size of one routed expert's SwiGLU MLP."""
+    renormalize_topk: bool
+    """The top-k router probabilities are renormalized to sum to one (Mixtral; Qwen-MoE with
+    ``norm_topk_prob``), which equals a softmax over the top-k logits; otherwise each chosen expert
+    keeps its probability under the softmax over all experts (Qwen2-MoE)."""
+    aux_loss_coeff: float
+    """Weight of the load-balancing auxiliary loss (0: none)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert every token also passes through (0: no shared expert)."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by a learned per-token sigmoid gate (Qwen2-MoE)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layer numbers whose MLP is a dense MLP instead of experts (empty: every layer is MoE)."""
+
+
+@dataclass(frozen=True)
+class ArchitectureFacts:
+    """The architecture choices of one model beyond its shapes (which the HF config states directly)."""
+
+    qkv_bias: bool
+    """The query, key and value projections have biases (the output projection never has one)."""
+    qk_norm: bool
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    tie_word_embeddings: bool
+    """The LM head reuses the input embedding matrix."""
+    moe: MoEFacts | None = None
+    """Routed experts; ``None`` for a dense decoder."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything of one model family: names, architecture facts, tiny test preset."""
+
+    name: str
+    model_types: tuple[str, ...]
+    """HF ``model_type`` values this family serves."""
+    mappings: tuple[AnyMapping, ...]
+    """Mapping rows in canonical Megatron names; their order is the order of a layer's tensors."""
+    facts: Callable[[Any], ArchitectureFacts]
+    """HF config (``PretrainedConfig`` or ``config.json`` dict) → the model's ``ArchitectureFacts``."""
+    tiny_preset: Mapping[str, Any]
+    """HF-config keyword arguments of the tiny random test model (``vocab_size`` is set by the caller)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiny_preset", MappingProxyType(dict(self.tiny_preset)))
+
+
+def config_value(config: Any, *names: str, default: Any = None) -> Any:
+    """The first of ``names`` that ``config`` (a ``PretrainedConfig`` or a dict) sets to a non-None value."""
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return default

@@ -1,0 +1,23 @@
+"""Qwen2 (and Qwen2.5): Llama layout with Q/K/V biases, which its config has no switch for."""
+
+from megatron_bridge.family import ModelFamily
+from megatron_bridge.models.common import (
+    TINY_SHAPE,
+    H,
+    L,
+    attention,
+    decoder_facts,
+    embeddings_and_head,
+    gated_mlp,
+)
+from megatron_bridge.registry import register
+
+QWEN2 = register(
+    ModelFamily(
+        name="qwen2",
+        model_types=("qwen2",),
+        mappings=(*embeddings_and_head(), *attention(bias=True), *gated_mlp(L + "mlp.", H + "mlp.")),
+        facts=decoder_facts(qkv_bias=True),
+        tiny_preset={**TINY_SHAPE, "intermediate_size": 256, "rope_theta": 1e6, "tie_word_embeddings": True},
+    )
+)

@@ -1,0 +1,44 @@
+"""Qwen2-MoE (Qwen1.5-MoE): Qwen2 attention (Q/K/V biases), routed experts plus a shared expert.
+
+The router keeps each chosen expert's full-softmax probability unless ``norm_topk_prob``; the shared
+expert's output is scaled by a sigmoid gate (``shared_expert_gate`` → Megatron's
+``shared_experts.gate_weight``).
+"""
+
+from megatron_bridge.family import ModelFamily
+from megatron_bridge.mappings import Replicated
+from megatron_bridge.models.common import (
+    TINY_QWEN_EXPERTS,
+    TINY_SHAPE,
+    H,
+    L,
+    attention,
+    decoder_facts,
+    embeddings_and_head,
+    gated_mlp,
+    qwen_routed_experts,
+)
+from megatron_bridge.registry import register
+
+QWEN2_MOE = register(
+    ModelFamily(
+        name="qwen2_moe",
+        model_types=("qwen2_moe",),
+        mappings=(
+            *embeddings_and_head(),
+            *attention(bias=True),
+            *qwen_routed_experts(),
+            *gated_mlp(L + "mlp.shared_experts.", H + "mlp.shared_expert."),
+            Replicated(L + "mlp.shared_experts.gate_weight", H + "mlp.shared_expert_gate.weight"),
+        ),
+        facts=decoder_facts(experts=True, shared_expert=True),
+        tiny_preset={
+            **TINY_SHAPE,
+            **TINY_QWEN_EXPERTS,
+            "shared_expert_intermediate_size": 128,
+            "norm_topk_prob": False,
+            "rope_theta": 1e6,
+            "tie_word_embeddings": False,
+        },
+    )
+)

@@ -1,0 +1,72 @@
+"""The builder turns each family's architecture facts into the TransformerConfig fields written out
+here by hand, for every family's tiny preset (the models the tests and the quickstart build)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_bridge.registry import supported_model_types
+from rltrain.config.parallel import ParallelConfig
+from rltrain.megatron.model import gpt_options, transformer_config_from_hf
+from rltrain.models.tiny import tiny_hf_config
+
+# The TransformerConfig fields that depend on the family (the rest is read from the HF config alike for
+# all), and whether the actor's LM head is tied; one row per family's tiny preset.
+FIELDS = (
+    "add_qkv_bias",
+    "qk_layernorm",
+    "ffn_hidden_size",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_aux_loss_coeff",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "tied",
+)
+# fmt: off
+EXPECTED = {
+    #             qkv_bias qk_norm  ffn  experts ffn   topk  pre_softmax  aux  shared gate   tied
+    "llama":     (False,   False,   256, None,   None, 2,    False,       0.0,   None, False, False),
+    "qwen2":     (True,    False,   256, None,   None, 2,    False,       0.0,   None, False, True),
+    "qwen3":     (False,   True,    256, None,   None, 2,    False,       0.0,   None, False, True),
+    "mixtral":   (False,   False,   128, 4,      128,  2,    False,       0.01,  None, False, False),
+    "qwen2_moe": (True,    False,   256, 4,      128,  2,    True,        0.001, 128,  True,  False),
+    "qwen3_moe": (False,   True,    256, 4,      128,  2,    False,       0.001, None, False, False),
+}
+# fmt: on
+
+
+def test_every_family_has_expectations() -> None:
+    assert sorted(EXPECTED) == supported_model_types()
+
+
+@pytest.mark.parametrize("model_type", sorted(EXPECTED))
+def test_family_facts_reach_the_transformer_config(model_type: str) -> None:
+    hf = tiny_hf_config(model_type, vocab_size=448)
+    config = transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    *expected, tied = EXPECTED[model_type]
+    assert {name: getattr(config, name) for name in FIELDS[:-1]} == dict(zip(FIELDS[:-1], expected))
+    assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == (
+        2,
+        128,
+        2,
+        32,
+    )
+    assert gpt_options(hf, role="actor").tie_word_embeddings is tied
+    assert gpt_options(hf, role="critic").tie_word_embeddings is False
+
+
+def test_dense_layers_between_moe_layers_are_refused_naming_them() -> None:
+    hf = tiny_hf_config("qwen2_moe", vocab_size=448, num_hidden_layers=4, decoder_sparse_step=2)
+    with pytest.raises(NotImplementedError, match=r"qwen2_moe: dense layers .* not supported \(\[0, 2\]\)"):
+        transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+
+
+def test_unsupported_model_type_lists_the_families() -> None:
+    from transformers import GPTNeoXConfig
+
+    with pytest.raises(NotImplementedError, match=r"gpt_neox.*supported: llama, mixtral, qwen2, qwen2_moe"):
+        transformer_config_from_hf(GPTNeoXConfig(), parallel=ParallelConfig(), params_dtype=torch.float32)

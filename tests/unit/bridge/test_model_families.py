@@ -1,0 +1,142 @@
+"""Model families: each family file registers one object whose architecture facts, read from its tiny
+preset and from released configs, equal hand-written values (the facts the Megatron builder uses)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import megatron_bridge.models
+from megatron_bridge.family import ArchitectureFacts, ModelFamily, MoEFacts
+from megatron_bridge.models.common import dense_layers
+from megatron_bridge.registry import get_family, supported_model_types
+from rltrain.models.tiny import tiny_hf_config
+
+
+def _facts(qkv_bias: bool, qk_norm: bool, tied: bool, moe: MoEFacts | None = None) -> ArchitectureFacts:
+    return ArchitectureFacts(qkv_bias=qkv_bias, qk_norm=qk_norm, tie_word_embeddings=tied, moe=moe)
+
+
+def _moe(
+    num_experts: int,
+    top_k: int,
+    ffn: int,
+    renormalize: bool,
+    aux: float,
+    *,
+    shared: int = 0,
+    gate: bool = False,
+) -> MoEFacts:
+    return MoEFacts(
+        num_experts=num_experts,
+        top_k=top_k,
+        ffn_hidden_size=ffn,
+        renormalize_topk=renormalize,
+        aux_loss_coeff=aux,
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=gate,
+    )
+
+
+# The architecture of each family's tiny test model, written out by hand:
+# (qkv_bias, qk_norm, tied, experts (num, top-k, ffn, renormalized top-k, aux loss, shared expert)).
+TINY_FACTS = {
+    "llama": _facts(False, False, False),
+    "qwen2": _facts(True, False, True),
+    "qwen3": _facts(False, True, True),
+    "mixtral": _facts(False, False, False, _moe(4, 2, 128, True, 0.01)),
+    "qwen2_moe": _facts(True, False, False, _moe(4, 2, 128, False, 0.001, shared=128, gate=True)),
+    "qwen3_moe": _facts(False, True, False, _moe(4, 2, 128, True, 0.001)),
+}
+
+
+def test_every_family_file_registers_its_family():
+    files = {m.name for m in pkgutil.iter_modules(megatron_bridge.models.__path__)} - {"common"}
+    assert files == {"llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+    assert supported_model_types() == sorted(files)
+    for name in files:
+        module = importlib.import_module(f"megatron_bridge.models.{name}")
+        (family,) = [v for v in vars(module).values() if isinstance(v, ModelFamily)]
+        assert family.model_types == (name,) and get_family(name) is family
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_FACTS))
+def test_tiny_preset_facts_are_the_hand_written_ones(model_type):
+    family = get_family(model_type)
+    config = tiny_hf_config(model_type, vocab_size=448)
+    assert config.model_type == model_type
+    assert family.facts(config) == TINY_FACTS[model_type]
+    # The bridge reads config.json as a dict: the same facts.
+    assert family.facts(config.to_dict()) == TINY_FACTS[model_type]
+
+
+def test_released_config_defaults_give_the_released_architectures():
+    from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    qwen2_moe = get_family("qwen2_moe").facts(Qwen2MoeConfig())  # Qwen1.5-MoE-A2.7B
+    assert qwen2_moe == _facts(True, False, False, _moe(60, 4, 1408, False, 0.001, shared=5632, gate=True))
+    qwen3_moe = get_family("qwen3_moe").facts(Qwen3MoeConfig(norm_topk_prob=True))  # Qwen3-30B-A3B
+    assert qwen3_moe == _facts(False, True, False, _moe(128, 8, 768, True, 0.001))
+    mixtral = get_family("mixtral").facts(MixtralConfig())  # Mixtral-8x7B
+    assert mixtral == _facts(False, False, False, _moe(8, 2, 14336, True, 0.001))
+    llama = get_family("llama").facts(LlamaConfig(attention_bias=True, tie_word_embeddings=True))
+    assert llama == _facts(True, False, True)
+    assert get_family("qwen2").facts({"tie_word_embeddings": False}).qkv_bias  # no switch: always biased
+
+
+def test_dense_layers_follow_hf_sparse_step_and_mlp_only_layers():
+    assert dense_layers({"num_hidden_layers": 4}) == ()
+    assert dense_layers({"num_hidden_layers": 4, "decoder_sparse_step": 2}) == (0, 2)
+    assert dense_layers({"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}) == (
+        0,
+        2,
+        3,
+    )
+    assert dense_layers({"num_hidden_layers": 4, "mlp_only_layers": [1]}) == (1,)
+    with pytest.raises(ValueError, match=r"decoder_sparse_step=0"):
+        dense_layers({"num_hidden_layers": 4, "decoder_sparse_step": 0})
+
+
+def test_a_config_without_experts_is_dense():
+    facts = get_family("qwen2_moe").facts({"num_experts": 0, "num_hidden_layers": 2})
+    assert facts.moe is None
+
+
+def test_tiny_preset_is_read_only_and_unknown_types_are_named():
+    with pytest.raises(TypeError):
+        get_family("llama").tiny_preset["hidden_size"] = 1  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"no tiny preset for model_type='gpt_neox'; known: \['llama'"):
+        tiny_hf_config("gpt_neox", vocab_size=64)
+
+
+def _compares_model_type_to_a_literal(node: ast.Compare) -> bool:
+    sides = [node.left, *node.comparators]
+
+    def is_model_type(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Name) and n.id == "model_type") or (
+            isinstance(n, ast.Attribute) and n.attr == "model_type"
+        )
+
+    def is_literal(n: ast.AST) -> bool:
+        if isinstance(n, (ast.Tuple, ast.List, ast.Set)):
+            return all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in n.elts)
+        return isinstance(n, ast.Constant) and isinstance(n.value, str)
+
+    return any(map(is_model_type, sides)) and any(map(is_literal, sides))
+
+
+def test_no_code_outside_the_family_files_branches_on_a_model_type_literal():
+    root = Path(__file__).resolve().parents[3]
+    family_dir = root / "megatron_bridge" / "models"
+    offenders = []
+    for path in sorted([*root.glob("rltrain/**/*.py"), *root.glob("megatron_bridge/**/*.py")]):
+        if family_dir in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Compare) and _compares_model_type_to_a_literal(node):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, f"model_type compared to a literal outside megatron_bridge/models/: {offenders}"
