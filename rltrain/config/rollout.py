@@ -21,12 +21,16 @@ class ValKwargs:
 @dataclass
 class WeightSyncConfig:
     transport: Literal["auto", "in_process", "broadcast"] = "auto"
-    """How weights reach the engines: ``in_process`` hands them to the colocated engine (its workers get
-    CUDA IPC handles on GPU); ``broadcast`` sends buckets over a process group (NCCL on GPU, gloo on
-    CPU) to engines on other devices; ``auto`` picks by ``rollout.mode``."""
+    """How weights reach the engines (``rltrain.weight_sync.transport.make_transport``, the one place
+    that reads it): ``in_process`` hands each colocated engine its planned regions on its host rank
+    (its workers in other processes get CUDA IPC handles on GPU, serialized buffers on CPU);
+    ``broadcast`` sends whole tensors in buckets over a process group (NCCL on GPU, gloo on CPU) to
+    engines on other devices; ``auto`` picks by ``rollout.mode`` (colocated: in_process, separate:
+    broadcast)."""
 
     bucket_size_mb: int = 512
-    """Weights are streamed in buckets of about this many MiB."""
+    """Buckets of about this many MiB: what the broadcast sends at once, and what an engine whose
+    workers run in other processes hands them in one call (a bucket never splits a fused module)."""
 
     verify_checksums: bool = False
     """After each sync compare checksums of the engine's weights with the trainer's (slow; debugging)."""
