@@ -57,7 +57,7 @@ def _child(mode: str, src: Path, dst: Path) -> dict:
                 writer.write(name, tensor.contiguous())
         writer.close()
     else:
-        from megatron_bridge.convert import run_conversion
+        from rltrain.convert.launch import run_conversion
 
         report = run_conversion(mode, src, dst, tp=3 if mode == "mcore-to-mcore" else 1, verify=False)
         growth = report.peak_memory_growth_bytes / 2**20
@@ -79,11 +79,11 @@ def _write_child(mode: str, src: Path, dst: Path) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from megatron_bridge.convert import _setup
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import load_hf_weights
-    from megatron_bridge.megatron_model import build_padded_model
     from megatron_bridge.memory import PeakMemory, return_freed_tensors_to_os
+    from rltrain.convert.model import build_padded_model
+    from rltrain.convert.ranks import setup_rank
     from rltrain.megatron.checkpoint import save_checkpoint
 
     return_freed_tensors_to_os()  # as on conversion ranks (run_conversion)
@@ -97,7 +97,7 @@ def _write_child(mode: str, src: Path, dst: Path) -> dict:
     reader = HFCheckpointReader(src)
     AutoConfig.from_pretrained(src)  # imports of the config class before the measurement
     start = time.perf_counter()
-    _, ctx, _, meta_chunks, bridge = _setup(src, 1, 1, 1, meta=True)
+    _, ctx, _, meta_chunks, bridge = setup_rank(src, 1, 1, 1, meta=True)
     memory = PeakMemory.start()
     chunks = build_padded_model(AutoConfig.from_pretrained(src), ctx, dtype=torch.float32)
     del meta_chunks

@@ -105,8 +105,8 @@ def megatron_actor(source_dir: Path):
 
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, load_hf_weights
-    from megatron_bridge.megatron_model import build_padded_model
     from rltrain.config.parallel import ParallelConfig
+    from rltrain.convert.model import build_padded_model
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.rollout.planned_export import PlannedExport
 

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(config)
     config.set_defaults(func=_config)
 
+    from rltrain.convert.cli import add_subparser as add_convert_subparser
     from rltrain.logging.plot import add_plot_subparser
-    from tools.convert_ckpt import add_subparser as add_convert_subparser
 
     add_plot_subparser(sub)
     add_convert_subparser(sub)

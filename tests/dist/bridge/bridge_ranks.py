@@ -9,8 +9,8 @@ def save_the_trainer_way(hf_dir: str, root: str) -> None:
 
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, load_hf_weights
-    from megatron_bridge.megatron_model import build_padded_model
     from rltrain.config.parallel import ParallelConfig
+    from rltrain.convert.model import build_padded_model
     from rltrain.megatron.checkpoint import save_checkpoint
     from rltrain.megatron.parallel import ParallelContext
 

@@ -1,6 +1,6 @@
 """HF ↔ Megatron conversion on gloo ranks: bit-exact round trips and logits against transformers.
 
-Each conversion reloads its output from disk and verifies it (``megatron_bridge.convert``); here the
+Each conversion reloads its output from disk and verifies it (``rltrain.convert``); here the
 final HF directory is also compared tensor by tensor with the source checkpoint, independently.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.convert import run_conversion
 from megatron_bridge.hf_io import HFCheckpointReader
+from rltrain.convert.launch import run_conversion
 from rltrain.models.tiny import save_tiny_model
 
 pytestmark = pytest.mark.dist

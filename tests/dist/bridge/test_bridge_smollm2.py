@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bridge.convert import run_conversion
 from megatron_bridge.hf_io import HFCheckpointReader
+from rltrain.convert.launch import run_conversion
 from rltrain.models.gguf import materialize_gguf_package
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

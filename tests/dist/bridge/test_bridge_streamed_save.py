@@ -21,8 +21,8 @@ from dist_harness import run_ranks
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from megatron_bridge.convert import run_conversion
 from megatron_bridge.hf_io import HFCheckpointReader
+from rltrain.convert.launch import run_conversion
 from rltrain.models.tiny import save_tiny_model
 
 pytestmark = pytest.mark.dist

@@ -81,7 +81,7 @@ def test_quickstart_tp2_end_to_end(local_ray, tmp_path, model_cache):
     assert json.loads((ckpt / "step_4" / "driver_state.json").read_text())["step"] == 4
     # the trained actor (saved at TP=2 with its optimizer) exports to HF as it stands: every tensor
     # read back bit-exact, transformers' logits on the export equal Megatron's on the checkpoint
-    from megatron_bridge.convert import run_conversion
+    from rltrain.convert.launch import run_conversion
 
     export = run_conversion("mcore-to-hf", ckpt / "step_4" / "actor", tmp_path / "export", atol=1e-4)
     assert export.bit_exact_tensors == export.num_tensors > 0 and export.max_abs_logit_diff <= 1e-4

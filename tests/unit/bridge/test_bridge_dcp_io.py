@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_bridge.convert import _reshard_source
+from megatron_bridge.convert import reshard_source
 from megatron_bridge.dcp_io import DistCheckpointReader
 
 
@@ -53,7 +53,7 @@ def test_rows_past_the_stored_vocab_are_zeros_only_when_asked(saved):
 
 def test_reshard_source_pads_the_vocab_and_rejects_other_shape_changes(saved):
     path, state = saved
-    source = _reshard_source(DistCheckpointReader(path))
+    source = reshard_source(DistCheckpointReader(path))
     key = "embedding.word_embeddings.weight"
     # A target layout whose vocab is padded to 8 rows: rank 1 of TP=2 holds rows 4..7.
     region = SimpleNamespace(key=key, offsets=(4, 0), sizes=(4, 4), global_shape=(8, 4))

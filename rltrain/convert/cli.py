@@ -1,4 +1,4 @@
-"""``rltrain convert`` / ``python -m tools.convert_ckpt``: HF ↔ Megatron checkpoint conversion.
+"""``rltrain convert`` / ``python -m rltrain.convert.cli``: HF ↔ Megatron checkpoint conversion.
 
 Subcommands::
 
@@ -14,6 +14,8 @@ a probe batch within ``--atol``) and the verification is printed; ``--no-verify`
 status 1 with the failing tensors named when verification or conversion fails. Conversion and the
 round-trip check stream one tensor at a time; only the logits check holds the model (each rank its
 shard), so ``--no-logits`` keeps the whole run at about the largest tensor's memory.
+
+Importing this module costs no torch (``rltrain --help`` stays quick); ``run`` imports the launcher.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-MODES = ("hf-to-mcore", "mcore-to-hf", "mcore-to-mcore")
+from rltrain.convert.report import MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +61,7 @@ def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_bridge.convert import run_conversion
+    from rltrain.convert.launch import run_conversion
 
     try:
         report = run_conversion(
