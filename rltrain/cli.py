@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--skip-env-check", action="store_true", help="do not stop on package version mismatches"
     )
+    train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the logs of Ray, vLLM, Megatron, ... on the console (trainer.verbose=true)",
+    )
     train.set_defaults(func=_train)
 
     config = sub.add_parser("config", help="print the resolved config of a recipe")
@@ -56,17 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rltrain.config import dump_yaml, load_config, write_resolved
-    from rltrain.doctor import require_environment
+    from rltrain.logging.console import capture_run_output, log_path, start_console
 
-    if not args.skip_env_check:
-        require_environment()
-    config = load_config(args.recipe, args.overrides)
+    start_console()  # the first line comes before the slow imports
+    from rltrain.config import dump_yaml, write_resolved
+    from rltrain.train import load_run_config
+
+    overrides = [*args.overrides, "trainer.verbose=true"] if args.verbose else args.overrides
+    config = load_run_config(args.recipe, overrides, check_env=not args.skip_env_check)
     path = write_resolved(config, config.run_dir(), source=args.recipe)
     if args.dry_run:
         print(dump_yaml(config))
         print(f"resolved config written to {path}")
         return 0
+    capture_run_output(log_path(config.run_dir()), verbose=config.trainer.verbose)
     from rltrain.orchestrator.entry import train
 
     train(config)
@@ -95,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, EnvironmentMismatch) as err:
-        print(f"rltrain {args.command}: {err}", file=sys.stderr)
+        from rltrain.logging.console import terminal
+
+        print(f"rltrain {args.command}: {err}", file=terminal().err)
         return 2
 
 

