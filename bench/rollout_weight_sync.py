@@ -5,15 +5,19 @@
 Random fp32 weights of SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, vocab 49,152, tied
 embeddings; ~135 M parameters, ~540 MB) are synced into one in-process vLLM engine by:
 
-- ours (stream): ``InProcessTransport``: the HF-named tensors stream straight into the engine's
-  direct load (``rltrain.rollout.direct_load``: the model's loaders into a reused scratch tensor,
-  then vLLM's CPU repack per layer), then the prefix cache resets (the colocated path).
-- ours from Megatron: the same weights held by a Megatron-Core GPT model (TP=1, one gloo rank, built
-  and loaded by the bridge), exported as the trainer does (``PlannedExport.stream``: each HF tensor
-  from its Megatron shard, q/k/v unfused from the fused QKV) and streamed into the same direct load:
-  the whole sync of a colocated trainer rank.
-- ours (buckets): the same tensors cut into ``--bucket-mb`` buckets, packed into flat buffers and
-  unpacked as the broadcast receiver does (the network hop itself excluded), streamed into one load.
+- ours colocated (stream): ``ColocatedTransport`` (``rltrain.weight_sync``): the HF-named tensors go
+  straight into ``RolloutEngine.receive``, the engine's direct load (``rltrain.rollout.direct_load``:
+  the model's loaders into a reused scratch tensor, then vLLM's CPU repack per layer), then the
+  prefix cache resets (the colocated path).
+- ours colocated from Megatron: the same weights held by a Megatron-Core GPT model (TP=1, one gloo
+  rank, built and loaded by the bridge), exported as the trainer does (``PlannedExport.regions``:
+  each HF tensor from its Megatron shard, q/k/v unfused from the fused QKV) through the same
+  transport into the same receive: the whole sync of a colocated trainer rank.
+- ours broadcast receive: the receive path of ``BroadcastTransport`` after the network hop
+  (``broadcast.load_buckets``): ``--bucket-mb`` buckets already in the receiver's flat buffers, each
+  handed to ``RolloutEngine.receive`` in turn. Two more rows show what the hop's landing costs: each
+  bucket first copied into the one reused receive buffer (``buckets.BufferPool``, what the receiver
+  does now), or into a fresh buffer per bucket (what it did before: every sync page-faults).
 - ours via reload_weights: the same stream through vLLM's own ``reload_weights`` (what the engine
   did before the direct load; still its path for GPU, TP > 1 and quantized or MoE models).
 - (a) memcpy: copying the same bytes into preallocated buffers, the limit of any in-memory path.
@@ -46,6 +50,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from megatron_bridge.reshard import EngineLayout
 
 SMOLLM2_135M = dict(
     vocab_size=49152,
@@ -108,7 +114,7 @@ def megatron_actor(source_dir: Path):
     from rltrain.config.parallel import ParallelConfig
     from rltrain.convert.model import build_padded_model
     from rltrain.megatron.parallel import ParallelContext
-    from rltrain.rollout.planned_export import PlannedExport
+    from rltrain.weight_sync import PlannedExport
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -131,12 +137,18 @@ def sync_variants(
     from safetensors.torch import save_file
     from vllm import _custom_ops as ops
 
-    from rltrain.rollout.bucketing import fused_group, iter_buckets, pack_bucket, unpack_bucket
-    from rltrain.rollout.planner import EngineLayout
-    from rltrain.rollout.transport import InProcessTransport
+    from megatron_bridge.vllm_names import fused_group
     from rltrain.rollout.worker_fns import finish_reload
+    from rltrain.weight_sync import ColocatedTransport, TensorSource
+    from rltrain.weight_sync.broadcast import load_buckets
+    from rltrain.weight_sync.buckets import BufferPool, PackedBucket, iter_buckets, pack_bucket
 
-    transport = InProcessTransport(engine, bucket_bytes=bucket_bytes)
+    transport = ColocatedTransport(
+        rank=0, host_ranks=[0], engine=engine, layout=EngineLayout(tp=1), bucket_bytes=bucket_bytes
+    )
+    source = TensorSource(weights)
+    landed = [pack_bucket(b) for b in iter_buckets(weights.items(), bucket_bytes)]  # after the hop
+    pool = BufferPool()
     # what the CPU kernels pack: fused q/k/v and gate/up, the other linear weights, the (tied) head
     fused: dict[str, list[torch.Tensor]] = {}
     for n, t in weights.items():
@@ -153,9 +165,19 @@ def sync_variants(
         for n, t in weights.items():
             targets[n].copy_(t)
 
-    def ours_buckets() -> None:  # what BroadcastTransport.receive feeds the engine, minus the network
-        buckets = iter_buckets(weights.items(), bucket_bytes)
-        engine.load_weights(t for bucket in buckets for t in unpack_bucket(pack_bucket(bucket)))
+    def broadcast_receive() -> None:  # BroadcastTransport.receive after the network hop
+        load_buckets(engine, landed, bucket_bytes=bucket_bytes)
+
+    def landing(fresh: bool):
+        def receive() -> None:  # each bucket lands in a receive buffer first (a memcpy stands in)
+            def arrived():
+                for b in landed:
+                    flat = torch.empty_like(b.flat) if fresh else pool.take(b.flat.numel())
+                    yield PackedBucket(b.metas, flat.copy_(b.flat))
+
+            load_buckets(engine, arrived(), bucket_bytes=bucket_bytes)
+
+        return receive
 
     def naive() -> None:
         pending: list[tuple[str, torch.Tensor]] = []
@@ -200,30 +222,33 @@ def sync_variants(
 
     # Round order: the disk path first (its page-cache churn slowed the path right after it by up
     # to 2x in this VM), memcpy right before ours, so the two compared most are measured alike.
+    mib = bucket_bytes >> 20
     return {
         "(c) disk save+reload": disk,
         "(b) naive gather+load": naive,
         "ours via reload_weights": via_reload,
-        f"ours ({bucket_bytes >> 20} MiB buckets)": ours_buckets,
+        f"bcast recv, fresh bufs {mib}M": landing(fresh=True),
+        f"bcast recv, reused buf {mib}M": landing(fresh=False),
         "(e) oneDNN repack only": repack_floor,
         "(f) floor: fuse + repack": floor,
         "(a) memcpy": memcpy,
-        "ours (stream)": lambda: transport.send(weights.items()),
-        "ours from Megatron (TP=1)": lambda: transport.send(planned.stream(EngineLayout(tp=1), 0, dst=0)),
+        "ours colocated (stream)": lambda: transport.send(source),
+        f"ours broadcast recv {mib}M": broadcast_receive,
+        "ours colocated from Megatron": lambda: transport.send(planned),
     }
 
 
 def report(times: dict[str, list[float]], num_bytes: int) -> None:
     """Best seconds per path; ratios are medians of same-round ratios (see ``paired``)."""
-    memcpy, disk, ours = "(a) memcpy", "(c) disk save+reload", "ours (stream)"
+    memcpy, disk, ours = "(a) memcpy", "(c) disk save+reload", "ours colocated (stream)"
     repack, least = "(e) oneDNN repack only", "(f) floor: fuse + repack"
     print(
-        f"{'path':<28}{'best s':>8}{'GB/s':>8}{'vs memcpy':>11}{'vs disk':>9}   (ratios: median of paired rounds)"
+        f"{'path':<30}{'best s':>8}{'GB/s':>8}{'vs memcpy':>11}{'vs disk':>9}   (ratios: median of paired rounds)"
     )
     for name, secs in times.items():
         best = min(secs)
         print(
-            f"{name:<28}{best:>8.3f}{num_bytes / best / 1e9:>8.2f}{paired(times, name, memcpy):>10.1f}x"
+            f"{name:<30}{best:>8.3f}{num_bytes / best / 1e9:>8.2f}{paired(times, name, memcpy):>10.1f}x"
             f"{paired(times, disk, name):>8.1f}x"
         )
     vs_disk, vs_memcpy = paired(times, disk, ours), paired(times, ours, memcpy)
@@ -238,7 +263,7 @@ def report(times: dict[str, list[float]], num_bytes: int) -> None:
         f"our direct load is {paired(times, 'ours via reload_weights', ours):.2f}x faster than vLLM's "
         f"reload_weights; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    mega = "ours from Megatron (TP=1)"
+    mega = "ours colocated from Megatron"
     print(
         f"the whole colocated sync, from the Megatron actor: {paired(times, mega, memcpy):.1f}x memcpy, "
         f"{paired(times, disk, mega):.1f}x faster than disk ({paired(times, mega, ours):.2f}x the engine load alone)"
@@ -247,6 +272,12 @@ def report(times: dict[str, list[float]], num_bytes: int) -> None:
     print(
         f"floor of an exact sync into this engine (f): {floor_memcpy:.1f}x memcpy, {floor_disk:.1f}x faster "
         f"than disk; ours is {paired(times, ours, least):.2f}x the floor"
+    )
+    receives = {"colocated": ours, "broadcast": next(n for n in times if n.startswith("ours broadcast"))}
+    within = {kind: paired(times, name, least) for kind, name in receives.items()}
+    print(
+        "goal: every transport's receive within 1.2x of the floor (f): "
+        + ", ".join(f"{k} {v:.2f}x ({'met' if v <= 1.2 else 'NOT met'})" for k, v in within.items())
     )
 
 
@@ -258,10 +289,10 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from safetensors.torch import load_file, save_file
 
-    from rltrain.rollout.bucketing import grouped_order
+    from megatron_bridge.vllm_names import grouped_order
     from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.planner import EngineLayout
     from rltrain.rollout.types import EngineSettings, SamplingConfig
+    from rltrain.weight_sync import ColocatedTransport, TensorSource
 
     root = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
     try:
@@ -285,13 +316,21 @@ def main() -> None:
         )
         results = round_times(variants, args.repeats)
         exact = {}
-        streams = {
-            "HF stream": weights.items,
-            "from Megatron": lambda: planned.stream(EngineLayout(tp=1), 0, dst=0),
+        transport = ColocatedTransport(
+            rank=0, host_ranks=[0], engine=engine, layout=EngineLayout(tp=1), bucket_bytes=1 << 30
+        )
+        from rltrain.weight_sync.broadcast import load_buckets
+        from rltrain.weight_sync.buckets import iter_buckets, pack_bucket
+
+        landed = [pack_bucket(b) for b in iter_buckets(weights.items(), args.bucket_mb << 20)]
+        syncs = {
+            "colocated, HF stream": lambda: transport.send(TensorSource(weights)),
+            "colocated, from Megatron": lambda: transport.send(planned),
+            "broadcast receive": lambda: load_buckets(engine, landed, bucket_bytes=args.bucket_mb << 20),
         }
-        for label, stream in streams.items():
+        for label, sync in syncs.items():
             engine.load_weights(checkpoint.items())  # the unperturbed weights first: the check sees this sync
-            engine.load_weights(stream())
+            sync()
             back = engine.hf_weights()
             exact[label] = all(torch.equal(back[n], t) for n, t in weights.items())
         greedy = engine.generate([[5, 6, 7]], SamplingConfig(temperature=0.0, response_length=4)).response_ids

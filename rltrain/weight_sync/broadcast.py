@@ -58,13 +58,6 @@ def _dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"bucket metadata names an unknown dtype {name!r}")
-    return dtype
-
-
 class BroadcastTransport:
     """One end of the broadcast: the sender (group rank ``src_rank``, ``send``), a receiver
     (``receive``), or a trainer rank outside the group (``group=None``: it serves its slices to
