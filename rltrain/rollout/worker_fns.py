@@ -17,6 +17,7 @@ share one parcel.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,8 +90,18 @@ def worker_digests(worker: Any) -> dict[str, str]:
     return engine_digests(worker.model_runner.get_model())
 
 
-def _shared_key(entries: WorkerEntries) -> tuple[int, ...]:
-    return tuple(id(values) for _, _, regions in entries for _, values in regions)
+def _one_parcel_per_tensor_set(
+    per_worker: dict[int, WorkerEntries], make: Callable[[list[list], list[NamedTensor]], Any]
+) -> dict[int, Any]:
+    """``{worker: make(rows, values)}``, made once for workers whose regions are the same tensors."""
+    made: dict[tuple[int, ...], Any] = {}
+    parcels: dict[int, Any] = {}
+    for worker, entries in per_worker.items():
+        key = tuple(id(values) for _, _, regions in entries for _, values in regions)
+        if key not in made:
+            made[key] = make(*_index(entries))
+        parcels[worker] = made[key]
+    return parcels
 
 
 def _index(entries: WorkerEntries) -> tuple[list[list], list[NamedTensor]]:
@@ -108,16 +119,11 @@ def serialize_per_worker(per_worker: dict[int, WorkerEntries]) -> dict[int, byte
     """A safetensors blob of each worker's regions (workers with the same tensors share one)."""
     from safetensors.torch import save
 
-    blobs: dict[int, bytes] = {}
-    made: dict[tuple[int, ...], bytes] = {}
-    for worker, entries in per_worker.items():
-        key = _shared_key(entries)
-        if key not in made:
-            rows, values = _index(entries)
-            tensors = {k: v.detach().cpu().contiguous() for k, v in values}
-            made[key] = save(tensors, metadata={"regions": json.dumps(rows)})
-        blobs[worker] = made[key]
-    return blobs
+    def blob(rows: list[list], values: list[NamedTensor]) -> bytes:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in values}
+        return save(tensors, metadata={"regions": json.dumps(rows)})
+
+    return _one_parcel_per_tensor_set(per_worker, blob)
 
 
 def share_per_worker_cuda_ipc(
@@ -130,17 +136,12 @@ def share_per_worker_cuda_ipc(
 
     device = torch.device("cuda", torch.cuda.current_device())
     buffers: list[PackedBucket] = []
-    parcels: dict[int, Any] = {}
-    made: dict[tuple[int, ...], Any] = {}
-    for worker, entries in per_worker.items():
-        key = _shared_key(entries)
-        if key not in made:
-            rows, values = _index(entries)
-            packed = pack_bucket(values, device=device)
-            buffers.append(packed)
-            made[key] = (reduce_tensor(packed.flat), packed.metas, rows)
-        parcels[worker] = made[key]
-    return buffers, parcels
+
+    def handle(rows: list[list], values: list[NamedTensor]) -> tuple[Any, list, list]:
+        buffers.append(pack_bucket(values, device=device))
+        return reduce_tensor(buffers[-1].flat), buffers[-1].metas, rows
+
+    return buffers, _one_parcel_per_tensor_set(per_worker, handle)
 
 
 def _parcel_regions(parcel: Any) -> tuple[list[list], dict[str, torch.Tensor]]:
