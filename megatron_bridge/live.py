@@ -1,14 +1,15 @@
 """Load HF weights into live Megatron model chunks, and stream HF-named weights out of them.
 
-Contract (torch and torch.distributed only; ``ctx`` is ``rltrain.megatron.parallel.ParallelContext``
-or anything with its rank attributes and ``groups``):
+Contract (torch and torch.distributed only; ``ctx`` is the caller's parallel context: anything with
+its rank and size attributes — ``rank``, ``world_size``, ``tp_rank``/``tp_size``, ``dp_rank``,
+``ep_rank``/``ep_size``, ``etp_size`` — and ``groups``):
 - ``bridge_for_chunks`` binds the family table to the model as built (its padded vocabulary).
 - ``load_hf_weights(chunks, ctx, bridge, reader)`` (collective) fills every parameter of this rank's
   chunks from an ``HFCheckpointReader``, one unit at a time; it fails naming model parameters with
   no mapping, HF tensors never used by any rank (unexpected), missing HF tensors and mis-shaped ones.
 - ``LazyShards(chunks, ctx, bridge, reader)`` does the same checks for chunks that may sit on the
   meta device, and reads a parameter's values (or any view of it) only when ``materialize``d,
-  keeping one unit: the source of the streamed checkpoint writer (``rltrain.megatron.streamed_checkpoint``).
+  keeping one unit: the source of a streamed checkpoint writer.
 - ``export_hf_weights(chunks, ctx, bridge, dst=0)`` (collective generator: every rank must exhaust
   it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only, one unit at a time, in HF order;
   the TP shards travel point-to-point from the one replica that holds them (DP/expert-DP rank 0)
@@ -343,14 +344,6 @@ def _transfer(local: torch.Tensor | None, *, src: int, dst: int, me: int) -> tor
         codes = header.tolist()
         shape = tuple(int(s) for s in codes[2 : 2 + codes[1]])
         out = torch.empty(shape, dtype=_DTYPE_CODES[codes[0]], device=device)
-        dist.recv(out, src)
-        return out
-    return None
-    if me == dst:
-        header = torch.empty(10, dtype=torch.int64)
-        dist.recv(header, src)
-        shape = tuple(int(s) for s in header[2 : 2 + int(header[1])])
-        out = torch.empty(shape, dtype=_DTYPE_CODES[int(header[0])])
         dist.recv(out, src)
         return out
     return None

@@ -5,7 +5,7 @@ interface of ``hf_io.HFCheckpointReader`` (``directory``, ``names``, ``info``, `
 ``get``) over a Megatron checkpoint, so that everything written against an HF source (loading,
 the streamed Megatron writer, comparisons) takes a Megatron one too. ``locations`` maps each
 canonical Megatron parameter to ``(checkpoint key, index along the key's prepended axes)``
-(``rltrain.megatron.checkpoint.checkpoint_keys`` tells it for a model of the same family, at any
+(the trainer's checkpoint code tells it for a model of the same family, at any
 layout); the full parameter is the stored tensor ``key[index]``. ``get(name)`` reads the unit that
 holds HF tensor ``name`` (its Megatron tensors, from whatever stored chunks cover them), converts it
 with the bridge and keeps only that unit, so memory stays about one unit. The vocabulary padding is

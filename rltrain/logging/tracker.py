@@ -103,7 +103,8 @@ class MetricsLogger:
             for key, value in values.items():
                 self.writer.add_scalar(key, value, global_step=step)
             self.writer.flush()
-        if self.print_console:
+        if self.print_console and any(key in values for _, key, _ in CONSOLE_FIELDS):
+            # a record with none of the line's fields (step 0's data counts) prints no bare "step 0/N"
             line = format_console_line(values, step=step, total_steps=self.total_steps)
             tqdm.write(line, file=self.console or sys.stdout)
 

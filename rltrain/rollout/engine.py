@@ -192,7 +192,10 @@ class RolloutEngine:
             return True
         if not self._sleep_warned:
             reason = "unsupported on CPU" if not self.on_gpu else "disabled (enable_sleep_mode=False)"
-            logger.warning("rollout engine sleep/wake_up %s; skipped", reason)
+            # expected on CPU (nothing to free there); on GPU it leaves the KV cache resident: say so
+            (logger.info if not self.on_gpu else logger.warning)(
+                "rollout engine sleep/wake_up %s; skipped", reason
+            )
             self._sleep_warned = True
         return False
 

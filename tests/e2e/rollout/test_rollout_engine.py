@@ -104,11 +104,12 @@ def test_padded_output_matches_lists(engine):
 
 
 def test_sleep_on_cpu_logs_once_and_skips(engine, caplog):
-    with caplog.at_level(logging.WARNING, logger="rltrain.rollout.engine"):
+    with caplog.at_level(logging.INFO, logger="rltrain.rollout.engine"):
         engine.sleep()
         engine.wake_up()
         engine.sleep(level=2)
         engine.wake_up()
     messages = [r.getMessage() for r in caplog.records if "sleep" in r.getMessage()]
     assert len(messages) == 1 and "unsupported on CPU; skipped" in messages[0]
+    assert [r.levelno for r in caplog.records if "sleep" in r.getMessage()] == [logging.INFO]  # expected on CPU
     assert engine.generate([PROMPTS[0]], GREEDY).finish_reasons == ["length"]  # still serving
