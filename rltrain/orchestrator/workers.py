@@ -385,7 +385,10 @@ class RolloutWorker:
 
     def receive_weights(self) -> dict[str, float]:
         stats = self.receiver.receive(self.engine)
-        return {mk.WEIGHT_SYNC_RECEIVE_SECONDS: stats.seconds, mk.WEIGHT_SYNC_BUCKETS: float(stats.num_buckets)}
+        return {
+            mk.WEIGHT_SYNC_RECEIVE_SECONDS: stats.seconds,
+            mk.WEIGHT_SYNC_BUCKETS: float(stats.num_buckets),
+        }
 
     def generate(self, prompts: list[list[int]], sampling) -> Any:
         return _run_engine(self.engine, self.config, prompts, sampling) if prompts else None
