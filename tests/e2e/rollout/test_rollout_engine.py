@@ -111,5 +111,6 @@ def test_sleep_on_cpu_logs_once_and_skips(engine, caplog):
         engine.wake_up()
     messages = [r.getMessage() for r in caplog.records if "sleep" in r.getMessage()]
     assert len(messages) == 1 and "unsupported on CPU; skipped" in messages[0]
-    assert [r.levelno for r in caplog.records if "sleep" in r.getMessage()] == [logging.INFO]  # expected on CPU
+    levels = [r.levelno for r in caplog.records if "sleep" in r.getMessage()]
+    assert levels == [logging.INFO]  # expected on CPU: not a warning
     assert engine.generate([PROMPTS[0]], GREEDY).finish_reasons == ["length"]  # still serving
