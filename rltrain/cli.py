@@ -4,6 +4,7 @@ rltrain train RECIPE [key=value ...]        run a recipe under Ray (``--dry-run`
 rltrain config RECIPE [key=value ...]       print the resolved config
 rltrain convert MODE SRC DST [--tp/pp/ep]   HF <-> Megatron checkpoints, verified by round trip
 rltrain plot RUN_DIR                        PNG of a run's main curves
+rltrain checkpoint verify RUN_DIR           check a run's checkpoints against their manifests
 rltrain doctor                              installed packages vs the versions this release needs
 
 Under torchrun use ``python -m rltrain.train RECIPE``, which runs every rank without Ray.
@@ -52,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_plot_subparser(sub)
     add_convert_subparser(sub)
 
+    checkpoint = sub.add_parser("checkpoint", help="inspect a run's checkpoints")
+    checkpoint_sub = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    verify = checkpoint_sub.add_parser(
+        "verify",
+        help="check every checkpoint's files against its manifest (sizes, checksums) without loading models",
+    )
+    verify.add_argument(
+        "run_dir", help="a run directory, its checkpoints/ folder, or one step_<n> checkpoint"
+    )
+    verify.set_defaults(func=_verify_checkpoints)
+
     doctor = sub.add_parser("doctor", help="check installed packages against this release")
     doctor.add_argument(
         "--profile", choices=["cpu", "gpu"], help="check for this profile instead of detecting it"
@@ -88,6 +100,15 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_checkpoints(args: argparse.Namespace) -> int:
+    """Exit 0 when every checkpoint verifies and ``latest`` names one of them; 1 otherwise."""
+    from rltrain.orchestrator.checkpoints import verify_path
+
+    lines, all_well = verify_path(args.run_dir)
+    print("\n".join(lines))
+    return 0 if all_well else 1
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from rltrain.doctor import main as doctor_main
 
@@ -99,14 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rltrain.config import ConfigError
     from rltrain.doctor import EnvironmentMismatch
+    from rltrain.logging.console import terminal
+    from rltrain.orchestrator.checkpoints import CheckpointError
 
     try:
         return args.func(args)
     except (ConfigError, EnvironmentMismatch) as err:
-        from rltrain.logging.console import terminal
-
         print(f"rltrain {args.command}: {err}", file=terminal().err)
         return 2
+    except CheckpointError as err:  # a save or resume that cannot go on: one line, the cause chained
+        print(f"rltrain {args.command}: {err}", file=terminal().err)
+        return 1
 
 
 if __name__ == "__main__":

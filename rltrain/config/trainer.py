@@ -14,6 +14,11 @@ class CheckpointConfig:
     save_optimizer: bool = True
     """Save optimizer and scheduler state (needed to resume exactly)."""
 
+    discard_existing: bool = False
+    """With ``trainer.resume_mode: disable``: delete the checkpoints already in the run directory and
+    start from step 0. Without it such a run is refused (a run directory holding checkpoints is never
+    restarted by accident); a new run directory is the other choice."""
+
 
 @dataclass
 class ClusterConfig:
@@ -103,4 +108,9 @@ class TrainerConfig:
             problems.append(f"{prefix}.resume_mode=resume_path needs {prefix}.resume_from_path")
         if self.checkpoint.max_ckpt_to_keep is not None and self.checkpoint.max_ckpt_to_keep < 1:
             problems.append(f"{prefix}.checkpoint.max_ckpt_to_keep must be >= 1 or null")
+        if self.checkpoint.discard_existing and self.resume_mode != "disable":
+            problems.append(
+                f"{prefix}.checkpoint.discard_existing=true needs {prefix}.resume_mode=disable "
+                f"(got {self.resume_mode!r}): it deletes the checkpoints a resume would continue from"
+            )
         return problems

@@ -7,7 +7,9 @@
 The driver holds no model: roles are handles whose methods run on their workers. Every random
 choice is a function of (seed, step), so a run resumed from a checkpoint repeats the metrics of an
 uninterrupted one: sampling uses seed ``rollout.seed + step``, mini-batch shuffling
-``trainer.seed + step``; the data position and the KL controller are checkpointed.
+``trainer.seed + step``; the data position and the KL controller are checkpointed. A resume takes
+the newest checkpoint that verifies against its manifest and loads into every role, saying in one
+line why it passed over any newer one (:mod:`rltrain.orchestrator.checkpoints`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -31,8 +34,9 @@ from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.timer import StageTimer
 from rltrain.orchestrator.batch import StepBatch, build_step_batch
-from rltrain.orchestrator.checkpoints import RunCheckpoints
+from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
 from rltrain.orchestrator.roles import CriticRole, PolicyRole
+from rltrain.orchestrator.worker_group import WorkerError
 from rltrain.rollout.mismatch import logprob_mismatch
 from rltrain.rollout.types import SamplingConfig
 
@@ -295,7 +299,10 @@ class PPOTrainer:
         }
 
     def save(self, step: int) -> None:
-        def write_roles(path) -> None:
+        """Checkpoint every role and the driver's state as ``step_<step>``; a failed save raises
+        :class:`~rltrain.orchestrator.checkpoints.CheckpointError` and leaves ``latest`` as it was."""
+
+        def write_roles(path: Path) -> None:
             self.roles.policy.save(str(path), step)
             if self.roles.critic is not None:
                 self.roles.critic.save(str(path), step)
@@ -304,18 +311,33 @@ class PPOTrainer:
         self.checkpoints.save(step, write_roles=write_roles, state=state)
 
     def resume(self) -> int:
+        """The step to continue after: 0 for a fresh start, else that of the newest checkpoint that
+        verifies and loads (:meth:`RunCheckpoints.resume` falls back past the others, one line each)."""
         trainer = self.config.trainer
         if trainer.resume_mode == "disable":
+            self.checkpoints.start_fresh(discard_existing=trainer.checkpoint.discard_existing)
             return 0
-        path = self.checkpoints.resume_path(
-            trainer.resume_from_path if trainer.resume_mode == "resume_path" else None
-        )
-        if path is None:
-            return 0
+        explicit = trainer.resume_from_path if trainer.resume_mode == "resume_path" else None
+        step = self.checkpoints.resume(self.load_checkpoint, explicit=explicit)
+        return 0 if step is None else step
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Load the checkpoint at ``path`` into every role and the driver; returns its step.
+
+        A role that fails to load it raises :class:`CheckpointLoadError` (one line, naming role, rank
+        and cause); a later load of another checkpoint overwrites whatever was loaded in part."""
         state = self.checkpoints.read_state(path)
         for role in (self.roles.policy, self.roles.critic):
-            if role is not None and role.load(str(path)) != state["step"]:
-                raise RuntimeError(f"{path}: a role checkpoint does not hold step {state['step']}")
+            if role is None:
+                continue
+            try:
+                loaded = role.load(str(path))
+            except WorkerError as err:
+                raise CheckpointLoadError(str(err).splitlines()[0]) from err
+            if loaded != state["step"]:
+                raise CheckpointLoadError(
+                    f"a role checkpoint holds step {loaded}, {STATE_FILE} {state['step']}"
+                )
         self.data.train.load_state_dict(state["data"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         log.info("resumed from %s (step %d)", path, state["step"])
