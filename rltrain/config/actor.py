@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from rltrain.config.optim import OptimConfig
 from rltrain.config.parallel import ParallelConfig
 
@@ -13,13 +14,13 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = 64
+    ppo_mini_batch_size: PositiveInt = 64
     """Prompts per optimizer step (× ``rollout.n`` samples), as in verl."""
 
-    ppo_micro_batch_size_per_gpu: int | None = 4
+    ppo_micro_batch_size_per_gpu: PositiveInt | None = 4
     """Samples per forward/backward on one rank; null requires ``use_dynamic_bsz``."""
 
-    ppo_epochs: int = 1
+    ppo_epochs: PositiveInt = 1
     """Passes over the step's samples."""
 
     shuffle: bool = True
@@ -49,7 +50,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     """Add β·KL(π‖π_ref) to the actor loss (GRPO style) instead of, or besides, KL in the reward."""
 
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: NonNegativeFloat = 0.001
     """β of the KL loss."""
 
     kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
@@ -61,13 +62,13 @@ class ActorConfig:
     use_dynamic_bsz: bool = False
     """Fill micro-batches up to ``ppo_max_token_len_per_gpu`` tokens instead of a fixed sample count."""
 
-    ppo_max_token_len_per_gpu: int = 16384
+    ppo_max_token_len_per_gpu: PositiveInt = 16384
     """Token budget of one micro-batch with ``use_dynamic_bsz``."""
 
     use_remove_padding: bool = True
     """Pack sequences without padding (cumulative lengths) in forward and backward."""
 
-    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
     """Samples per forward when only computing log-probs; null means ``ppo_micro_batch_size_per_gpu``."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -101,7 +102,7 @@ class ActorConfig:
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 8
+    log_prob_micro_batch_size_per_gpu: PositiveInt = 8
     """Samples per forward of the reference model."""
 
     parallel: ParallelConfig | None = None
@@ -119,16 +120,16 @@ class CriticConfig:
     model_path: str | None = None
     """HF directory to initialise the critic from; null means the actor's model (value head new)."""
 
-    ppo_mini_batch_size: int | None = None
+    ppo_mini_batch_size: PositiveInt | None = None
     """Prompts per critic optimizer step; null means the actor's."""
 
-    ppo_micro_batch_size_per_gpu: int | None = 4
+    ppo_micro_batch_size_per_gpu: PositiveInt | None = 4
     """Samples per critic forward/backward on one rank."""
 
-    ppo_epochs: int | None = None
+    ppo_epochs: PositiveInt | None = None
     """Critic passes over the step's samples; null means the actor's."""
 
-    cliprange_value: float = 0.5
+    cliprange_value: PositiveFloat = 0.5
     """Value clipping range around the old values."""
 
     loss_agg_mode: LossAggMode = "token-mean"
@@ -137,10 +138,10 @@ class CriticConfig:
     use_dynamic_bsz: bool = False
     """Fill micro-batches up to ``ppo_max_token_len_per_gpu`` tokens."""
 
-    ppo_max_token_len_per_gpu: int = 32768
+    ppo_max_token_len_per_gpu: PositiveInt = 32768
     """Token budget of one critic micro-batch (verl suggests 2× the actor's)."""
 
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """PPO steps that train only the critic before the actor starts updating (verl: critic_warmup)."""
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -151,10 +152,6 @@ class CriticConfig:
 
     def validate(self, prefix: str) -> list[str]:
         problems = [*self.optim.validate(f"{prefix}.optim")]
-        if self.cliprange_value <= 0:
-            problems.append(f"{prefix}.cliprange_value must be > 0, got {self.cliprange_value}")
-        if self.warmup_steps < 0:
-            problems.append(f"{prefix}.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.ppo_micro_batch_size_per_gpu is None and not self.use_dynamic_bsz:
             problems.append(
                 f"{prefix}.ppo_micro_batch_size_per_gpu is null: set it or {prefix}.use_dynamic_bsz=true"
@@ -164,10 +161,6 @@ class CriticConfig:
 
 def _check_batching(role: ActorConfig, prefix: str) -> list[str]:
     problems = []
-    if role.ppo_mini_batch_size < 1:
-        problems.append(f"{prefix}.ppo_mini_batch_size must be >= 1, got {role.ppo_mini_batch_size}")
-    if role.ppo_epochs < 1:
-        problems.append(f"{prefix}.ppo_epochs must be >= 1, got {role.ppo_epochs}")
     if role.ppo_micro_batch_size_per_gpu is None and not role.use_dynamic_bsz:
         problems.append(
             f"{prefix}.ppo_micro_batch_size_per_gpu is null: set it or {prefix}.use_dynamic_bsz=true"

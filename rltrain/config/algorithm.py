@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rltrain.config.fields import NonNegativeFloat, PositiveInt
+
 KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
 
 
@@ -13,13 +15,13 @@ class KLControlConfig:
     type: Literal["fixed", "adaptive"] = "fixed"
     """``fixed`` keeps β; ``adaptive`` moves β toward ``target_kl`` (Ziegler et al. 2019)."""
 
-    kl_coef: float = 0.001
+    kl_coef: NonNegativeFloat = 0.001
     """β, the initial KL coefficient in the reward."""
 
     target_kl: float = 0.1
     """KL per sequence the adaptive controller aims for."""
 
-    horizon: int = 10000
+    horizon: PositiveInt = 10000
     """Samples over which the adaptive controller corrects a KL error (larger = slower)."""
 
 
@@ -54,13 +56,9 @@ class AlgorithmConfig:
             problems.append(f"{prefix}.gamma must lie in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:
             problems.append(f"{prefix}.lam must lie in [0, 1], got {self.lam}")
-        if self.kl_ctrl.kl_coef < 0:
-            problems.append(f"{prefix}.kl_ctrl.kl_coef must be >= 0, got {self.kl_ctrl.kl_coef}")
         if self.kl_ctrl.type == "adaptive":
             if self.kl_ctrl.target_kl <= 0:
                 problems.append(f"{prefix}.kl_ctrl.target_kl must be > 0, got {self.kl_ctrl.target_kl}")
-            if self.kl_ctrl.horizon < 1:
-                problems.append(f"{prefix}.kl_ctrl.horizon must be >= 1, got {self.kl_ctrl.horizon}")
             if not self.use_kl_in_reward:
                 problems.append(
                     f"{prefix}.kl_ctrl.type=adaptive has no effect without {prefix}.use_kl_in_reward=true"

@@ -5,26 +5,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rltrain.config.fields import NonNegativeInt, PositiveInt
+
 
 @dataclass
 class GeneratedTaskConfig:
     name: Literal["arithmetic"] = "arithmetic"
     """Built-in verifiable task generated at start-up (no files needed)."""
 
-    num_train: int = 1024
+    num_train: PositiveInt = 1024
     """Training prompts to generate."""
 
-    num_val: int = 64
+    num_val: NonNegativeInt = 64
     """Held-out prompts to generate for evaluation."""
 
-    max_operand: int = 20
+    max_operand: NonNegativeInt = 20
     """Operands are drawn from [0, max_operand]."""
 
-    ops: list[str] = field(default_factory=lambda: ["+", "-"])
+    ops: list[Literal["+", "-", "*"]] = field(default_factory=lambda: ["+", "-"])
     """Operators to draw from."""
 
     seed: int = 1234
     """Seed of the generator (train and val are disjoint draws of one stream)."""
+
+    def validate(self, prefix: str) -> list[str]:
+        problems = []
+        if not self.ops:
+            problems.append(f"{prefix}.ops is empty: name at least one operator")
+        space = (self.max_operand + 1) ** 2 * len(self.ops)
+        if self.ops and self.num_train + self.num_val > space:
+            problems.append(
+                f"{prefix}.num_train + {prefix}.num_val = {self.num_train + self.num_val} exceeds the "
+                f"{space} distinct problems of {prefix}.max_operand={self.max_operand} and "
+                f"{prefix}.ops={list(self.ops)}"
+            )
+        return problems
 
 
 @dataclass
@@ -45,13 +60,13 @@ class DataConfig:
     """Dotted row key of the ground-truth answer; null tries ``reward_model.ground_truth`` (verl's
     layout), then ``ground_truth``, then ``answer``."""
 
-    train_batch_size: int = 256
+    train_batch_size: PositiveInt = 256
     """Prompts per PPO step (each is sampled ``rollout.n`` times)."""
 
-    val_batch_size: int | None = None
+    val_batch_size: PositiveInt | None = None
     """Prompts per evaluation batch; null evaluates the whole validation set at once."""
 
-    max_prompt_length: int = 512
+    max_prompt_length: PositiveInt = 512
     """Prompts longer than this many tokens (after the chat template) are dropped and counted."""
 
     apply_chat_template: bool = True
@@ -69,11 +84,15 @@ class DataConfig:
             problems.append(f"set {prefix}.train_files or {prefix}.generated")
         if self.generated is not None and self.train_files:
             problems.append(f"{prefix}.train_files and {prefix}.generated are mutually exclusive")
-        if self.train_batch_size < 1:
-            problems.append(f"{prefix}.train_batch_size must be >= 1, got {self.train_batch_size}")
-        if self.max_prompt_length < 1:
-            problems.append(f"{prefix}.max_prompt_length must be >= 1, got {self.max_prompt_length}")
-        for path in [*self.train_files, *self.val_files]:
-            if not path.endswith((".jsonl", ".json", ".parquet")):
-                problems.append(f"{prefix}: data file {path!r} is neither .jsonl nor .parquet")
+        for key in ("train_files", "val_files"):
+            for i, path in enumerate(getattr(self, key)):
+                if not path.endswith((".jsonl", ".json", ".parquet")):
+                    problems.append(f"{prefix}.{key}[{i}]: {path!r} is not a .jsonl, .json or .parquet file")
+        if self.generated is not None:
+            problems += self.generated.validate(f"{prefix}.generated")
+            if self.generated.num_train < self.train_batch_size:
+                problems.append(
+                    f"{prefix}.generated.num_train={self.generated.num_train} is fewer prompts than one "
+                    f"batch ({prefix}.train_batch_size={self.train_batch_size})"
+                )
         return problems

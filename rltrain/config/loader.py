@@ -7,13 +7,17 @@ sources win key by key; lists are replaced, not concatenated. Command-line overr
 ``[1, 2]``).
 
 Every problem is collected and reported at once, each with where it came from (``file:line`` or the
-override) and the full key path; an unknown key names the closest valid one.
+override) and the full key path; an unknown key names the closest valid one, a key given twice in
+one mapping names both lines. Range and cross-field problems (the components' ``validate``) name
+their keys by full dotted path; :meth:`RawConfig.locate` puts the origin of each named key that was
+set (not left at its default) in front.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -25,11 +29,17 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A recipe, override or combination of values is invalid; the message lists every problem."""
+    """A user's mistake in a recipe, an override, a combination of values or the data they name.
+
+    The message lists every problem, one line each; the command line prints it without a traceback.
+    """
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+        if len(problems) == 1:
+            super().__init__(f"invalid configuration: {problems[0]}")
+        else:
+            super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
 @dataclasses.dataclass
@@ -41,12 +51,53 @@ class RawConfig:
     """Dotted key path → ``file:line`` or ``override 'a.b=1'``."""
 
     def where(self, path: str) -> str:
-        """The origin of ``path`` or of its nearest set ancestor."""
+        """The origin of ``path`` (``a.b``, a list item ``a.b[2]``) or of its nearest set ancestor."""
         while path:
             if path in self.origins:
                 return self.origins[path]
-            path = path.rpartition(".")[0]
+            path = _parent(path)
         return "<defaults>"
+
+    def is_set(self, path: str) -> bool:
+        """Whether ``path`` holds a value given by a recipe or an override (not a default)."""
+        value: Any = self.data
+        for part in _KEY_PART.findall(path):
+            if part.startswith("["):
+                index = int(part[1:-1])
+                if not isinstance(value, list) or index >= len(value):
+                    return False
+                value = value[index]
+            elif isinstance(value, dict) and part in value:
+                value = value[part]
+            else:
+                return False
+        return True
+
+    def locate(self, problem: str) -> str:
+        """``problem`` with the origins of the set keys it names in front (``file:line, override '...': ...``)."""
+        origins = []
+        for key in _KEY_PATH.findall(problem):
+            if self.is_set(key) and self.where(key) not in origins:
+                origins.append(self.where(key))
+        return f"{', '.join(origins)}: {problem}" if origins else problem
+
+
+_KEY_PATH = re.compile(r"(?<![\w./-])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\[\d+\])*")
+"""A dotted key path as problems name it: ``actor.optim.lr``, ``data.train_files[1]``."""
+
+_KEY_PART = re.compile(r"[^.\[\]]+|\[\d+\]")
+
+
+def _parent(path: str) -> str:
+    """``a.b[1]`` -> ``a.b`` -> ``a`` -> ``''``."""
+    if path.endswith("]"):
+        return path[: path.rindex("[")]
+    return path.rpartition(".")[0]
+
+
+def _is_under(path: str, key: str) -> bool:
+    """Whether ``path`` is ``key`` or lies inside it (a sub-key or a list item)."""
+    return path == key or path.startswith((key + ".", key + "["))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,17 +140,37 @@ def _load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     if not isinstance(data, dict):
         raise ConfigError([f"{path}:1: a recipe must be a mapping of sections, got {type(data).__name__}"])
     origins: dict[str, str] = {}
-    _collect_lines(node, "", path, origins)
+    duplicates: list[str] = []
+    _collect_lines(node, "", path, origins, duplicates)
+    if duplicates:
+        raise ConfigError(duplicates)
     return data, origins
 
 
-def _collect_lines(node: yaml.Node, prefix: str, path: Path, out: dict[str, str]) -> None:
+def _collect_lines(
+    node: yaml.Node, prefix: str, path: Path, out: dict[str, str], duplicates: list[str]
+) -> None:
+    """Record the line of every key and list item under ``prefix``; name keys given twice."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            key = f"{prefix}[{i}]"
+            out[key] = f"{path}:{item.start_mark.line + 1}"
+            _collect_lines(item, key, path, out, duplicates)
+        return
     if not isinstance(node, yaml.MappingNode):
         return
+    first_line: dict[str, int] = {}
     for key_node, value_node in node.value:
-        key = f"{prefix}{key_node.value}"
-        out[key] = f"{path}:{key_node.start_mark.line + 1}"
-        _collect_lines(value_node, key + ".", path, out)
+        key = f"{prefix}.{key_node.value}" if prefix else str(key_node.value)
+        line = key_node.start_mark.line + 1
+        if key in first_line:
+            duplicates.append(
+                f"{path}:{line}: duplicate key '{key}' (first at line {first_line[key]}); "
+                "YAML would keep only the last"
+            )
+        first_line.setdefault(key, line)
+        out[key] = f"{path}:{line}"
+        _collect_lines(value_node, key, path, out, duplicates)
 
 
 def _merge_into(dst: RawConfig, data: dict[str, Any], origins: dict[str, str], prefix: str) -> None:
@@ -112,7 +183,7 @@ def _merge_into(dst: RawConfig, data: dict[str, Any], origins: dict[str, str], p
             _merge_into(dst, value, origins, path + ".")
         else:
             target[key] = _copy(value)
-            for stale in [p for p in dst.origins if p.startswith(path + ".")]:
+            for stale in [p for p in dst.origins if _is_under(p, path) and p != path]:
                 del dst.origins[stale]
             _copy_origins(origins, path, dst.origins)
         dst.origins[path] = origins.get(path, dst.origins.get(path, "<unknown>"))
@@ -120,7 +191,7 @@ def _merge_into(dst: RawConfig, data: dict[str, Any], origins: dict[str, str], p
 
 def _copy_origins(src: dict[str, str], path: str, dst: dict[str, str]) -> None:
     for key, where in src.items():
-        if key == path or key.startswith(path + "."):
+        if _is_under(key, path):
             dst[key] = where
 
 
@@ -153,16 +224,16 @@ def apply_overrides(raw: RawConfig, overrides: list[str]) -> None:
         for depth, part in enumerate(parents):
             child = target.get(part)
             if not isinstance(child, dict):
+                section = ".".join(parents[: depth + 1])
                 if child is not None:
-                    problems.append(
-                        f"override {item!r}: {'.'.join(parents[: depth + 1])} is a value, not a section"
-                    )
+                    problems.append(f"override {item!r}: {section} is a value, not a section")
                     break
                 child = target[part] = {}
+                raw.origins[section] = f"override '{item}'"  # a section the override brings in
             target = child
         else:
             target[leaf] = value
-            for stale in [p for p in raw.origins if p == key or p.startswith(key + ".")]:
+            for stale in [p for p in raw.origins if _is_under(p, key)]:
                 del raw.origins[stale]
             raw.origins[key] = f"override '{item}'"
     if problems:
@@ -298,7 +369,7 @@ def _coerce_scalar(hint: Any, value: Any, label: str, problems: list[str]):
             problems.append(f"{label}: expected {hint.__name__}, got {value!r}")
             return value
         if hint is int:
-            if float(number) != int(number):
+            if not float(number).is_integer():  # also NaN and infinity
                 problems.append(f"{label}: expected an integer, got {value!r}")
                 return value
             return int(number)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rltrain.config.fields import NonNegativeInt, PositiveFloat, PositiveInt
+
 
 @dataclass
 class TinyModelConfig:
@@ -19,19 +21,19 @@ class TinyModelConfig:
     seed: int = 0
     """Seed of the random initialisation (same seed, same weights)."""
 
-    num_hidden_layers: int = 2
+    num_hidden_layers: PositiveInt = 2
     """Transformer layers."""
 
-    hidden_size: int = 128
+    hidden_size: PositiveInt = 128
     """Hidden size; heads keep a head size of 32, which vLLM's CPU attention needs."""
 
-    sft_warmup_steps: int = 0
+    sft_warmup_steps: NonNegativeInt = 0
     """Supervised steps on the training task's answers before RL (so a random model starts above zero)."""
 
-    sft_batch_size: int = 32
+    sft_batch_size: PositiveInt = 32
     """Examples per supervised warm-up step."""
 
-    sft_lr: float = 3e-3
+    sft_lr: PositiveFloat = 3e-3
     """AdamW learning rate of the supervised warm-up."""
 
 

@@ -8,25 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rltrain.config.fields import PositiveInt, field_problems
+
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: PositiveInt = 1
     """Tensor-parallel (TP) size: attention heads and MLP columns are split over this many ranks."""
 
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: PositiveInt = 1
     """Pipeline-parallel (PP) size: the layers are split into this many consecutive stages."""
 
-    virtual_pipeline_model_parallel_size: int | None = None
+    virtual_pipeline_model_parallel_size: PositiveInt | None = None
     """Interleaved-schedule model chunks per pipeline stage (VPP); null disables interleaving."""
 
-    context_parallel_size: int = 1
+    context_parallel_size: PositiveInt = 1
     """Context-parallel (CP) size: each sequence is split over this many ranks."""
 
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: PositiveInt = 1
     """Expert-parallel (EP) size for MoE models: the experts are divided over this many ranks."""
 
-    expert_tensor_parallel_size: int | None = None
+    expert_tensor_parallel_size: PositiveInt | None = None
     """Tensor-parallel size inside each expert; null means the same as ``tensor_model_parallel_size``."""
 
     sequence_parallel: bool = False
@@ -44,20 +46,14 @@ class ParallelConfig:
 
     def validate(self, prefix: str, world_size: int | None = None) -> list[str]:
         """Return the problems of this layout, each naming its key under ``prefix``."""
-        problems: list[str] = []
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, name) < 1:
-                problems.append(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        problems = field_problems(self, prefix)
+        if problems:
+            return problems  # sizes below 1 would divide by zero below
         vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
+        if vpp is not None and self.pipeline_model_parallel_size < 2:
             problems.append(
                 f"{prefix}.virtual_pipeline_model_parallel_size={vpp} needs "
-                f"pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size}) and a value >= 1"
+                f"{prefix}.pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size})"
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             problems.append(f"{prefix}.sequence_parallel=true needs tensor_model_parallel_size > 1")

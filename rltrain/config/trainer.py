@@ -46,6 +46,8 @@ class ClusterConfig:
             problems.append(f"{prefix}.nnodes must be >= 1, got {self.nnodes}")
         if self.n_gpus_per_node < 1:
             problems.append(f"{prefix}.n_gpus_per_node must be >= 1, got {self.n_gpus_per_node}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            problems.append(f"{prefix}.num_cpus must be >= 1 or null, got {self.num_cpus}")
         return problems
 
 

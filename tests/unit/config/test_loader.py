@@ -6,15 +6,9 @@ import pytest
 
 from rltrain.config import ConfigError, RolloutConfig, load_config
 
-from .recipe_helpers import MINIMAL, write
+from .recipe_helpers import MINIMAL, errors_of, write
 
 ROLLOUT_KEYS = [f.name for f in dataclasses.fields(RolloutConfig)]
-
-
-def errors_of(path, overrides=()):
-    with pytest.raises(ConfigError) as info:
-        load_config(path, list(overrides))
-    return info.value.problems
 
 
 def test_minimal_recipe_gets_documented_defaults(tmp_path):
@@ -117,3 +111,30 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
     path = write(tmp_path, "r.yaml", "model:\n  tiny: {\n")
     (problem,) = errors_of(path)
     assert problem.startswith(f"{path}:") and "not valid YAML" in problem
+
+
+def test_unknown_section_from_an_override_is_blamed_on_the_override(tmp_path):
+    path = write(tmp_path, "r.yaml", MINIMAL)
+    assert errors_of(path, ["trainr.seed=1"]) == [
+        "override 'trainr.seed=1': unknown key 'trainr'; did you mean 'trainer'?"
+    ]
+
+
+def test_bad_list_item_names_the_item_line_or_the_override(tmp_path):
+    line = MINIMAL.count("\n") + 1
+    choices = "['console', 'tensorboard', 'jsonl']; did you mean 'tensorboard'?"
+    path = write(tmp_path, "r.yaml", MINIMAL + "trainer:\n  logger:\n    - console\n    - tensorbord\n")
+    assert errors_of(path) == [f"{path}:{line + 3}: trainer.logger[1]: 'tensorbord' is not one of {choices}"]
+    path = write(tmp_path, "r.yaml", MINIMAL + "trainer:\n  logger: [console]\n")
+    assert errors_of(path, ["trainer.logger=[console, tensorbord]"]) == [
+        f"override 'trainer.logger=[console, tensorbord]': trainer.logger[1]: 'tensorbord' is not one of {choices}"
+    ]
+
+
+def test_single_problem_prints_on_one_line(tmp_path):
+    path = write(tmp_path, "r.yaml", MINIMAL)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["actor.optim.lr=nan"])
+    assert str(info.value) == (
+        "invalid configuration: override 'actor.optim.lr=nan': actor.optim.lr must be a finite number, got nan"
+    )

@@ -1,4 +1,5 @@
-"""Cross-field checks: batch arithmetic, parallel layout against devices, incompatible switches."""
+"""Cross-field checks: batch arithmetic, parallel layout against devices, incompatible switches; each
+problem starts with where its keys were set (the recipe's file:line, the override)."""
 
 import pytest
 
@@ -14,9 +15,22 @@ def problems(tmp_path, overrides):
     return info.value.problems
 
 
+def line_of(text: str) -> int:
+    """Line of ``text`` (its first occurrence) in the file written from MINIMAL."""
+    return MINIMAL.split("\n").index(text) + 1
+
+
+def at(tmp_path, text: str) -> str:
+    return f"{tmp_path / 'r.yaml'}:{line_of(text)}"
+
+
 def test_train_batch_must_be_multiple_of_mini_batch(tmp_path):
+    mini = at(tmp_path, "  ppo_mini_batch_size: 4")
     assert problems(tmp_path, ["data.train_batch_size=10"]) == [
+        f"override 'data.train_batch_size=10', {mini}: "
         "data.train_batch_size=10 is not a multiple of actor.ppo_mini_batch_size=4",
+        # the critic's mini-batch is the actor's by default: nothing set it
+        "override 'data.train_batch_size=10': "
         "data.train_batch_size=10 is not a multiple of critic.ppo_mini_batch_size=4",
     ]
 
@@ -27,18 +41,24 @@ def test_mini_batch_must_split_over_dp_and_micro_batches(tmp_path):
         tmp_path,
         ["rollout.n=3", "cluster.n_gpus_per_node=8", "critic.enable=null", "algorithm.adv_estimator=grpo"],
     )
+    mini = at(tmp_path, "  ppo_mini_batch_size: 4")
     assert found == [
+        f"{mini}, override 'rollout.n=3': "
         "actor.ppo_mini_batch_size × rollout.n = 4×3 = 12 samples do not split over the 8 data-parallel ranks of the actor"
     ]
     found = problems(tmp_path, ["actor.ppo_micro_batch_size_per_gpu=3"])
     assert found == [
+        f"{mini}, override 'actor.ppo_micro_batch_size_per_gpu=3': "
         "4 samples per rank per mini-batch (actor.ppo_mini_batch_size × rollout.n / DP) is not a multiple of actor.ppo_micro_batch_size_per_gpu=3"
     ]
 
 
 def test_parallel_layout_must_fit_devices(tmp_path):
     found = problems(tmp_path, ["cluster.n_gpus_per_node=6", "actor.parallel.tensor_model_parallel_size=4"])
-    assert "actor.parallel: TP×PP×CP = 4×1×1 = 4 does not divide the 6 devices given to the role" in found
+    assert (
+        "override 'actor.parallel.tensor_model_parallel_size=4': "
+        "actor.parallel: TP×PP×CP = 4×1×1 = 4 does not divide the 6 devices given to the role"
+    ) in found
     found = problems(tmp_path, ["cluster.n_gpus_per_node=4", "actor.parallel.expert_model_parallel_size=3"])
     assert any(
         "expert_model_parallel_size × expert_tensor_parallel_size = 3×1 does not divide DP×CP×TP = 4" in p
@@ -46,6 +66,7 @@ def test_parallel_layout_must_fit_devices(tmp_path):
     )
     found = problems(tmp_path, ["rollout.tensor_model_parallel_size=2"])
     assert (
+        "override 'rollout.tensor_model_parallel_size=2': "
         "rollout.tensor_model_parallel_size=2 does not divide the 1 devices (cluster.nnodes × cluster.n_gpus_per_node)"
         in found
     )
@@ -53,19 +74,23 @@ def test_parallel_layout_must_fit_devices(tmp_path):
 
 def test_incompatible_switches_are_named(tmp_path):
     assert problems(tmp_path, ["algorithm.adv_estimator=grpo"]) == [
+        "override 'algorithm.adv_estimator=grpo': "
         "algorithm.adv_estimator=grpo compares samples of one prompt: needs rollout.n >= 2, got 1"
     ]
     assert problems(tmp_path, ["critic.enable=false"]) == [
+        "override 'critic.enable=false': "
         "algorithm.adv_estimator=gae needs values: critic.enable=false is incompatible"
     ]
     assert problems(tmp_path, ["algorithm.kl_ctrl.type=adaptive"]) == [
+        "override 'algorithm.kl_ctrl.type=adaptive': "
         "algorithm.kl_ctrl.type=adaptive has no effect without algorithm.use_kl_in_reward=true"
     ]
     assert problems(tmp_path, ["model.path=/x"]) == [
+        f"override 'model.path=/x', {at(tmp_path, '  tiny: {}')}: "
         "set exactly one of model.path, model.gguf_package, model.tiny (given: model.path, model.tiny)"
     ]
     assert problems(tmp_path, ["actor.clip_ratio_c=1.0"]) == [
-        "actor.clip_ratio_c must be > 1 (dual-clip bound), got 1.0"
+        "override 'actor.clip_ratio_c=1.0': actor.clip_ratio_c must be > 1 (dual-clip bound), got 1.0"
     ]
 
 
@@ -80,6 +105,8 @@ def test_dynamic_bsz_budget_must_hold_one_sequence(tmp_path):
         ],
     )
     assert found == [
+        "override 'actor.ppo_max_token_len_per_gpu=100', override 'data.max_prompt_length=64', "
+        "override 'rollout.response_length=64': "
         "actor.ppo_max_token_len_per_gpu=100 is smaller than one sequence (data.max_prompt_length + rollout.response_length = 128)"
     ]
 
@@ -92,19 +119,44 @@ def test_valid_group_estimator_without_critic(tmp_path):
 
 def test_rollout_mode_and_transport_must_agree(tmp_path):
     assert problems(tmp_path, ["rollout.mode=separate"]) == [
+        "override 'rollout.mode=separate': "
         "rollout.mode=separate needs rollout.num_devices, a multiple of rollout.tensor_model_parallel_size=1; got 0"
     ]
     assert problems(
         tmp_path,
         ["rollout.mode=separate", "rollout.num_devices=1", "rollout.weight_sync.transport=in_process"],
     ) == [
+        "override 'rollout.weight_sync.transport=in_process', override 'rollout.mode=separate': "
         "rollout.weight_sync.transport=in_process cannot reach engines on other devices (rollout.mode=separate); use broadcast or auto"
     ]
     assert problems(tmp_path, ["rollout.num_devices=2"]) == [
-        "rollout.num_devices=2 is only for rollout.mode=separate"
+        "override 'rollout.num_devices=2': rollout.num_devices=2 is only for rollout.mode=separate"
     ]
     path = write(tmp_path, "r.yaml", MINIMAL)
     config = load_config(
         path, ["rollout.mode=separate", "rollout.num_devices=2", "rollout.tensor_model_parallel_size=2"]
     )
     assert config.rollout.num_devices == 2  # engine TP need not divide the trainer's devices
+
+
+def test_generated_task_must_fill_a_batch_and_fit_its_problem_space(tmp_path):
+    assert problems(tmp_path, ["data.generated.num_train=4"]) == [
+        f"override 'data.generated.num_train=4', {at(tmp_path, '  train_batch_size: 8')}: "
+        "data.generated.num_train=4 is fewer prompts than one batch (data.train_batch_size=8)"
+    ]
+    assert problems(tmp_path, ["data.generated.max_operand=1", "data.generated.ops=['*']"]) == [
+        f"{at(tmp_path, '  generated: {num_train: 64}')}, override 'data.generated.max_operand=1', "
+        "override 'data.generated.ops=['*']': "
+        "data.generated.num_train + data.generated.num_val = 128 exceeds the 4 distinct problems of "
+        "data.generated.max_operand=1 and data.generated.ops=['*']"
+    ]
+    assert problems(tmp_path, ["data.generated.ops=[]"]) == [
+        "override 'data.generated.ops=[]': data.generated.ops is empty: name at least one operator"
+    ]
+
+
+def test_data_file_of_unknown_type_names_the_list_item(tmp_path):
+    assert problems(tmp_path, ["data.generated=null", "data.train_files=[a.jsonl, b.txt]"]) == [
+        "override 'data.train_files=[a.jsonl, b.txt]': data.train_files[1]: 'b.txt' is not a .jsonl, "
+        ".json or .parquet file"
+    ]
