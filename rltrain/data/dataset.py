@@ -30,7 +30,9 @@ dropped is an error).
 
 Errors name the place: ``data/train.jsonl:17: missing key 'prompt'`` (JSONL lines count from
 1), ``data/train.parquet: row 16: ...`` (Parquet, JSON-array and in-memory rows count from 0, as
-pandas shows them).
+pandas shows them). A byte that is not UTF-8 names its line. Every such error is a
+:class:`DataRowError`, a :class:`~rltrain.config.ConfigError`: the command line prints it in one
+line, without a traceback, before any worker starts.
 """
 
 from __future__ import annotations
@@ -42,14 +44,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rltrain.config.loader import ConfigError
+
 logger = logging.getLogger(__name__)
 
 ANSWER_KEYS = ("reward_model.ground_truth", "ground_truth", "answer")
 """Where the ground truth is searched when no ``answer_key`` is set, in order."""
 
 
-class DataRowError(ValueError):
-    """A malformed row in a prompt file; the message starts with ``file:line`` or ``file: row N``."""
+class DataRowError(ConfigError):
+    """Unusable prompt data: the message starts with ``file:line``, ``file: row N`` or the file names."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([message])
+
+    def __str__(self) -> str:
+        return self.problems[0]
 
 
 @dataclass(frozen=True)
@@ -169,9 +179,22 @@ def parse_row(row: Any, *, origin: str, index: int, fields: PromptFields) -> Pro
     )
 
 
+def _utf8(data: bytes, path: Path, *, first_line: int | None = None) -> str:
+    """``data`` decoded; a byte that is not UTF-8 names its line (``first_line``: ``data`` is one line)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line if first_line is not None else data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataRowError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at column {column})"
+        ) from None
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = _utf8(raw, path, first_line=lineno)
             if not line.strip():
                 continue
             origin = f"{path}:{lineno}"
@@ -183,7 +206,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """A ``.json`` file holds either one JSON array of rows or JSON Lines."""
-    text = path.read_text(encoding="utf-8")
+    text = _utf8(path.read_bytes(), path)
     if not text.lstrip().startswith("["):
         yield from _jsonl_rows(path)
         return
@@ -196,9 +219,14 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataRowError(f"{path}: not a readable Parquet file ({err})") from None
+    for i, row in enumerate(table.to_pylist()):
         yield f"{path}: row {i}", row
 
 
@@ -208,10 +236,10 @@ def read_prompt_file(
     """Read every row of a ``.jsonl`` or ``.parquet`` file; indices count up from ``start_index``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        raise DataRowError(f"prompt file not found: {path}")
     readers = {".jsonl": _jsonl_rows, ".json": _json_rows, ".parquet": _parquet_rows}
     if path.suffix not in readers:
-        raise ValueError(
+        raise DataRowError(
             f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl, .json or .parquet"
         )
     examples = [
@@ -243,16 +271,19 @@ def tokenize_prompts(
     *,
     max_prompt_length: int,
     apply_chat_template: bool = True,
-) -> tuple[list[PromptExample], int]:
-    """Fill ``prompt_text``/``prompt_ids``; return the examples that fit and the number dropped."""
+) -> tuple[list[PromptExample], list[int]]:
+    """Fill ``prompt_text``/``prompt_ids``; return the examples that fit and the token counts of
+    those dropped."""
     texts = [render_prompt(ex, tokenizer, apply_chat_template=apply_chat_template) for ex in examples]
     encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
-    kept = []
+    kept, dropped = [], []
     for example, text, ids in zip(examples, texts, encoded):
         if len(ids) <= max_prompt_length:
             example.prompt_text, example.prompt_ids = text, list(ids)
             kept.append(example)
-    return kept, len(examples) - len(kept)
+        else:
+            dropped.append(len(ids))
+    return kept, dropped
 
 
 class PromptDataset(Sequence[PromptExample]):
@@ -323,16 +354,20 @@ class PromptDataset(Sequence[PromptExample]):
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
         if not rows:
-            raise ValueError(f"{name}: no prompts")
+            raise DataRowError(f"{name}: no prompts")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
+            raise DataRowError(
                 f"{name}: the tokenizer has no chat template; set data.apply_chat_template=false for raw text"
             )
-        kept, num_filtered = tokenize_prompts(
+        kept, dropped = tokenize_prompts(
             rows, tokenizer, max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template
         )
+        num_filtered = len(dropped)
         if not kept:
-            raise ValueError(f"{name}: all {len(rows)} prompts exceed max_prompt_length={max_prompt_length}")
+            raise DataRowError(
+                f"{name}: all {len(rows)} prompts exceed data.max_prompt_length={max_prompt_length} tokens "
+                f"(the shortest has {min(dropped)}{', chat template included' if apply_chat_template else ''})"
+            )
         if num_filtered:
             logger.warning(
                 "%s: filtered %d of %d prompts longer than max_prompt_length=%d tokens",

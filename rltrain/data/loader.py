@@ -8,6 +8,9 @@ versions) when ``shuffle`` is on, the file order otherwise. The loader's whole s
 exactly the batches an uninterrupted run would have seen next; a state saved with another
 dataset size, batch size, seed or shuffle/drop_last setting is refused, naming the field.
 
+A dataset with fewer prompts than one batch is refused (:class:`~rltrain.data.dataset.DataRowError`
+naming its files and ``data.train_batch_size``).
+
 Two ways to iterate: ``for batch in loader`` yields the rest of the current epoch (a new epoch
 starts on the next ``iter``), ``loader.next_batch()`` continues across epoch boundaries.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rltrain.data.dataset import PromptExample
+from rltrain.data.dataset import DataRowError, PromptDataset, PromptExample
 
 
 @dataclass
@@ -56,7 +59,7 @@ class PromptBatch:
 
 
 class PromptLoader:
-    """Seeded, epoch-aware, resumable batches of a prompt dataset."""
+    """Seeded, epoch-aware, resumable batches of the training prompts (``data.train_batch_size`` each)."""
 
     def __init__(
         self,
@@ -70,8 +73,8 @@ class PromptLoader:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         if drop_last and len(dataset) < batch_size:
-            raise ValueError(
-                f"dataset has {len(dataset)} prompts, fewer than batch_size={batch_size} with drop_last"
+            raise DataRowError(
+                f"{_describe(dataset)}, fewer than one batch (data.train_batch_size={batch_size})"
             )
         self.dataset = dataset
         self.batch_size = batch_size
@@ -140,3 +143,15 @@ class PromptLoader:
                 f"0 <= position <= {len(self)} batches per epoch"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def _describe(dataset: Sequence[PromptExample]) -> str:
+    """``files: N prompts`` and, if some were dropped, why."""
+    if not isinstance(dataset, PromptDataset):
+        return f"{len(dataset)} prompts"
+    dropped = (
+        f" ({dataset.num_filtered} longer than data.max_prompt_length dropped)"
+        if dataset.num_filtered
+        else ""
+    )
+    return f"{dataset.name}: {len(dataset)} prompts{dropped}"

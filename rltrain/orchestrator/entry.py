@@ -78,6 +78,9 @@ def build_data(config: RLConfig, tokenizer) -> RunData:
         val = (
             PromptDataset.load(data.val_files, tokenizer, fields=fields, **common) if data.val_files else None
         )
+    from rltrain.rewards import RewardManager
+
+    RewardManager.from_config(config.reward).check_examples([*train, *(val or [])])
     loader = PromptLoader(train, data.train_batch_size, seed=data.seed, shuffle=data.shuffle)
     return RunData(train=loader, val=val, num_filtered=train.num_filtered + (val.num_filtered if val else 0))
 

@@ -10,24 +10,34 @@ Every reward function receives ``correct_score`` and ``format_score``; ``source_
 a data_source to a registered reward under another name (``{"my_math": "gsm8k"}``). Further
 keyword arguments per reward (``{"gsm8k": {"method": "flexible"}}``) are checked against the
 function's signature when the manager is built, so a misspelled key fails before the first
-rollout, as does an override naming an unregistered reward.
+rollout, as does an override naming an unregistered reward. :meth:`RewardManager.check_examples`
+checks loaded prompts the same way: each row's data_source must have a reward function and its
+ground truth must be one that function can score.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrain.data.dataset import DataRowError
 from rltrain.logging import metrics as mk
 from rltrain.rewards.format import compile_format_pattern, format_reward
-from rltrain.rewards.registry import RewardResult, UnknownDataSourceError, get_reward_fn
+from rltrain.rewards.registry import (
+    RewardFn,
+    RewardResult,
+    UnknownDataSourceError,
+    get_reward_fn,
+    ground_truth_problem,
+)
 
 if TYPE_CHECKING:
     from rltrain.config.reward import RewardConfig
+    from rltrain.data.dataset import PromptExample
 
 
 @dataclass
@@ -96,12 +106,38 @@ class RewardManager:
 
     def score_one(self, response: str, ground_truth: str, data_source: str) -> RewardResult:
         """Score one response with the reward function of ``data_source``."""
+        name, fn = self._reward_of(data_source)
+        return fn(response, ground_truth, **self.reward_kwargs.get(name, self.default_kwargs))
+
+    def _reward_of(self, data_source: str) -> tuple[str, RewardFn]:
         name = self.source_overrides.get(data_source, data_source)
         try:
-            fn = get_reward_fn(name)
+            return name, get_reward_fn(name)
         except UnknownDataSourceError as err:
             raise UnknownDataSourceError(f"{err}; map other names with reward.source_overrides") from None
-        return fn(response, ground_truth, **self.reward_kwargs.get(name, self.default_kwargs))
+
+    def check_examples(self, examples: Iterable[PromptExample]) -> None:
+        """Refuse rows this manager cannot score, when the data loads rather than at the first step.
+
+        Raises :class:`~rltrain.data.dataset.DataRowError` naming the first such row (``file:line``),
+        why (an unknown data_source, with the registered ones; a ground truth of the wrong kind for
+        the reward function) and how many more rows have a problem."""
+        problems = []
+        for example in examples:
+            try:
+                name, _ = self._reward_of(example.data_source)
+            except UnknownDataSourceError as err:
+                problems.append(f"{example.origin}: {err}")
+                continue
+            problem = ground_truth_problem(name, example.ground_truth)
+            if problem:
+                problems.append(
+                    f"{example.origin}: ground truth {example.ground_truth!r} {problem}, which the "
+                    f"{name!r} reward of data_source {example.data_source!r} needs"
+                )
+        if problems:
+            more = f" ({len(problems) - 1} more rows have a problem)" if len(problems) > 1 else ""
+            raise DataRowError(problems[0] + more)
 
     def __call__(
         self,

@@ -72,7 +72,17 @@ def gsm8k_ground_truth(ground_truth: str) -> str:
     return normalize_number(ground_truth)
 
 
-@register_reward("gsm8k", "openai/gsm8k")
+def gsm8k_ground_truth_problem(ground_truth: str) -> str | None:
+    """Why ``ground_truth`` cannot be a GSM8K reference (it must reduce to a finite number)."""
+    try:
+        if Decimal(gsm8k_ground_truth(ground_truth)).is_finite():
+            return None
+    except InvalidOperation:
+        pass
+    return "is not a number"
+
+
+@register_reward("gsm8k", "openai/gsm8k", ground_truth=gsm8k_ground_truth_problem)
 def gsm8k_reward(
     response: str,
     ground_truth: str,
@@ -100,7 +110,12 @@ def extract_integer_answer(response: str, *, method: str = "strict") -> str | No
     raise ValueError(f"arithmetic method must be 'strict' or 'flexible', got {method!r}")
 
 
-@register_reward("arithmetic")
+def integer_ground_truth_problem(ground_truth: str) -> str | None:
+    """Why ``ground_truth`` cannot be an arithmetic reference (it must be an integer)."""
+    return None if _ANY_INTEGER.fullmatch(ground_truth.strip()) else "is not an integer"
+
+
+@register_reward("arithmetic", ground_truth=integer_ground_truth_problem)
 def arithmetic_reward(
     response: str,
     ground_truth: str,
@@ -113,7 +128,7 @@ def arithmetic_reward(
     answer = extract_integer_answer(response, method=method)
     if answer is None:
         return RewardResult(score=0.0, correct=False, answer=None)
-    if not _ANY_INTEGER.fullmatch(ground_truth.strip()):
+    if integer_ground_truth_problem(ground_truth):
         raise ValueError(f"arithmetic ground truth must be an integer, got {ground_truth!r}")
     correct = int(answer) == int(ground_truth.strip())
     return RewardResult(score=correct_score if correct else format_score, correct=correct, answer=answer)

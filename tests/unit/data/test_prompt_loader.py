@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rltrain.data.dataset import PromptExample
+from rltrain.data.dataset import DataRowError, PromptExample
 from rltrain.data.loader import PromptLoader
 
 
@@ -99,7 +99,7 @@ def test_state_mismatch_is_refused_naming_the_field() -> None:
         )
     with pytest.raises(ValueError, match="position=9 is outside"):
         PromptLoader(make_dataset(10), 2, seed=1).load_state_dict({**state, "position": 9})
-    with pytest.raises(ValueError, match="fewer than batch_size=4 with drop_last"):
+    with pytest.raises(DataRowError, match=r"^3 prompts, fewer than one batch \(data.train_batch_size=4\)$"):
         PromptLoader(make_dataset(3), 4, seed=0)
 
 
