@@ -74,3 +74,32 @@ def test_fewer_prompts_than_one_batch_names_the_files_and_the_batch_key(tmp_path
         "fewer than one batch (data.train_batch_size=4)"
     )
     assert len(PromptLoader(dataset, 2, seed=0)) == 1
+
+
+def test_a_run_checks_its_data_when_it_loads_it(tmp_path, tokenizer) -> None:
+    """``build_data`` (what ``rltrain train`` runs before starting Ray and the workers) applies every
+    load-time check: here the rewards' data_source check and the one-batch check."""
+    from rltrain.config import load_config
+    from rltrain.orchestrator.entry import build_data
+    from rltrain.rewards import registered_data_sources
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(ROW) + "\n" + json.dumps({**ROW, "data_source": "gsm9k"}) + "\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"model: {{tiny: {{}}}}\ndata: {{train_files: ['{data}'], train_batch_size: 2}}\n"
+        "actor: {ppo_mini_batch_size: 2, ppo_micro_batch_size_per_gpu: 2}\n"
+        "critic: {ppo_micro_batch_size_per_gpu: 2}\n"
+    )
+    with pytest.raises(DataRowError) as err:
+        build_data(load_config(recipe), tokenizer)
+    assert str(err.value) == (
+        f"{data}:2: no reward function registered for data_source 'gsm9k'; registered: "
+        f"{registered_data_sources()}; map other names with reward.source_overrides"
+    )
+    mapped = ["reward.source_overrides={gsm9k: arithmetic}"]
+    assert len(build_data(load_config(recipe, mapped), tokenizer).train) == 1
+    bigger = [*mapped, "data.train_batch_size=4", "actor.ppo_mini_batch_size=4"]
+    with pytest.raises(DataRowError) as err:
+        build_data(load_config(recipe, bigger), tokenizer)
+    assert str(err.value) == f"{data}: 2 prompts, fewer than one batch (data.train_batch_size=4)"
