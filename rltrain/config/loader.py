@@ -127,7 +127,12 @@ def read_recipe(path: str | Path, _stack: tuple[Path, ...] = ()) -> RawConfig:
 
 
 def _load_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError([f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x})"]) from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)

@@ -138,3 +138,9 @@ def test_single_problem_prints_on_one_line(tmp_path):
     assert str(info.value) == (
         "invalid configuration: override 'actor.optim.lr=nan': actor.optim.lr must be a finite number, got nan"
     )
+
+
+def test_recipe_with_a_non_utf8_byte_names_its_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(MINIMAL.encode() + b"trainer:\n  experiment_name: caf\xe9\n")
+    assert errors_of(path) == [f"{path}:{MINIMAL.count(chr(10)) + 2}: not UTF-8 text (byte 0xe9)"]
