@@ -1,10 +1,12 @@
 """The layer spec used without CUDA: Megatron's local spec with two modules swapped in.
 
 * ``PackedDotProductAttention``: Megatron's local ``DotProductAttention`` refuses ``packed_seq_params``
-  (only TE's attention takes the THD format). This one accepts it by turning the cumulative sequence
-  lengths into a block-diagonal causal mask over the packed row, so packed sequences never attend to
-  each other. RoPE positions restart per sequence through Megatron's own THD rotary path
-  (``cu_seqlens``). The mask is [tokens, tokens] per packed row: fine for CPU-sized runs.
+  (only TE's attention takes the THD format). This one accepts it and attends within each sequence of
+  the packed row (``cu_seqlens``) through ``packed_attention.packed_causal_attention``: per-segment
+  causal attention, never a [tokens, tokens] mask, with Megatron's softmax scale (including
+  ``apply_query_key_layer_scaling``), grouped-query heads and attention dropout. It equals Megatron's
+  masked path with a block-diagonal causal mask to rounding (tested). RoPE positions restart per
+  sequence through Megatron's own THD rotary path. Sliding windows and softmax offsets are refused.
 * ``RMSNorm``: Megatron's ``WrappedTorchNorm`` asserts "sequence parallel not supported by torch
   LayerNorm"; this torch RMSNorm marks its weight ``sequence_parallel`` so that Megatron all-reduces
   its gradient over TP, which is all sequence parallelism needs from a norm.
@@ -14,23 +16,18 @@ Also the attention masks for padded (not packed) batches.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-
-def packed_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens: [num_seqs + 1] → mask [1, 1, tokens, tokens], True where attention is forbidden."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seq_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-    total = seq_id.numel()
-    future = torch.ones(total, total, dtype=torch.bool, device=cu_seqlens.device).triu(1)
-    return ((seq_id[:, None] != seq_id[None, :]) | future)[None, None]
+from rltrain.megatron.packed_attention import packed_causal_attention
 
 
 def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -63,10 +60,31 @@ class PackedDotProductAttention(DotProductAttention):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; expected 'thd'")
-        mask = packed_causal_mask(packed_seq_params.cu_seqlens_q)
-        return super().forward(
-            query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask, attn_mask_type, attention_bias
-        )
+        if attention_bias is not None:
+            raise NotImplementedError(
+                "attention_bias with packed sequences: not supported by the CPU attention"
+            )
+        if self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None:
+            raise NotImplementedError(
+                "sliding-window attention or softmax_type != 'vanilla' with packed sequences: "
+                "not supported by the CPU attention"
+            )
+        cu_seqlens = packed_seq_params.cu_seqlens_q
+        if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(
+            packed_seq_params.cu_seqlens_kv, cu_seqlens
+        ):
+            raise ValueError(
+                "packed_seq_params: cu_seqlens_kv differs from cu_seqlens_q (self-attention only)"
+            )
+        # Megatron divides the scale by the layer number under apply_query_key_layer_scaling and
+        # multiplies it back in the softmax: the product is the scale the scores get.
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        # Dropout draws from the model-parallel RNG stream unless sequence parallel, as Megatron's.
+        forked = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
+            context = packed_causal_attention(query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p)
+        return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -1,0 +1,91 @@
+"""Causal attention over a packed (THD) row, each sequence attending only within itself.
+
+Contract: ``packed_causal_attention(query, key, value, cu_seqlens, scale=..., dropout_p=...)`` takes
+query [tokens, heads, dim] and key/value [tokens, groups, dim] (grouped-query attention: query head
+h reads key/value group ``h // (heads // groups)``, as Megatron's ``repeat_interleave``), and the
+cumulative sequence lengths [num_segments + 1] of the row; it returns [tokens, heads, dim], equal
+(to rounding) to softmax(scale · q kᵀ) v under a block-diagonal causal mask, without ever building
+that [tokens, tokens] mask or score matrix.
+
+How: the segments are grouped by length class (lengths in (2^(k-1), 2^k] share a group), each
+group is gathered into [segments, heads, longest, dim] with the shorter segments padded at the end,
+and one ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)`` runs per group.
+End padding is harmless under a causal mask: a real query never sees a later (padded) key, and the
+padded queries' outputs are dropped, so their gradients are exactly zero. Padding at most doubles a
+group, so memory stays linear in the pack (plus what SDPA needs per segment), and the number of
+attention calls is at most log2(longest segment) + 1 per layer, not one per sequence.
+Pure torch (no Megatron import), so that it can be tested on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SegmentGroup:
+    """Segments of similar length, gathered together into one padded batch."""
+
+    gather_index: torch.Tensor
+    """[segments, longest] long: packed position of each (segment, offset); offsets past a segment's
+    end repeat its last token (never seen by a real query under the causal mask)."""
+    valid: torch.Tensor
+    """[segments, longest] bool: offset < segment length."""
+
+
+def segment_groups(cu_seqlens: torch.Tensor) -> list[SegmentGroup]:
+    """cu_seqlens: [num_segments + 1] → the groups of non-empty segments, one per length class."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = cu_seqlens[:-1].long()
+    by_class: dict[int, list[int]] = {}
+    for segment, length in enumerate(lengths.tolist()):
+        if length > 0:
+            by_class.setdefault((length - 1).bit_length(), []).append(segment)
+    groups = []
+    for members in by_class.values():
+        index = torch.tensor(members, device=cu_seqlens.device)
+        group_lengths, group_starts = lengths[index], starts[index]
+        offsets = torch.arange(int(group_lengths.max()), device=cu_seqlens.device)
+        last = (group_lengths - 1).unsqueeze(1)
+        gather_index = group_starts.unsqueeze(1) + torch.minimum(offsets.unsqueeze(0), last)
+        groups.append(SegmentGroup(gather_index=gather_index, valid=offsets.unsqueeze(0) <= last))
+    return groups
+
+
+def packed_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """query [tokens, heads, dim], key/value [tokens, groups, dim] → [tokens, heads, dim].
+
+    ``dropout_p`` drops attention probabilities (scaled by 1/(1-p)) as Megatron's attention dropout
+    does, drawing from torch's default generator of the device.
+    """
+    tokens, heads, _ = query.shape
+    if int(cu_seqlens[-1]) != tokens:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the packed row has {tokens} tokens")
+    if key.shape != value.shape or key.size(0) != tokens or heads % key.size(1):
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit query {tuple(query.shape)}"
+        )
+    repeats = heads // key.size(1)
+    outputs, positions = [], []
+    for group in segment_groups(cu_seqlens):
+        # [segments, longest, heads, dim] → [segments, heads, longest, dim]
+        q, k, v = (t[group.gather_index].transpose(1, 2) for t in (query, key, value))
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        outputs.append(out.transpose(1, 2)[group.valid])
+        positions.append(group.gather_index[group.valid])
+    order = torch.empty(tokens, dtype=torch.long, device=query.device)
+    order[torch.cat(positions)] = torch.arange(tokens, device=query.device)
+    return torch.cat(outputs).index_select(0, order)

@@ -1,0 +1,148 @@
+"""Packed causal attention equals block-diagonal masked attention, and its memory is linear in the pack.
+
+The reference is the masked formula the trainer used before: scores over the whole [tokens, tokens]
+row, a block-diagonal causal mask, softmax, then the values. Memory is counted by
+``LiveTensorBytes``: the bytes of every tensor storage an operation creates while the mode is on,
+from creation until it is freed, so the peak is what the computation held at once (deterministic,
+unlike resident memory on a busy machine; allocations inside one kernel, such as SDPA's fixed-size
+blocks, are not seen).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from rltrain.megatron.packed_attention import packed_causal_attention, segment_groups
+
+# Ragged lengths: single tokens, lengths just over and under powers of two, and a trailing
+# padding segment as pack_sequences appends.
+LENGTHS = [5, 1, 17, 16, 2, 33, 9, 3, 32, 1, 12, 6]
+HEADS, GROUPS, DIM = 4, 2, 8
+SCALE = 0.3
+
+
+def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """The dense reference: [tokens, tokens] block-diagonal causal mask over the whole row."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq_id = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    tokens = seq_id.numel()
+    forbidden = (seq_id[:, None] != seq_id[None, :]) | torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
+    repeats = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    probs = scores.masked_fill(forbidden, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def qkv(tokens: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(tokens, HEADS, DIM), (tokens, GROUPS, DIM), (tokens, GROUPS, DIM)]
+    return [torch.randn(shape, generator=gen).requires_grad_() for shape in shapes]
+
+
+def values_and_grads(attention: Any, lengths: list[int]) -> list[torch.Tensor]:
+    cu = cu_seqlens_of(lengths)
+    q, k, v = qkv(int(cu[-1]))
+    out = attention(q, k, v, cu)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * weights).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    return packed_causal_attention(q, k, v, cu, scale=SCALE)
+
+
+def test_segments_are_grouped_by_length_class_with_end_padding() -> None:
+    groups = segment_groups(cu_seqlens_of([3, 1, 4, 0, 2]))
+    assert [g.gather_index.tolist() for g in groups] == [[[0, 1, 2, 2], [4, 5, 6, 7]], [[3]], [[8, 9]]]
+    assert [g.valid.sum(1).tolist() for g in groups] == [[3, 4], [1], [2]]
+
+
+def scaled_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference, relative to the reference's scale where that exceeds 1 (fp32 keeps ~7 digits)."""
+    return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+
+
+def test_packed_equals_masked_attention_values_and_gradients() -> None:
+    for lengths in (LENGTHS, [40], [1, 1, 1], [7, 7, 7, 7]):
+        new = values_and_grads(packed, lengths)
+        ref = values_and_grads(masked_attention, lengths)
+        for name, a, b in zip(("output", "dq", "dk", "dv"), new, ref):
+            assert scaled_diff(a, b) <= 1e-6, f"{lengths}: {name} differs by {scaled_diff(a, b):.3g}"
+        if max(lengths) > 1:  # the gradients compared are not trivially zero
+            assert min(float(g.abs().max()) for g in ref[1:]) > 0.1
+
+
+def test_a_single_segment_is_plain_causal_attention() -> None:
+    q, k, v = qkv(10)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=SCALE, enable_gqa=True
+    ).transpose(0, 1)
+    assert torch.allclose(packed(q, k, v, cu_seqlens_of([10])), expected, atol=1e-6)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storages created by operations while the mode is on and still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._alive:
+            return
+        self._alive.add(key)
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._alive.discard(key)
+        self.live -= nbytes
+
+
+def peak_bytes(attention: Any, repeats: int) -> int:
+    with LiveTensorBytes() as meter:
+        values_and_grads(attention, LENGTHS * repeats)
+    return meter.peak
+
+
+def test_the_meter_sees_a_freed_tensor_go() -> None:
+    with LiveTensorBytes() as meter:
+        a = torch.ones(1000)
+        b = a * 2
+        del b
+        c = a + 1
+    assert meter.peak == 2 * 4000 and meter.live == 2 * 4000
+    del a, c
+
+
+def test_packed_peak_memory_grows_linearly_with_the_pack() -> None:
+    small, large = (peak_bytes(packed, repeats) for repeats in (2, 8))
+    masked_small, masked_large = (peak_bytes(masked_attention, repeats) for repeats in (2, 8))
+    # 4x the tokens: linear memory grows ~4x, a [tokens, tokens] matrix 16x (the meter sees that).
+    assert masked_large / masked_small > 12
+    assert large / small < 5
+    assert large * 10 < masked_large
