@@ -3,10 +3,11 @@
 from rltrain.config.actor import ActorConfig, CriticConfig, RefConfig
 from rltrain.config.algorithm import AlgorithmConfig, KLControlConfig
 from rltrain.config.data import DataConfig, GeneratedTaskConfig
-from rltrain.config.loader import ConfigError, dump_yaml
+from rltrain.config.loader import dump_yaml
 from rltrain.config.model import ModelConfig, TinyModelConfig
 from rltrain.config.optim import OptimConfig
 from rltrain.config.parallel import ParallelConfig
+from rltrain.config.recipe import ConfigError
 from rltrain.config.reward import RewardConfig
 from rltrain.config.rl import RLConfig, load_config, write_resolved
 from rltrain.config.rollout import RolloutConfig, ValKwargs, WeightSyncConfig

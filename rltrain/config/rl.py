@@ -16,15 +16,9 @@ from rltrain.config.actor import ActorConfig, CriticConfig, RefConfig
 from rltrain.config.algorithm import AlgorithmConfig
 from rltrain.config.data import DataConfig
 from rltrain.config.fields import field_problems
-from rltrain.config.loader import (
-    ConfigError,
-    RawConfig,
-    apply_overrides,
-    build_dataclass,
-    dump_yaml,
-    read_recipe,
-)
+from rltrain.config.loader import build_dataclass, dump_yaml
 from rltrain.config.model import ModelConfig
+from rltrain.config.recipe import ConfigError, RawConfig, apply_overrides, read_recipe
 from rltrain.config.reward import RewardConfig
 from rltrain.config.rollout import RolloutConfig
 from rltrain.config.trainer import ClusterConfig, TrainerConfig

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rltrain.config.loader import ConfigError
+from rltrain.config.recipe import ConfigError
 
 logger = logging.getLogger(__name__)
 

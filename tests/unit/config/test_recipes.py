@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from rltrain.config import RLConfig, dump_yaml, load_config
-from rltrain.config.loader import build_dataclass, read_recipe
+from rltrain.config.loader import build_dataclass
+from rltrain.config.recipe import read_recipe
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 ALL = sorted(RECIPES.rglob("*.yaml"))
