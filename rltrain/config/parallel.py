@@ -56,7 +56,7 @@ class ParallelConfig:
                 f"{prefix}.pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size})"
             )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            problems.append(f"{prefix}.sequence_parallel=true needs tensor_model_parallel_size > 1")
+            problems.append(f"{prefix}.sequence_parallel=true needs {prefix}.tensor_model_parallel_size > 1")
         if world_size is not None and not problems:
             mp = self.model_parallel_size()
             if world_size % mp:

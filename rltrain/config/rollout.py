@@ -63,7 +63,7 @@ class RolloutConfig:
     """Responses sampled per prompt (GRPO/RLOO need ≥ 2)."""
 
     temperature: NonNegativeFloat = 1.0
-    """Sampling temperature."""
+    """Sampling temperature (0 = greedy)."""
 
     top_p: float = 1.0
     """Nucleus sampling mass."""

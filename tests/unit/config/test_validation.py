@@ -160,3 +160,15 @@ def test_data_file_of_unknown_type_names_the_list_item(tmp_path):
         "override 'data.train_files=[a.jsonl, b.txt]': data.train_files[1]: 'b.txt' is not a .jsonl, "
         ".json or .parquet file"
     ]
+
+
+def test_parallel_switches_name_the_size_they_need(tmp_path):
+    assert problems(tmp_path, ["actor.parallel.sequence_parallel=true"]) == [
+        "override 'actor.parallel.sequence_parallel=true': "
+        "actor.parallel.sequence_parallel=true needs actor.parallel.tensor_model_parallel_size > 1"
+    ]
+    assert problems(tmp_path, ["critic.parallel.virtual_pipeline_model_parallel_size=2"]) == [
+        "override 'critic.parallel.virtual_pipeline_model_parallel_size=2': "
+        "critic.parallel.virtual_pipeline_model_parallel_size=2 needs "
+        "critic.parallel.pipeline_model_parallel_size >= 2 (got 1)"
+    ]
