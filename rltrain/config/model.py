@@ -15,8 +15,9 @@ from rltrain.config.fields import NonNegativeInt, PositiveFloat, PositiveInt
 
 @dataclass
 class TinyModelConfig:
-    model_type: Literal["llama", "qwen2", "mixtral", "qwen2_moe", "qwen3"] = "llama"
-    """HF architecture of the tiny random model."""
+    model_type: str = "llama"
+    """HF architecture of the tiny random model: any family with a file under
+    ``megatron_bridge/models/`` (its tiny preset; checked against that registry)."""
 
     seed: int = 0
     """Seed of the random initialisation (same seed, same weights)."""
@@ -70,4 +71,13 @@ class ModelConfig:
             return [
                 f"set exactly one of {prefix}.path, {prefix}.gguf_package, {prefix}.tiny (given: {given})"
             ]
+        if self.tiny is not None:
+            from megatron_bridge.registry import supported_model_types
+
+            known = supported_model_types()
+            if self.tiny.model_type not in known:
+                return [
+                    f"{prefix}.tiny.model_type={self.tiny.model_type!r} has no model family; "
+                    f"supported: {', '.join(known)}"
+                ]
         return []
