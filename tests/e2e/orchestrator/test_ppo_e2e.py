@@ -4,9 +4,12 @@ One run with the actor at TP=2 (two policy ranks, each with its own engine; crit
 metrics, weight sync and checkpoints. A second scenario kills a run with SIGKILL after a checkpoint,
 resumes it, and compares the metrics with an uninterrupted run; its uninterrupted run, started
 through the CLI, also checks what the console shows (rltrain's lines only; the rest in the run log).
+A third resumes a run whose `latest` is gone and whose newest checkpoint has a truncated actor shard:
+it falls back to the checkpoint before, saying why in one line each, and repeats the redone step.
 """
 
 import json
+import logging
 import math
 import os
 import re
@@ -189,6 +192,51 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(
         assert want.keys() == got.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], abs=1e-6), (step, key)
+
+
+def test_resume_falls_back_past_a_truncated_shard_and_a_missing_latest(
+    local_ray, tmp_path, model_cache, caplog, capsys
+):
+    from rltrain.cli import main as rltrain_cli
+    from rltrain.orchestrator.entry import train
+
+    def config(steps):
+        extra = (f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "trainer.test_freq=0")
+        return load_config(RECIPE, overrides(tmp_path, model_cache, *extra))
+
+    assert train(config(2)) == 2
+    run_dir = config(2).run_dir()
+    ckpt, metrics_file = run_dir / "checkpoints", run_dir / "metrics.jsonl"
+    uninterrupted = {r["step"]: r for r in read_metrics(run_dir)}
+    (ckpt / "latest").unlink()
+    shard = max((ckpt / "step_2" / "actor" / "step_2").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
+    capsys.readouterr()
+    assert rltrain_cli(["checkpoint", "verify", str(run_dir)]) == 1
+    verify_says = capsys.readouterr().out
+    truncated = f"{shard} has {size // 2} bytes, the manifest says {size} (truncated)"
+    assert f"{ckpt / 'step_2'}: FAILED: {truncated}" in verify_says
+    assert verify_says.rstrip().endswith("a resume would start from step_1")
+
+    caplog.set_level(logging.INFO)
+    assert train(config(3)) == 3
+    said = [r.getMessage() for r in caplog.records if r.name == "rltrain.orchestrator.checkpoints"]
+    assert said[:2] == [
+        f"{ckpt / 'latest'} is missing: resuming from the newest checkpoint that verifies",
+        f"cannot resume from {ckpt / 'step_2'}: {truncated}; falling back to step_1",
+    ]
+    assert f"resumed from {ckpt / 'step_1'} (step 1)" in caplog.text
+    logged_steps = [json.loads(line)["step"] for line in metrics_file.read_text().splitlines()]
+    assert logged_steps == [0, 1, 2, 0, 2, 3], "the second run starts after step 1, not from step 0"
+    redone = read_metrics(run_dir)[2]
+    assert redone["step"] == 2
+    want, got = _comparable(uninterrupted[2]), _comparable(redone)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert (ckpt / "latest").read_text().strip() == "step_3"
+    assert rltrain_cli(["checkpoint", "verify", str(run_dir)]) == 0
 
 
 def test_rollout_on_its_own_devices_gets_weights_by_broadcast(local_ray, tmp_path, model_cache):

@@ -3,6 +3,7 @@ the previous one loads into every role and the driver; ``resume_mode: disable`` 
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -23,14 +24,10 @@ class FakeRole:
     loads: list[str] = field(default_factory=list)
 
     def save(self, root: str, step: int) -> None:
-        from pathlib import Path
-
         (Path(root) / self.name).mkdir()
         (Path(root) / self.name / "step").write_text(str(step))
 
     def load(self, root: str) -> int:
-        from pathlib import Path
-
         self.loads.append(Path(root).name)
         step = int((Path(root) / self.name / "step").read_text())
         if step in self.broken:
