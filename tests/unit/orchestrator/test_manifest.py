@@ -1,4 +1,4 @@
-"""Checkpoint manifests: every file with its size and BLAKE2b-256 digest; each kind of damage named."""
+"""Checkpoint manifests: every file with its size and SHA-256 digest; each kind of damage named."""
 
 import hashlib
 import json
@@ -24,9 +24,9 @@ def make_checkpoint(root):
 def test_manifest_lists_every_file_with_size_and_digest(tmp_path):
     make_checkpoint(tmp_path)
     manifest = json.loads((tmp_path / MANIFEST).read_text())
-    assert manifest["checksum"] == "blake2b-256"
+    assert manifest["checksum"] == "sha256"
     assert manifest["files"] == {
-        rel: {"size": len(data), "digest": hashlib.blake2b(data, digest_size=32).hexdigest()}
+        rel: {"size": len(data), "digest": hashlib.sha256(data).hexdigest()}
         for rel, data in sorted(FILES.items())
     }
     check = verify_manifest(tmp_path)
@@ -40,15 +40,15 @@ def test_truncated_zero_filled_and_missing_files_are_each_named(tmp_path):
     shard.write_bytes(FILES["actor/step_2/__0_0.distcp"][:1000])
     state.write_bytes(b"\x00" * len(FILES["driver_state.json"]))
     (tmp_path / "actor/latest").unlink()
-    now = hashlib.blake2b(bytes(len(FILES["driver_state.json"])), digest_size=32).hexdigest()
-    saved = hashlib.blake2b(FILES["driver_state.json"], digest_size=32).hexdigest()
+    now = hashlib.sha256(bytes(len(FILES["driver_state.json"]))).hexdigest()
+    saved = hashlib.sha256(FILES["driver_state.json"]).hexdigest()
     check = verify_manifest(tmp_path)
     assert not check.ok
     assert check.problems == [
         f"{tmp_path / 'actor/latest'} is missing",
         f"{shard} has 1000 bytes, the manifest says 10240 (truncated)",
         f"{state}: its bytes differ from the saved ones "
-        f"(blake2b-256 {now[:12]}... != {saved[:12]}... in the manifest)",
+        f"(sha256 {now[:12]}... != {saved[:12]}... in the manifest)",
     ]
     assert check.summary() == check.problems[0] + " (and 2 more files at fault)"
 
@@ -67,7 +67,7 @@ def test_a_missing_or_garbled_manifest_is_named(tmp_path):
     (tmp_path / MANIFEST).write_bytes(b"\xff\xfe{garbage")
     (problem,) = verify_manifest(tmp_path).problems
     assert problem.startswith(f"{tmp_path / MANIFEST} is damaged: not UTF-8 text")
-    (tmp_path / MANIFEST).write_text('{"checksum": "blake2b-256", "files": {"a": {"size": "3"}}}')
+    (tmp_path / MANIFEST).write_text('{"checksum": "sha256", "files": {"a": {"size": "3"}}}')
     (problem,) = verify_manifest(tmp_path).problems
     assert (
         problem == f"{tmp_path / MANIFEST} is damaged: its 'files' are not {{path: {{size, digest}}}} entries"
