@@ -92,11 +92,11 @@ def connect_ray(config: RLConfig) -> bool:
     if ray.is_initialized():
         return False
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address != "local":  # "local": Ray's own word for a new instance of this process
         ray.init(address=address, log_to_driver=True)
         log.info("joined the running Ray cluster at %s", address)
         return False
-    found = _running_cluster()
+    found = _running_cluster() if address != "local" else None
     if found is not None:
         ray.init(address=found, log_to_driver=True)
         log.info("joined the running Ray cluster at %s", found)

@@ -42,3 +42,34 @@ def test_an_answering_address_is_joined(tmp_path, monkeypatch):
         live = f"127.0.0.1:{server.getsockname()[1]}"
         _write_address(tmp_path, monkeypatch, live)
         assert _running_cluster(timeout_s=1.0) == live
+
+
+def test_ray_address_local_starts_a_private_instance_even_beside_a_running_cluster(monkeypatch):
+    """``RAY_ADDRESS=local`` is Ray's word for "a new instance for this process": rltrain starts one
+    (and so shuts it down at the end) instead of joining what the address file names."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import ray
+
+    from rltrain.config import load_config
+    from rltrain.orchestrator.entry import connect_ray
+
+    short = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    tmp_path = Path(short)
+    with socket.socket() as server:  # an answering "cluster" that must not be joined
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's own files (and its address file) here
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{server.getsockname()[1]}")
+        monkeypatch.setenv("RAY_ADDRESS", "local")
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+        config = load_config("recipes/quickstart_cpu.yaml", ["cluster.num_cpus=1"])
+        try:
+            assert connect_ray(config) is True  # started here
+            assert ray.cluster_resources().get("CPU") == 1.0  # with the config's CPUs
+        finally:
+            ray.shutdown()
+            shutil.rmtree(short, ignore_errors=True)
