@@ -44,32 +44,50 @@ def test_an_answering_address_is_joined(tmp_path, monkeypatch):
         assert _running_cluster(timeout_s=1.0) == live
 
 
-def test_ray_address_local_starts_a_private_instance_even_beside_a_running_cluster(monkeypatch):
+_LOCAL_PROBE = """
+import ray
+from rltrain.config import load_config
+from rltrain.orchestrator.entry import connect_ray
+config = load_config("recipes/quickstart_cpu.yaml", ["cluster.num_cpus=1"])
+started = connect_ray(config)
+print("RESULT", started, ray.cluster_resources().get("CPU"))
+ray.shutdown()
+"""
+
+
+def test_ray_address_local_starts_a_private_instance_even_beside_a_running_cluster():
     """``RAY_ADDRESS=local`` is Ray's word for "a new instance for this process": rltrain starts one
-    (and so shuts it down at the end) instead of joining what the address file names."""
+    with the config's CPUs (and so shuts it down at the end) instead of joining what the address
+    file names. In a fresh interpreter: this one may already hold another test's Ray."""
+    import os
     import shutil
+    import subprocess
+    import sys
     import tempfile
     from pathlib import Path
 
-    import ray
-
-    from rltrain.config import load_config
-    from rltrain.orchestrator.entry import connect_ray
-
-    short = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    tmp_path = Path(short)
-    with socket.socket() as server:  # an answering "cluster" that must not be joined
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's own files (and its address file) here
-        (tmp_path / "ray").mkdir()
-        (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{server.getsockname()[1]}")
-        monkeypatch.setenv("RAY_ADDRESS", "local")
-        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-        config = load_config("recipes/quickstart_cpu.yaml", ["cluster.num_cpus=1"])
-        try:
-            assert connect_ray(config) is True  # started here
-            assert ray.cluster_resources().get("CPU") == 1.0  # with the config's CPUs
-        finally:
-            ray.shutdown()
-            shutil.rmtree(short, ignore_errors=True)
+    root = Path(__file__).resolve().parents[3]
+    short = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # Ray's socket paths stay under 108 bytes
+    try:
+        with socket.socket() as server:  # an answering "cluster" that must not be joined
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            (short / "ray").mkdir()
+            (short / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{server.getsockname()[1]}")
+            env = {
+                **os.environ,
+                "RAY_ADDRESS": "local",
+                "RAY_TMPDIR": str(short),
+                "RAY_AUTH_MODE": "disabled",
+            }
+            out = subprocess.run(
+                [sys.executable, "-c", _LOCAL_PROBE],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        assert "RESULT True 1.0" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
