@@ -245,11 +245,11 @@ class RolloutEngine:
         counter = _Counter(updates)
         num_calls = 1
         direct = self._direct_loader()
+        stream = ((u.name, u.full(0)) for u in counter)  # an in-process engine's one worker
         if direct is not None:
-            direct.load((u.name, u.full(0)) for u in counter)
+            direct.load(stream)
             path = "direct"
         elif self.in_process:
-            stream = ((u.name, u.full(0)) for u in counter)
             self.llm.collective_rpc(
                 "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
             )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -141,28 +142,28 @@ class BroadcastTransport:
 
     def receive(self, engine: EngineReceiver) -> SyncStats:
         """On a receiver holding an engine: load every bucket into it as it arrives."""
-        start = time.perf_counter()
-        return load_buckets(engine, self.receive_buckets(), bucket_bytes=self.bucket_bytes, start=start)
+        return load_buckets(engine, self.receive_buckets(), bucket_bytes=self.bucket_bytes)
 
 
-def load_buckets(
-    engine: EngineReceiver, buckets, *, bucket_bytes: int, start: float | None = None
-) -> SyncStats:
+def load_buckets(engine: EngineReceiver, buckets: Iterable[PackedBucket], *, bucket_bytes: int) -> SyncStats:
     """Hand each packed bucket to ``engine.receive`` (every engine worker reads the whole tensors);
-    the receive path of the broadcast transport after the network hop."""
-    start = time.perf_counter() if start is None else start
-    num_tensors = num_bytes = num_buckets = 0
-    path = ""
-    for packed in buckets:
-        updates = [TensorRegions.whole(n, t, engine.num_workers) for n, t in unpack_bucket(packed)]
-        stats = engine.receive(updates, bucket_bytes=bucket_bytes)
-        num_tensors, num_bytes, num_buckets = (
-            num_tensors + stats.num_tensors,
-            num_bytes + stats.num_bytes,
-            num_buckets + 1,
+    the receive path of the broadcast transport after the network hop (the wait for each bucket
+    counts in ``seconds``: ``buckets`` may be the live receiver)."""
+    start = time.perf_counter()
+    loads = [
+        engine.receive(
+            [TensorRegions.whole(n, t, engine.num_workers) for n, t in unpack_bucket(packed)],
+            bucket_bytes=bucket_bytes,
         )
-        path = path or stats.path
-    return SyncStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start, path)
+        for packed in buckets
+    ]
+    return SyncStats(
+        num_tensors=sum(s.num_tensors for s in loads),
+        num_bytes=sum(s.num_bytes for s in loads),
+        num_buckets=len(loads),
+        seconds=time.perf_counter() - start,
+        path=loads[0].path if loads else "",
+    )
 
 
 def join_broadcast_group(

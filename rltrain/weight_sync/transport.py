@@ -31,8 +31,8 @@ class WeightTransport(Protocol):
 
 
 class ColocatedTransport:
-    """Engines in the trainer's own processes: ``engines`` maps each host trainer rank to its engine
-    (on the host itself; None on the other ranks, which serve their slices)."""
+    """Engines in the trainer's own processes: one on each of ``host_ranks``; ``engine`` is this
+    rank's (None on the other ranks, which only serve their slices)."""
 
     def __init__(
         self,

@@ -57,11 +57,11 @@ class TensorRegions:
         """Just the part ``worker`` reads (the bounding box of its regions): its local shard, as
         vLLM's loader narrows the full tensor there (what its weight readback reports)."""
         regions = self.regions[worker]
+        if len(regions) == 1:
+            return regions[0][1].contiguous()
         box = list(regions[0][0])
         for slices, _ in regions[1:]:
             box = [slice(min(b.start, s.start), max(b.stop, s.stop)) for b, s in zip(box, slices)]
-        if len(regions) == 1:
-            return regions[0][1].contiguous()
         first = regions[0][1]
         out = torch.empty([b.stop - b.start for b in box], dtype=first.dtype, device=first.device)
         for slices, values in regions:
