@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from rltrain.config.multi_turn import MultiTurnConfig
 
 
 @dataclass
@@ -54,6 +55,13 @@ class RolloutConfig:
 
     mode: Literal["colocated", "separate"] = "colocated"
     """``colocated``: engine shares the actor's devices (hybrid engine); ``separate``: own devices."""
+
+    engine: Literal["auto", "offline", "async"] = "auto"
+    """The vLLM API the rollout drives: ``offline`` is ``LLM.generate`` over the whole batch;
+    ``async`` is ``AsyncLLM`` (``rltrain.rollout.async_engine``), requests submitted one by one and
+    batched continuously by the engine (the agent loop needs it; single-turn results are the same
+    token for token); ``auto`` is ``async`` with ``multi_turn.enable`` and ``offline`` otherwise (its
+    engine starts in-process on CPU, about 10 s sooner)."""
 
     num_devices: NonNegativeInt = 0
     """Devices of the engines with ``mode: separate`` (a multiple of ``tensor_model_parallel_size``,
@@ -113,6 +121,13 @@ class RolloutConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Trainer → engine weight transfer."""
 
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn trajectories with tools and interactions (the agent loop)."""
+
+    def uses_async_engine(self) -> bool:
+        """Whether the rollout runs on ``AsyncLLM`` (see ``engine``)."""
+        return self.engine == "async" or (self.engine == "auto" and self.multi_turn.enable)
+
     def validate(self, prefix: str) -> list[str]:
         problems = []
         for key, top_p in (("top_p", self.top_p), ("val_kwargs.top_p", self.val_kwargs.top_p)):
@@ -124,6 +139,12 @@ class RolloutConfig:
             problems.append(
                 f"{prefix}.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.multi_turn.enable and self.engine == "offline":
+            problems.append(
+                f"{prefix}.multi_turn.enable=true needs the asynchronous engine; set {prefix}.engine "
+                "to async or auto"
+            )
+        problems += self.multi_turn.validate(f"{prefix}.multi_turn")
         return problems + self._check_mode(prefix)
 
     def _check_mode(self, prefix: str) -> list[str]:
