@@ -51,6 +51,9 @@ class TokenBatch:
     """[batch, response_len] critic values before the update (the clipped value loss's centre)."""
     returns: torch.Tensor | None = None
     """[batch, response_len] value targets."""
+    sampled_mask: torch.Tensor | None = None
+    """[batch, response_len] 1 on the tokens the policy sampled, where a multi-turn response also holds
+    tool or environment tokens (attended to, never trained on); None: every real response token."""
 
     @property
     def batch_size(self) -> int:
@@ -58,14 +61,16 @@ class TokenBatch:
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """[batch, response_len] 1 for real response tokens."""
+        """[batch, response_len] 1 on the response tokens the losses train on (``sampled_mask`` if set)."""
+        if self.sampled_mask is not None:
+            return self.sampled_mask
         return self.attention_mask[:, -self.response_len :]
 
     def select(self, index: list[int]) -> TokenBatch:
         """The rows at ``index`` (in that order), every set loss input sliced alike."""
         idx = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
         inputs = {}
-        for name in LOSS_INPUTS:
+        for name in (*LOSS_INPUTS, "sampled_mask"):
             value = getattr(self, name)
             if value is not None:
                 inputs[name] = value[idx.to(value.device)]

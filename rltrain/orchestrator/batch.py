@@ -24,6 +24,8 @@ _PER_SAMPLE_TENSORS = (
     "token_level_rewards",
     "advantages",
     "returns",
+    "sampled_mask",
+    "turn_rewards",
 )
 _PER_SAMPLE_LISTS = ("data_sources", "ground_truths", "finish_reasons")
 
@@ -75,6 +77,14 @@ class StepBatch:
     returns: torch.Tensor | None = None
     """[batch, response_len] value targets."""
 
+    sampled_mask: torch.Tensor | None = None
+    """[batch, response_len] 1 on the tokens the policy sampled; a multi-turn response also holds tool
+    and environment tokens (0 here: attended to, never trained on). None: every real response token."""
+
+    turn_rewards: torch.Tensor | None = None
+    """[batch, response_len] per-turn rewards of an interaction, at the last token of each assistant
+    turn (added to the token-level rewards); None without them."""
+
     extra_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics produced while building the batch (e.g. over-long prompt counts)."""
 
@@ -84,7 +94,10 @@ class StepBatch:
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """[batch, response_len] 1 on real response tokens."""
+        """[batch, response_len] 1 on the response tokens the policy sampled (what rewards, advantages
+        and losses cover): ``sampled_mask`` when set, else every real response token."""
+        if self.sampled_mask is not None:
+            return self.sampled_mask
         return self.attention_mask[:, -self.response_len :]
 
     @property
@@ -140,11 +153,16 @@ def build_step_batch(
     ground_truths: list[str],
     pad_token_id: int,
     response_length: int,
+    sampled_masks: list[list[int]] | None = None,
+    turn_rewards: list[list[tuple[int, float]]] | None = None,
 ) -> StepBatch:
     """Pad rollout output (``n`` consecutive samples per prompt) into a :class:`StepBatch`.
 
     ``prompt_ids``, ``data_sources`` and ``ground_truths`` are per prompt; the response lists are per
-    sample. Responses longer than ``response_length`` are an engine bug and raise.
+    sample. Responses longer than ``response_length`` are an engine bug and raise. ``sampled_masks``
+    (per sample, one 0/1 per response token) mark the tokens the policy sampled in a multi-turn
+    response; ``turn_rewards`` (per sample, ``(response position, reward)`` pairs) are an interaction's
+    per-turn rewards.
     """
     num_samples = len(response_ids)
     if num_samples != n * len(prompt_ids):
@@ -158,12 +176,21 @@ def build_step_batch(
             raise ValueError(
                 f"sample {i}: {len(ids)} tokens, {len(lps)} logprobs, response_length={response_length}"
             )
+        if sampled_masks is not None and len(sampled_masks[i]) != len(ids):
+            raise ValueError(f"sample {i}: {len(ids)} tokens but a sampled mask of {len(sampled_masks[i])}")
         prompt = prompt_ids[i // n]
         input_ids[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
         attention_mask[i, prompt_len - len(prompt) : prompt_len] = 1
         input_ids[i, prompt_len : prompt_len + len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention_mask[i, prompt_len : prompt_len + len(ids)] = 1
         logprobs[i, : len(lps)] = torch.tensor(lps)
+    sampled = _per_token_mask(sampled_masks, response_length) if sampled_masks is not None else None
+    rewards = None
+    if turn_rewards is not None and any(turn_rewards):
+        rewards = torch.zeros(num_samples, response_length)
+        for i, pairs in enumerate(turn_rewards):
+            for position, value in pairs:
+                rewards[i, position] += value
     return StepBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -173,4 +200,13 @@ def build_step_batch(
         data_sources=[s for s in data_sources for _ in range(n)],
         ground_truths=[g for g in ground_truths for _ in range(n)],
         finish_reasons=list(finish_reasons),
+        sampled_mask=sampled,
+        turn_rewards=rewards,
     )
+
+
+def _per_token_mask(masks: list[list[int]], response_length: int) -> torch.Tensor:
+    out = torch.zeros(len(masks), response_length, dtype=torch.long)
+    for i, mask in enumerate(masks):
+        out[i, : len(mask)] = torch.tensor(mask, dtype=torch.long)
+    return out

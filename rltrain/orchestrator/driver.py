@@ -183,6 +183,8 @@ class PPOTrainer:
             ground_truths=prompts.ground_truths,
             pad_token_id=self.tokenizer.pad_token_id,
             response_length=sampling.response_length,
+            sampled_masks=output.sampled_masks,
+            turn_rewards=output.turn_rewards,
         )
 
     def score(self, batch: StepBatch) -> dict[str, float]:
@@ -215,6 +217,8 @@ class PPOTrainer:
             }
         else:
             batch.token_level_rewards = _score_at_last_token(batch.scores, mask)
+        if batch.turn_rewards is not None:
+            batch.token_level_rewards = batch.token_level_rewards + batch.turn_rewards * mask
             if batch.ref_logprobs is not None:
                 metrics[mk.ACTOR_KL] = float(masked_mean(batch.old_logprobs - batch.ref_logprobs, mask))
         inputs = AdvantageInputs(
@@ -349,8 +353,11 @@ def _due(freq: int, step: int, last: bool) -> bool:
 
 
 def _score_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, response_len]``: each score at its row's last sampled token (the mask may have gaps
+    where tool tokens sit; a row without any sampled token gets it at position 0, masked out)."""
     rewards = torch.zeros_like(mask)
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    positions = torch.arange(mask.size(-1)).expand_as(mask)
+    last = torch.where(mask.bool(), positions, torch.zeros_like(positions)).max(dim=-1).values
     rewards[torch.arange(mask.size(0)), last] = scores.to(rewards.dtype)
     return rewards
 

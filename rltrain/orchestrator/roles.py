@@ -98,14 +98,7 @@ class PolicyRole(_DataParallelRole):
         for share, rank in zip(shares, engines):
             args[rank] = (share, sampling)
         outputs = [o for o in group.call_each("generate", args) if o is not None]
-        return RolloutOutput(
-            prompt_ids=[p for o in outputs for p in o.prompt_ids],
-            response_ids=[r for o in outputs for r in o.response_ids],
-            response_logprobs=[r for o in outputs for r in o.response_logprobs],
-            finish_reasons=[f for o in outputs for f in o.finish_reasons],
-            n=sampling.n,
-            stop_reasons=[s for o in outputs for s in o.stop_reasons],
-        )
+        return RolloutOutput.concat(outputs, n=sampling.n)
 
     def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self._dispatch("compute_log_prob", batch)

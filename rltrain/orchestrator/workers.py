@@ -69,6 +69,7 @@ def _token_batch(batch: StepBatch, loss_inputs: tuple[str, ...] = ()) -> TokenBa
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         response_len=batch.response_len,
+        sampled_mask=batch.sampled_mask,
         **tensors,
     )
 

@@ -151,9 +151,40 @@ class RolloutOutput:
     stop_reasons: list[int | str | None] = field(default_factory=list)
     """[S] the stop token id or stop string that ended the sample; None for EOS or length."""
 
+    sampled_masks: list[list[int]] | None = None
+    """[S][response_len_s] multi-turn responses: 1 on tokens the engine sampled, 0 on tool and
+    environment tokens placed between turns (their logprob is 0.0); None: every token was sampled."""
+
+    turn_rewards: list[list[tuple[int, float]]] | None = None
+    """[S] an interaction's per-turn rewards as ``(response position, reward)`` pairs, the position
+    being the last token of the assistant turn rewarded; None without an interaction."""
+
+    sample_metrics: list[dict[str, float]] | None = None
+    """[S] per-trajectory counts of the agent loop (``rltrain.agent.trajectory.TRAJECTORY_METRICS``)."""
+
     @property
     def num_samples(self) -> int:
         return len(self.response_ids)
+
+    @staticmethod
+    def concat(parts: list[RolloutOutput], *, n: int) -> RolloutOutput:
+        """The outputs of several engines, in order (each answering its share of the prompts)."""
+
+        def joined(name: str) -> list | None:
+            values = [getattr(p, name) for p in parts]
+            return None if not values or values[0] is None else [x for v in values for x in v]
+
+        return RolloutOutput(
+            prompt_ids=[p for o in parts for p in o.prompt_ids],
+            response_ids=[r for o in parts for r in o.response_ids],
+            response_logprobs=[r for o in parts for r in o.response_logprobs],
+            finish_reasons=[f for o in parts for f in o.finish_reasons],
+            n=n,
+            stop_reasons=[s for o in parts for s in o.stop_reasons],
+            sampled_masks=joined("sampled_masks"),
+            turn_rewards=joined("turn_rewards"),
+            sample_metrics=joined("sample_metrics"),
+        )
 
     def sample_prompt_ids(self, s: int) -> list[int]:
         """Prompt ids of sample ``s``."""

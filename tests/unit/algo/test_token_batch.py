@@ -36,7 +36,7 @@ def test_select_slices_rows_and_every_set_loss_input_in_the_given_order():
 
 def test_loss_inputs_name_every_optional_field():
     optional = [f.name for f in fields(TokenBatch) if f.default is None]
-    assert list(LOSS_INPUTS) == optional
+    assert [*LOSS_INPUTS, "sampled_mask"] == optional
     batch = make_batch()
     full = TokenBatch(
         input_ids=batch.input_ids,
@@ -47,3 +47,14 @@ def test_loss_inputs_name_every_optional_field():
     part = full.select([1])
     for i, name in enumerate(LOSS_INPUTS):
         assert getattr(part, name).tolist() == [[2.0 + 10 * i, 3.0 + 10 * i]], name
+
+
+def test_sampled_mask_replaces_the_response_mask_and_is_sliced_with_the_rows():
+    batch = make_batch()
+    gaps = torch.tensor([[1, 0], [0, 1], [1, 1]])
+    with_gaps = TokenBatch(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, response_len=2, sampled_mask=gaps
+    )
+    assert with_gaps.response_mask.tolist() == [[1, 0], [0, 1], [1, 1]]
+    assert with_gaps.select([1, 0]).response_mask.tolist() == [[0, 1], [1, 0]]
+    assert batch.response_mask.tolist() == batch.attention_mask[:, -2:].tolist()

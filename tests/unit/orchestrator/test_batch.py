@@ -72,3 +72,42 @@ def test_bad_rollout_output_is_named():
         )
     with pytest.raises(ValueError, match="does not split into 3"):
         make_batch().chunk(3)
+
+
+def test_multi_turn_masks_and_turn_rewards_land_on_their_tokens():
+    b = build_step_batch(
+        prompt_ids=[[5, 6]],
+        response_ids=[[1, 7, 7, 2], [3]],
+        response_logprobs=[[-0.1, 0.0, 0.0, -0.2], [-0.3]],
+        finish_reasons=["stop", "stop"],
+        n=2,
+        data_sources=["calc"],
+        ground_truths=["3"],
+        pad_token_id=0,
+        response_length=5,
+        sampled_masks=[[1, 0, 0, 1], [1]],
+        turn_rewards=[[(0, 0.5), (3, 1.0)], []],
+    )
+    assert b.response_mask.tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 0, 0]]
+    assert b.attention_mask[:, -5:].tolist() == [[1, 1, 1, 1, 0], [1, 0, 0, 0, 0]]
+    assert b.turn_rewards.tolist() == [[0.5, 0, 0, 1.0, 0], [0, 0, 0, 0, 0]]
+    assert b.select([1, 0]).response_mask.tolist() == [[1, 0, 0, 0, 0], [1, 0, 0, 1, 0]]
+    assert b.num_response_tokens() == 3
+
+
+def test_a_sampled_mask_of_the_wrong_length_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="sample 0: 2 tokens but a sampled mask of 1"):
+        build_step_batch(
+            prompt_ids=[[5]],
+            response_ids=[[1, 2]],
+            response_logprobs=[[-0.1, -0.2]],
+            finish_reasons=["stop"],
+            n=1,
+            data_sources=["calc"],
+            ground_truths=["3"],
+            pad_token_id=0,
+            response_length=3,
+            sampled_masks=[[1]],
+        )

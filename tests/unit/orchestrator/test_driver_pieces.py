@@ -66,3 +66,10 @@ def test_mini_batches_cover_each_sample_once_per_epoch(tmp_path):
     assert order[: 16 * n] != order[16 * n :], "epochs are reshuffled"
     again = [int(x) for m in trainer.mini_batches(batch, step=3) for x in m.response_ids[:, 0]]
     assert again == order, "the plan is a function of (seed, step)"
+
+
+def test_score_sits_on_the_last_sampled_token_across_tool_gaps():
+    # model | tool tool | model, then padding; a model turn followed only by tool tokens; an empty row
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0], [0.0] * 5])
+    rewards = _score_at_last_token(torch.tensor([2.0, -1.0, 0.5]), mask)
+    assert rewards.tolist() == [[0, 0, 0, 2.0, 0], [0, -1.0, 0, 0, 0], [0.5, 0, 0, 0, 0]]
