@@ -10,8 +10,10 @@ from rltrain.config.fields import NonNegativeInt, PositiveInt
 
 @dataclass
 class GeneratedTaskConfig:
-    name: Literal["arithmetic"] = "arithmetic"
-    """Built-in verifiable task generated at start-up (no files needed)."""
+    name: Literal["arithmetic", "calculator"] = "arithmetic"
+    """Built-in verifiable task generated at start-up (no files needed): ``arithmetic`` asks for the
+    number only; ``calculator`` asks the same problems of a model with the calculator tool (the
+    multi-turn recipe)."""
 
     num_train: PositiveInt = 1024
     """Training prompts to generate."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rltrain.config.fields import NonNegativeInt, PositiveFloat, PositiveInt
+from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 
 @dataclass
@@ -36,6 +36,15 @@ class TinyModelConfig:
 
     sft_lr: PositiveFloat = 3e-3
     """AdamW learning rate of the supervised warm-up."""
+
+    tokenizer_corpus: Literal["default", "tool_calls"] = "default"
+    """What the tiny BPE tokenizer is trained on: ``tool_calls`` adds Hermes-style calculator calls
+    (the multi-turn recipe), so the call syntax takes few tokens."""
+
+    sft_tool_call_fraction: NonNegativeFloat = 1.0
+    """Multi-turn warm-up (``data.generated.name: calculator``): the fraction of examples that call
+    the calculator and then answer with its result; the rest answer at once (a guess for sums a
+    tiny model cannot do), which leaves RL something to learn."""
 
 
 @dataclass
@@ -79,5 +88,10 @@ class ModelConfig:
                 return [
                     f"{prefix}.tiny.model_type={self.tiny.model_type!r} has no model family; "
                     f"supported: {', '.join(known)}"
+                ]
+            if self.tiny.sft_tool_call_fraction > 1:
+                return [
+                    f"{prefix}.tiny.sft_tool_call_fraction must lie in [0, 1], "
+                    f"got {self.tiny.sft_tool_call_fraction}"
                 ]
         return []

@@ -39,6 +39,10 @@ class MultiTurnConfig:
     tool_timeout_s: PositiveFloat = 10.0
     """Wall-clock limit of one tool call."""
 
+    trajectory_timeout_s: PositiveFloat = 600.0
+    """Wall-clock limit of one trajectory: one that runs longer is cut where it stands
+    (``finish_reason`` abort, counted in ``agent/aborted``) and the step goes on."""
+
     max_concurrent_trajectories: PositiveInt = 64
     """Trajectories in flight at once per engine (the engine batches their requests continuously)."""
 

@@ -251,8 +251,11 @@ def read_prompt_file(
     return examples
 
 
-def render_prompt(example: PromptExample, tokenizer: Any, *, apply_chat_template: bool) -> str:
-    """The prompt text the model sees (see the module docstring for the rules)."""
+def render_prompt(
+    example: PromptExample, tokenizer: Any, *, apply_chat_template: bool, tools: list[dict] | None = None
+) -> str:
+    """The prompt text the model sees (see the module docstring for the rules); ``tools`` (function
+    schemas of a multi-turn run) go to the chat template."""
     if not apply_chat_template:
         if not isinstance(example.prompt, str):
             raise DataRowError(
@@ -262,7 +265,8 @@ def render_prompt(example: PromptExample, tokenizer: Any, *, apply_chat_template
     messages = example.prompt
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
 def tokenize_prompts(
@@ -271,10 +275,13 @@ def tokenize_prompts(
     *,
     max_prompt_length: int,
     apply_chat_template: bool = True,
+    tools: list[dict] | None = None,
 ) -> tuple[list[PromptExample], list[int]]:
     """Fill ``prompt_text``/``prompt_ids``; return the examples that fit and the token counts of
     those dropped."""
-    texts = [render_prompt(ex, tokenizer, apply_chat_template=apply_chat_template) for ex in examples]
+    texts = [
+        render_prompt(ex, tokenizer, apply_chat_template=apply_chat_template, tools=tools) for ex in examples
+    ]
     encoded = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"]
     kept, dropped = [], []
     for example, text, ids in zip(examples, texts, encoded):
@@ -303,6 +310,7 @@ class PromptDataset(Sequence[PromptExample]):
         max_prompt_length: int,
         apply_chat_template: bool = True,
         fields: PromptFields = PromptFields(),
+        tools: list[dict] | None = None,
     ) -> PromptDataset:
         """Read, tokenize and filter the rows of ``paths`` (one file or several, concatenated)."""
         path_list = [paths] if isinstance(paths, str | Path) else list(paths)
@@ -315,6 +323,7 @@ class PromptDataset(Sequence[PromptExample]):
             name=",".join(str(p) for p in path_list),
             max_prompt_length=max_prompt_length,
             apply_chat_template=apply_chat_template,
+            tools=tools,
         )
 
     @classmethod
@@ -327,6 +336,7 @@ class PromptDataset(Sequence[PromptExample]):
         max_prompt_length: int,
         apply_chat_template: bool = True,
         fields: PromptFields = PromptFields(),
+        tools: list[dict] | None = None,
     ) -> PromptDataset:
         """Build from in-memory rows (a generated task); errors name ``name: row N``."""
         examples = [
@@ -338,6 +348,7 @@ class PromptDataset(Sequence[PromptExample]):
             name=name,
             max_prompt_length=max_prompt_length,
             apply_chat_template=apply_chat_template,
+            tools=tools,
         )
 
     @classmethod
@@ -349,8 +360,10 @@ class PromptDataset(Sequence[PromptExample]):
         name: str,
         max_prompt_length: int,
         apply_chat_template: bool = True,
+        tools: list[dict] | None = None,
     ) -> PromptDataset:
-        """Tokenize parsed rows and drop (and count) the over-long ones."""
+        """Tokenize parsed rows and drop (and count) the over-long ones; ``tools`` (a multi-turn
+        run's function schemas) go to the chat template."""
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
         if not rows:
@@ -360,7 +373,11 @@ class PromptDataset(Sequence[PromptExample]):
                 f"{name}: the tokenizer has no chat template; set data.apply_chat_template=false for raw text"
             )
         kept, dropped = tokenize_prompts(
-            rows, tokenizer, max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template
+            rows,
+            tokenizer,
+            max_prompt_length=max_prompt_length,
+            apply_chat_template=apply_chat_template,
+            tools=tools,
         )
         num_filtered = len(dropped)
         if not kept:

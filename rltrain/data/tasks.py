@@ -25,13 +25,20 @@ ARITHMETIC_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
+CALCULATOR_TEMPLATE = "What is {a} {op} {b}?"
+"""The ``calculator`` task: the same problems, to be solved with the calculator tool (data_source
+``calculator``, scored on the answer after the last tool call)."""
 
-def arithmetic_row(a: int, op: str, b: int, *, index: int) -> dict[str, Any]:
-    """One arithmetic problem as a row in verl's layout."""
+TASKS = {"arithmetic": ARITHMETIC_TEMPLATE, "calculator": CALCULATOR_TEMPLATE}
+"""Generated task name → prompt template (the name is also the rows' data_source)."""
+
+
+def arithmetic_row(a: int, op: str, b: int, *, index: int, task: str = "arithmetic") -> dict[str, Any]:
+    """One arithmetic problem as a row in verl's layout (``task`` picks the prompt and data_source)."""
     answer = ARITHMETIC_OPS[op](a, b)
     return {
-        "data_source": "arithmetic",
-        "prompt": [{"role": "user", "content": ARITHMETIC_TEMPLATE.format(a=a, op=op, b=b)}],
+        "data_source": task,
+        "prompt": [{"role": "user", "content": TASKS[task].format(a=a, op=op, b=b)}],
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": {"index": index, "expression": f"{a} {op} {b}"},
     }
@@ -43,6 +50,7 @@ def generate_arithmetic(
     seed: int,
     max_operand: int = 20,
     ops: Sequence[str] = ("+", "-", "*"),
+    task: str = "arithmetic",
 ) -> list[dict[str, Any]]:
     """``num_examples`` distinct problems ``a op b`` (0 <= a, b <= ``max_operand``), fixed by ``seed``."""
     unknown = [op for op in ops if op not in ARITHMETIC_OPS]
@@ -63,7 +71,7 @@ def generate_arithmetic(
     for index, code in enumerate(random.Random(seed).sample(range(space), num_examples)):
         code, a = divmod(code, num_operands)
         op_index, b = divmod(code, num_operands)
-        rows.append(arithmetic_row(a, ops[op_index], b, index=index))
+        rows.append(arithmetic_row(a, ops[op_index], b, index=index, task=task))
     return rows
 
 
@@ -86,11 +94,12 @@ def arithmetic_splits(
     seed: int,
     max_operand: int = 20,
     ops: Sequence[str] = ("+", "-", "*"),
+    task: str = "arithmetic",
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Disjoint train and validation rows from one draw; ``extra_info`` gets ``split`` and a per-split index."""
     if num_train < 1 or num_val < 0:
         raise ValueError(f"need num_train >= 1 and num_val >= 0, got {num_train} and {num_val}")
-    rows = generate_arithmetic(num_train + num_val, seed=seed, max_operand=max_operand, ops=ops)
+    rows = generate_arithmetic(num_train + num_val, seed=seed, max_operand=max_operand, ops=ops, task=task)
     splits = (rows[:num_train], rows[num_train:])
     for split, part in zip(("train", "val"), splits):
         for i, row in enumerate(part):

@@ -29,6 +29,10 @@ group               keys (all per training step)
 ``perf/``           ``tokens_per_s`` (prompt + response tokens of the step / step seconds),
                     ``num_tokens``
 ``data/``           ``epoch``, ``num_filtered_prompts``
+``agent/``          multi-turn rollouts (per trajectory, mean over the step): ``turns`` (assistant
+                    turns), ``tool_calls``, ``tool_errors``, ``model_tokens``, ``tool_tokens``
+                    (tokens by source); ``tool_error_rate`` (errors / calls), ``tool_latency_s``
+                    (mean seconds of one call), ``aborted`` (past ``trajectory_timeout_s``)
 ==================  ==========================================================================
 
 Statistics are population statistics (``std`` with ddof=0) over the sequences of the step.
@@ -86,6 +90,15 @@ WEIGHT_SYNC_NUM_TENSORS = "weight_sync/num_tensors"
 WEIGHT_SYNC_CHECKSUM_MISMATCHES = "weight_sync/checksum_mismatches"
 WEIGHT_SYNC_RECEIVE_SECONDS = "weight_sync/receive_seconds"
 WEIGHT_SYNC_BUCKETS = "weight_sync/buckets"
+AGENT_TURNS = "agent/turns"
+AGENT_TOOL_CALLS = "agent/tool_calls"
+AGENT_TOOL_ERRORS = "agent/tool_errors"
+AGENT_TOOL_SECONDS = "agent/tool_seconds"
+AGENT_MODEL_TOKENS = "agent/model_tokens"
+AGENT_TOOL_TOKENS = "agent/tool_tokens"
+AGENT_TOOL_ERROR_RATE = "agent/tool_error_rate"
+AGENT_ABORTED = "agent/aborted"
+AGENT_TOOL_LATENCY = "agent/tool_latency_s"
 VAL_ACCURACY = "val/accuracy"
 VAL_SCORE_MEAN = "val/score/mean"
 

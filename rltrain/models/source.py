@@ -22,8 +22,9 @@ from rltrain.config import DataConfig, ModelConfig
 log = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: ModelConfig, *, data: DataConfig) -> Path:
-    """The HF directory the run starts from; builds or materializes it on first use."""
+def resolve_model_dir(model: ModelConfig, *, data: DataConfig, tools_file: str | None = None) -> Path:
+    """The HF directory the run starts from; builds or materializes it on first use (``tools_file``:
+    the multi-turn run's tools, whose schemas the calculator warm-up renders)."""
     if model.path is not None:
         path = Path(model.path).expanduser()
         if not (path / "config.json").is_file():
@@ -36,14 +37,23 @@ def resolve_model_dir(model: ModelConfig, *, data: DataConfig) -> Path:
         from rltrain.models.gguf import materialize_gguf_package
 
         return materialize_gguf_package(model.gguf_package, cache / model.gguf_package)
-    return _tiny_model_dir(model, data=data, cache=cache)
+    return _tiny_model_dir(model, data=data, cache=cache, tools_file=tools_file)
 
 
-def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path) -> Path:
+_KEYED_WHEN_SET = {"tokenizer_corpus": "default", "sft_tool_call_fraction": 1.0}
+"""Tiny-model fields that enter the cache key only away from their defaults (models built before
+they existed keep their keys)."""
+
+
+def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path, tools_file: str | None) -> Path:
     tiny = model.tiny
     assert tiny is not None
     warmup_source = asdict(data.generated) if (tiny.sft_warmup_steps and data.generated) else None
-    key_material = json.dumps({"tiny": asdict(tiny), "warmup_data": warmup_source, "v": 2}, sort_keys=True)
+    shape = {k: v for k, v in asdict(tiny).items() if _KEYED_WHEN_SET.get(k, object()) != v}
+    material: dict = {"tiny": shape, "warmup_data": warmup_source, "v": 2}
+    if warmup_source is not None and warmup_source["name"] != "arithmetic":
+        material["tools"] = Path(tools_file).read_text(encoding="utf-8") if tools_file else None
+    key_material = json.dumps(material, sort_keys=True)
     out = cache / f"tiny-{tiny.model_type}-{hashlib.sha1(key_material.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
@@ -51,19 +61,22 @@ def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path) -> Pat
         raise ValueError("model.tiny.sft_warmup_steps > 0 needs data.generated (the task to warm up on)")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    _build_tiny(model, data=data, out=tmp)
+    _build_tiny(model, data=data, out=tmp, tools_file=tools_file)
     tmp.rename(out)
     return out
 
 
-def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path) -> None:
+def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: str | None) -> None:
     from rltrain.models.tiny import build_tiny_model, save_pretrained_with_tokenizer
 
     tiny = model.tiny
     assert tiny is not None
     hidden = tiny.hidden_size
+    from rltrain.models.tiny import TOKENIZER_CORPORA, build_tiny_tokenizer
+
     hf_model, tokenizer = build_tiny_model(
         tiny.model_type,
+        tokenizer=build_tiny_tokenizer(corpus=TOKENIZER_CORPORA[tiny.tokenizer_corpus]()),
         seed=tiny.seed,
         num_hidden_layers=tiny.num_hidden_layers,
         hidden_size=hidden,
@@ -77,17 +90,32 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path) -> None:
 
         task = data.generated
         rows = generate_arithmetic(
-            task.num_train + task.num_val, seed=task.seed, max_operand=task.max_operand, ops=task.ops
+            task.num_train + task.num_val,
+            seed=task.seed,
+            max_operand=task.max_operand,
+            ops=task.ops,
+            task=task.name,
         )
-        pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows[: task.num_train]]
-        sft_warmup(
-            hf_model,
-            tokenizer,
-            pairs,
-            steps=tiny.sft_warmup_steps,
-            batch_size=tiny.sft_batch_size,
-            lr=tiny.sft_lr,
-            seed=tiny.seed,
+        fit = dict(
+            steps=tiny.sft_warmup_steps, batch_size=tiny.sft_batch_size, lr=tiny.sft_lr, seed=tiny.seed
         )
+        if task.name == "calculator":
+            from rltrain.agent.tools.registry import load_tool_config
+            from rltrain.agent.warmup import calculator_conversations
+            from rltrain.models.warmup import fit_sequences
+
+            if not tools_file:
+                raise ValueError("the calculator warm-up needs rollout.multi_turn.tool_config_path")
+            conversations = calculator_conversations(
+                tokenizer,
+                rows[: task.num_train],
+                tools=load_tool_config(tools_file).schemas(),
+                tool_call_fraction=tiny.sft_tool_call_fraction,
+                seed=tiny.seed,
+            )
+            fit_sequences(hf_model, conversations, pad_token_id=tokenizer.pad_token_id, **fit)
+        else:
+            pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows[: task.num_train]]
+            sft_warmup(hf_model, tokenizer, pairs, **fit)
     save_pretrained_with_tokenizer(hf_model, tokenizer, out)
     log.info("built tiny %s model in %s", tiny.model_type, out)

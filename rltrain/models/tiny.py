@@ -23,6 +23,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 # ChatML, the format of Qwen2 and SmolLM2; `add_generation_prompt` opens the assistant turn.
 CHATML_TEMPLATE = (
+    # With tools (a multi-turn run's schemas), a system turn names them; without, nothing changes.
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' }}"
+    "{% for tool in tools %}{{ tool['function']['name'] }}{% if not loop.last %}{{ ', ' }}{% endif %}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -43,6 +47,21 @@ def default_corpus() -> list[str]:
         for b in range(0, 100, 11):
             lines.append(f"{a} + {b} = {a + b}. {a} - {b} = {a - b}. {a} * {b} = {a * b}.")
     return lines
+
+
+def tool_call_corpus() -> list[str]:
+    """:func:`default_corpus` plus Hermes-style calculator calls and tool turns (so that the tool-call
+    syntax takes few tokens of a tiny vocabulary)."""
+    lines = default_corpus()
+    for a in range(0, 1000, 37):
+        b = (a * 7 + 13) % 1000
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} + {b}"}})
+        lines.append(f"<tool_call>\n{call}\n</tool_call> tool {a + b} Tools: calculator, python")
+    return lines
+
+
+TOKENIZER_CORPORA = {"default": default_corpus, "tool_calls": tool_call_corpus}
+"""Corpora a tiny tokenizer can be trained on, by name (``model.tiny.tokenizer_corpus``)."""
 
 
 def build_tiny_tokenizer(*, vocab_size: int = 512, corpus: list[str] | None = None):

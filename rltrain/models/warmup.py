@@ -54,15 +54,40 @@ def sft_warmup(
     """Fit ``model`` in place on ``pairs`` for ``steps`` AdamW steps; returns the loss trajectory."""
     if not pairs:
         raise ValueError("sft_warmup needs at least one (prompt, answer) pair")
-    encoded = encode_pairs(tokenizer, pairs)
+    sequences = [(p + a, [0] * len(p) + [1] * len(a)) for p, a in encode_pairs(tokenizer, pairs)]
+    return fit_sequences(
+        model,
+        sequences,
+        pad_token_id=tokenizer.pad_token_id,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+    )
+
+
+def fit_sequences(
+    model: torch.nn.Module,
+    sequences: list[tuple[list[int], list[int]]],
+    *,
+    pad_token_id: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> WarmupResult:
+    """Fit ``model`` in place on ``(token ids, loss mask)`` sequences (the loss covers the tokens whose
+    mask is 1: an answer, or every assistant turn of a conversation) for ``steps`` AdamW steps."""
+    if not sequences:
+        raise ValueError("fit_sequences needs at least one sequence")
     order = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / max(steps, 1))
-    pad = tokenizer.pad_token_id
+    pad = pad_token_id
     model.train()
     losses = []
     for _ in range(steps):
-        batch = [encoded[order.randrange(len(encoded))] for _ in range(batch_size)]
+        batch = [sequences[order.randrange(len(sequences))] for _ in range(batch_size)]
         input_ids, labels = _collate(batch, pad)
         out = model(input_ids=input_ids, attention_mask=(input_ids != pad).long(), labels=labels)
         optimizer.zero_grad()
@@ -78,13 +103,12 @@ def sft_warmup(
 
 
 def _collate(batch: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    length = max(len(p) + len(a) for p, a in batch)
+    length = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), length), pad, dtype=torch.long)
     labels = torch.full((len(batch), length), -100, dtype=torch.long)
-    for row, (prompt, answer) in enumerate(batch):
-        ids = prompt + answer
+    for row, (ids, mask) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, len(prompt) : len(ids)] = torch.tensor(answer)
+        labels[row, : len(ids)] = torch.where(torch.tensor(mask).bool(), torch.tensor(ids), -100)
     return input_ids, labels
 
 

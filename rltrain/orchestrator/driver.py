@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from rltrain.agent.loop import AgentPrompt
+from rltrain.agent.trajectory import step_metrics as agent_step_metrics
 from rltrain.algo import (
     AdvantageInputs,
     apply_kl_in_reward,
@@ -172,8 +174,10 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------- stages
     def rollout(self, prompts: PromptBatch, sampling: SamplingConfig) -> StepBatch:
-        output = self.roles.policy.generate(prompts.prompt_ids, sampling)
-        return build_step_batch(
+        output = self.roles.policy.generate(
+            self.engine_prompts(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources), sampling
+        )
+        batch = build_step_batch(
             prompt_ids=output.prompt_ids,
             response_ids=output.response_ids,
             response_logprobs=output.response_logprobs,
@@ -186,6 +190,16 @@ class PPOTrainer:
             sampled_masks=output.sampled_masks,
             turn_rewards=output.turn_rewards,
         )
+        if output.sample_metrics is not None:
+            batch.extra_metrics |= agent_step_metrics(output.sample_metrics)
+        return batch
+
+    def engine_prompts(self, prompt_ids: list[list[int]], ground_truths: list[str], data_sources: list[str]):
+        """What the engines are handed: token ids, or with ``rollout.multi_turn.enable`` the
+        :class:`~rltrain.agent.loop.AgentPrompt` of each row (its interaction needs the answer)."""
+        if not self.config.rollout.multi_turn.enable:
+            return prompt_ids
+        return [AgentPrompt(ids, gt, ds) for ids, gt, ds in zip(prompt_ids, ground_truths, data_sources)]
 
     def score(self, batch: StepBatch) -> dict[str, float]:
         texts = self.decode(batch)
@@ -262,7 +276,8 @@ class PPOTrainer:
         self, batch: StepBatch, *, entropy: torch.Tensor, prompts: PromptBatch
     ) -> dict[str, float]:
         mask = batch.response_mask
-        response_lengths = mask.sum(-1).tolist()
+        # every response token (a multi-turn response's tool tokens too: they fill its budget)
+        response_lengths = batch.attention_mask[:, -batch.response_len :].sum(-1).tolist()
         prompt_lengths = [len(p) for p in prompts.prompt_ids]
         metrics = length_metrics(prompt_lengths, response_lengths, max_response_length=batch.response_len)
         metrics |= logprob_mismatch(
@@ -270,7 +285,7 @@ class PPOTrainer:
         )
         metrics[mk.ACTOR_ENTROPY_BEFORE_UPDATE] = float(masked_mean(entropy, mask.float()))
         metrics[mk.DATA_EPOCH] = float(prompts.epoch)
-        return metrics
+        return metrics | batch.extra_metrics
 
     def decode(self, batch: StepBatch) -> list[str]:
         ids, mask = batch.response_ids, batch.response_mask.bool()
@@ -289,8 +304,17 @@ class PPOTrainer:
             response_length=cfg.response_length,
             seed=cfg.seed,
         )
-        output = self.roles.policy.generate([ex.prompt_ids for ex in val], sampling)
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in output.response_ids]
+        output = self.roles.policy.generate(
+            self.engine_prompts(
+                [ex.prompt_ids for ex in val], [ex.ground_truth for ex in val], [ex.data_source for ex in val]
+            ),
+            sampling,
+        )
+        masks = output.sampled_masks or [[1] * len(ids) for ids in output.response_ids]
+        texts = [
+            self.tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+            for ids, mask in zip(output.response_ids, masks)
+        ]
         n = sampling.n
         result = self.rewards(
             texts,

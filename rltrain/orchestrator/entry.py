@@ -48,9 +48,23 @@ class RunData:
     """Prompts dropped for exceeding ``data.max_prompt_length`` (train + val)."""
 
 
+def tool_schemas(config: RLConfig) -> list[dict] | None:
+    """The function schemas of a multi-turn run's tools (what the chat template renders), or None."""
+    multi_turn = config.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.tool_config_path):
+        return None
+    from rltrain.agent.tools.registry import load_tool_config
+
+    return load_tool_config(multi_turn.tool_config_path).schemas()
+
+
 def build_data(config: RLConfig, tokenizer) -> RunData:
     data = config.data
-    common = dict(max_prompt_length=data.max_prompt_length, apply_chat_template=data.apply_chat_template)
+    common = dict(
+        max_prompt_length=data.max_prompt_length,
+        apply_chat_template=data.apply_chat_template,
+        tools=tool_schemas(config),
+    )
     fields = PromptFields(prompt_key=data.prompt_key, answer_key=data.answer_key)
     if data.generated is not None:
         from rltrain.data.tasks import arithmetic_splits
@@ -62,13 +76,14 @@ def build_data(config: RLConfig, tokenizer) -> RunData:
             seed=task.seed,
             max_operand=task.max_operand,
             ops=task.ops,
+            task=task.name,
         )
         train = PromptDataset.from_rows(
-            train_rows, tokenizer, name="generated:arithmetic/train", fields=fields, **common
+            train_rows, tokenizer, name=f"generated:{task.name}/train", fields=fields, **common
         )
         val = (
             PromptDataset.from_rows(
-                val_rows, tokenizer, name="generated:arithmetic/val", fields=fields, **common
+                val_rows, tokenizer, name=f"generated:{task.name}/val", fields=fields, **common
             )
             if val_rows
             else None
@@ -169,7 +184,11 @@ def prepare_run(config: RLConfig, *, write_config: bool = True) -> RunSetup:
 
         from rltrain.models.source import resolve_model_dir
 
-        model_dir = str(resolve_model_dir(config.model, data=config.data))
+        model_dir = str(
+            resolve_model_dir(
+                config.model, data=config.data, tools_file=config.rollout.multi_turn.tool_config_path
+            )
+        )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         data = build_data(config, tokenizer)
     return RunSetup(

@@ -398,13 +398,27 @@ class RolloutWorker:
         return {"rank": self.rank}
 
 
-def _run_engine(engine, config: RLConfig, prompts: list[list[int]], sampling) -> Any:
-    """Wake the engine, sample, and (``rollout.free_cache_engine``) put it back to sleep."""
+def _run_engine(engine, config: RLConfig, prompts: list, sampling) -> Any:
+    """Wake the engine, sample (token-id prompts), or run the agent loop (``AgentPrompt``s, with
+    ``rollout.multi_turn.enable``), and (``rollout.free_cache_engine``) put it back to sleep."""
     engine.wake_up()
-    output = engine.generate(prompts, sampling)
+    if config.rollout.multi_turn.enable:
+        output = _agent_loop(engine, config).generate(prompts, sampling)
+    else:
+        output = engine.generate(prompts, sampling)
     if config.rollout.free_cache_engine:
         engine.sleep()
     return output
+
+
+def _agent_loop(engine, config: RLConfig):
+    """The engine's agent loop (its tools and interaction), built at the first multi-turn rollout."""
+    loop = getattr(engine, "agent_loop", None)
+    if loop is None:
+        from rltrain.agent.loop import AgentLoop
+
+        loop = engine.agent_loop = AgentLoop.from_config(engine, config.rollout.multi_turn)
+    return loop
 
 
 def _step_metrics(role: str, result: TrainStepResult) -> dict[str, float]:

@@ -1,10 +1,11 @@
 """Rule-based rewards by data_source: GSM8K, generated arithmetic, a format bonus, batch scoring.
 
 Importing this package registers the built-in reward functions (``gsm8k``, ``openai/gsm8k``,
-``arithmetic``); :class:`RewardManager` scores a batch of decoded responses.
+``arithmetic``, ``calculator``); :class:`RewardManager` scores a batch of decoded responses.
 """
 
 from rltrain.rewards import math_answers as math_answers
+from rltrain.rewards import tool_use as tool_use
 from rltrain.rewards.manager import RewardManager, RewardOutput
 from rltrain.rewards.registry import (
     RewardResult,
