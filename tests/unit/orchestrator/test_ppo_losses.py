@@ -59,3 +59,30 @@ def test_critic_loss_matches_clipped_value_loss_by_hand():
     # (1,0): clip(2.2, 1.5, 2.5)=2.2 -> 0.64; (1,1) is padding.
     torch.testing.assert_close(loss, torch.tensor(0.5 * (0.25 + 1.0 + 0.64) / 3))
     torch.testing.assert_close(metrics["critic/vf_clipfrac"], torch.tensor(1 / 3))
+
+
+def test_tool_tokens_of_a_multi_turn_response_get_exactly_zero_gradient():
+    # response: model, model, tool, tool, model, padding (sampled mask 1 1 0 0 1 0)
+    sampled = torch.tensor([[1, 1, 0, 0, 1, 0]])
+    attended = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    batch = TokenBatch(
+        input_ids=torch.arange(8).view(1, 8),
+        attention_mask=torch.cat([torch.ones(1, 2, dtype=torch.long), attended], dim=1),
+        response_len=6,
+        old_logprobs=torch.full((1, 6), -1.0),
+        ref_logprobs=torch.full((1, 6), -1.2),
+        advantages=torch.tensor([[0.5, -0.3, 9.0, 9.0, 0.7, 0.0]]),
+        sampled_mask=sampled,
+    )
+    cfg = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    loss_fn = actor_loss_fn(cfg, GlobalCounts.of(batch.response_mask))
+    logprobs = torch.tensor([[-0.9, -1.1, -0.2, -3.0, -1.0, 0.0]], requires_grad=True)
+    entropy = torch.tensor([[2.0, 2.1, 0.5, 0.4, 1.9, 0.0]], requires_grad=True)
+    loss, metrics = loss_fn(ModelOutput(logprobs=logprobs, entropy=entropy), batch)
+    loss.backward()
+    assert logprobs.grad[0, 2:4].tolist() == [0.0, 0.0] and entropy.grad[0, 2:4].tolist() == [0.0, 0.0]
+    assert all(g != 0.0 for g in logprobs.grad[0, [0, 1, 4]].tolist())
+    # the token mean covers the three model tokens only: pg loss by hand (ratio within the clip range)
+    ratio = torch.exp(logprobs.detach() - batch.old_logprobs)[0, [0, 1, 4]]
+    expected_pg = float((-batch.advantages[0, [0, 1, 4]] * ratio).mean())
+    assert abs(float(metrics["actor/pg_loss"]) - expected_pg) < 1e-6
