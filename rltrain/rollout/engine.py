@@ -36,7 +36,7 @@ import torch
 from megatron_bridge.vllm_names import fused_group
 from rltrain.rollout import checksum, worker_fns
 from rltrain.rollout.direct_load import DirectLoader, direct_loader_for
-from rltrain.rollout.types import EngineSettings, RolloutOutput, SamplingConfig
+from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
 from rltrain.weight_sync.buckets import iter_buckets
 from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
@@ -64,6 +64,13 @@ def _bind_cpu_workers(tp: int) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
 
 
+def _prepare_worker_processes(tp: int) -> None:
+    """The process environment for workers in processes of their own: CPU sets, pickled functions."""
+    if not torch.cuda.is_available() and tp > 1:
+        _bind_cpu_workers(tp)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions in collective_rpc
+
+
 def _on_gpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -76,29 +83,34 @@ class RolloutEngine:
     def __init__(self, model_path: str, *, settings: EngineSettings | None = None) -> None:
         self.settings = settings or EngineSettings()
         self.model_path = str(model_path)
-        cuda = torch.cuda.is_available()
-        multiprocess = self.settings.multiprocess
-        tp = self.settings.tensor_model_parallel_size
-        # CPU: the model in this process at TP=1; TP>1 needs its workers in processes of their own.
-        self.in_process = (not cuda and tp == 1) if multiprocess is None else not multiprocess
-        if self.in_process and tp > 1:
-            raise ValueError(
-                f"an in-process engine runs TP=1; tensor_model_parallel_size={tp} needs multiprocess"
-            )
-        if not cuda and tp > 1:
-            _bind_cpu_workers(tp)
-        # Read by vLLM when the engine is built: one switch for this process, set before import use.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
-        if not self.in_process:
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # functions in collective_rpc
+        self.in_process = self._place_workers()
         from vllm import LLM
 
         self.on_gpu = _on_gpu()
         self.llm = LLM(model=self.model_path, **self._engine_kwargs())
         self.tokenizer = self.llm.get_tokenizer()
+        self._init_sleep_state()
+
+    def _init_sleep_state(self) -> None:
         self._sleep_warned = False
         self._asleep = False
         self._weights_awake = False  # asleep, but weights woken for a load (KV cache still released)
+
+    def _place_workers(self) -> bool:
+        """Whether the workers run in this process; sets the process environment vLLM reads for it."""
+        multiprocess = self.settings.multiprocess
+        tp = self.settings.tensor_model_parallel_size
+        # CPU: the model in this process at TP=1; TP>1 needs its workers in processes of their own.
+        in_process = (not torch.cuda.is_available() and tp == 1) if multiprocess is None else not multiprocess
+        if in_process and tp > 1:
+            raise ValueError(
+                f"an in-process engine runs TP=1; tensor_model_parallel_size={tp} needs multiprocess"
+            )
+        # Read by vLLM when the engine is built: one switch for this process, set before import use.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        if not in_process:
+            _prepare_worker_processes(tp)
+        return in_process
 
     def _engine_kwargs(self) -> dict[str, Any]:
         s = self.settings
@@ -141,7 +153,8 @@ class RolloutEngine:
             raise TypeError(f"a prompt must be non-empty token ids or chat messages, got {prompt!r:.80}")
         return list(prompt)  # type: ignore[arg-type]
 
-    def _sampling_params(self, sampling: SamplingConfig):
+    def _sampling_params(self, sampling: SamplingConfig, **extra: Any):
+        """vLLM's ``SamplingParams`` of ``sampling`` (``extra``: further ``SamplingParams`` fields)."""
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -154,6 +167,7 @@ class RolloutEngine:
             stop_token_ids=list(sampling.stop_token_ids) or None,
             seed=sampling.seed,
             logprobs=0,  # the sampled token's logprob only
+            **extra,
         )
 
     def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutOutput:
@@ -163,27 +177,7 @@ class RolloutEngine:
         prompt_ids = [self._prompt_ids(p) for p in prompts]
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids]
         outputs = self.llm.generate(requests, self._sampling_params(sampling), use_tqdm=False)
-        response_ids, response_logprobs, finish, stop = [], [], [], []
-        for request in outputs:
-            for sample in sorted(request.outputs, key=lambda o: o.index):
-                ids = list(sample.token_ids)
-                logprobs = [step[token].logprob for token, step in zip(ids, sample.logprobs or [])]
-                if len(logprobs) != len(ids):
-                    raise RuntimeError(
-                        f"request {request.request_id}: {len(ids)} tokens but {len(logprobs)} logprobs"
-                    )
-                response_ids.append(ids)
-                response_logprobs.append(logprobs)
-                finish.append(sample.finish_reason or "abort")
-                stop.append(sample.stop_reason)
-        return RolloutOutput(
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            response_logprobs=response_logprobs,
-            finish_reasons=finish,
-            n=sampling.n,
-            stop_reasons=stop,
-        )
+        return RolloutOutput.from_samples(prompt_ids, [samples_of(r) for r in outputs], n=sampling.n)
 
     # ---------------------------------------------------------------------------------- sleep / wake
 
@@ -321,6 +315,20 @@ class RolloutEngine:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
+
+
+def samples_of(request: Any) -> list[Sample]:
+    """The samples of a finished vLLM ``RequestOutput``, in sample index order."""
+    samples = []
+    for sample in sorted(request.outputs, key=lambda o: o.index):
+        ids = list(sample.token_ids)
+        logprobs = [step[token].logprob for token, step in zip(ids, sample.logprobs or [])]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(
+                f"request {request.request_id}: {len(ids)} tokens but {len(logprobs)} logprobs"
+            )
+        samples.append(Sample(ids, logprobs, sample.finish_reason or "abort", sample.stop_reason))
+    return samples
 
 
 class _Counter:

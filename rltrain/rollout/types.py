@@ -125,6 +125,23 @@ class SamplingConfig:
 FinishReason = Literal["stop", "length", "abort"]
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One sampled response of a request, as the engine returned it."""
+
+    token_ids: list[int]
+    """[response_len] sampled token ids, up to and including the EOS / stop token."""
+
+    logprobs: list[float]
+    """[response_len] log-probability of each sampled token under the engine's weights."""
+
+    finish_reason: str
+    """``stop``, ``length`` or ``abort`` (see ``RolloutOutput.finish_reasons``)."""
+
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended the sample; None for EOS or length."""
+
+
 @dataclass
 class RolloutOutput:
     """Result of one ``generate`` call over P prompts with n samples each (S = P·n samples).
@@ -165,6 +182,23 @@ class RolloutOutput:
     @property
     def num_samples(self) -> int:
         return len(self.response_ids)
+
+    @staticmethod
+    def from_samples(prompt_ids: list[list[int]], samples: list[list[Sample]], *, n: int) -> RolloutOutput:
+        """The output of ``prompt_ids[p]`` answered by ``samples[p]`` (n each, in sample index order)."""
+        if len(samples) != len(prompt_ids) or any(len(s) != n for s in samples):
+            raise ValueError(
+                f"{len(prompt_ids)} prompts need {n} samples each, got {[len(s) for s in samples]}"
+            )
+        flat = [sample for per_prompt in samples for sample in per_prompt]
+        return RolloutOutput(
+            prompt_ids=prompt_ids,
+            response_ids=[s.token_ids for s in flat],
+            response_logprobs=[s.logprobs for s in flat],
+            finish_reasons=[s.finish_reason for s in flat],
+            n=n,
+            stop_reasons=[s.stop_reason for s in flat],
+        )
 
     @staticmethod
     def concat(parts: list[RolloutOutput], *, n: int) -> RolloutOutput:
