@@ -1,0 +1,237 @@
+"""``AsyncRolloutEngine``: vLLM's ``AsyncLLM`` as the rollout engine, requests submitted one by one.
+
+Contract:
+- ``agenerate`` is one request (``sampling.n`` samples, in index order), a coroutine on the
+  engine's event loop ``loop``; the engine batches whatever requests are in flight continuously.
+  The agent loop runs its trajectories as coroutines on that loop (``run`` from sync code).
+- ``generate`` has ``RolloutEngine.generate``'s contract and results: every request goes through
+  ``agenerate`` at once. Results do not depend on the path: with a per-request seed the same prompts
+  and weights give the same tokens and logprobs as the offline engine (vLLM samples each request
+  with its own generator; outputs are collected with ``RequestOutputKind.FINAL_ONLY``, the only kind
+  whose final output of an n>1 request holds all n samples).
+- Weight sync, sleep/wake, prefix-cache reset and digests are ``RolloutEngine``'s code, run on a
+  blocking view of the ``AsyncLLM`` (``_BlockingCalls``). ``AsyncLLM`` keeps its engine core in a
+  process of its own, so this engine is always multi-process: weights take the remote path of
+  ``receive`` (``worker_fns.load_regions`` through ``collective_rpc``; a serialized blob on CPU,
+  CUDA IPC on GPU).
+- Every wait is bounded: control calls (start, RPCs, cache reset, sleep/wake, shutdown) by a
+  timeout, generation by the engine's liveness (checked every ``_POLL_S``); a dead engine core or a
+  timeout raises an error naming the engine and what was awaited, never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from rltrain.rollout.engine import Prompt, RolloutEngine, _on_gpu, _prepare_worker_processes, samples_of
+from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
+
+T = TypeVar("T")
+
+START_TIMEOUT_S = 600.0
+"""Engine start (engine core process up, model loaded, KV cache allocated)."""
+
+CONTROL_TIMEOUT_S = 600.0
+"""One control call: a weight bucket or digest RPC, a cache reset, sleep / wake_up, shutdown."""
+
+_POLL_S = 0.5
+"""How often a wait without a deadline checks that the engine is alive."""
+
+
+class AsyncRolloutEngine(RolloutEngine):
+    """One ``AsyncLLM`` (engine core and workers in their own processes) on a background event loop."""
+
+    def __init__(self, model_path: str, *, settings: EngineSettings | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        self.model_path = str(model_path)
+        self.in_process = self._place_workers()
+        self.on_gpu = _on_gpu()
+        self._request_ids = itertools.count()
+        self.async_llm: Any = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="rltrain-async-engine", daemon=True)
+        self._thread.start()
+        try:
+            self.async_llm = self.run(self._start(), timeout_s=START_TIMEOUT_S, what="the engine start")
+        except BaseException:
+            self._stop_loop(join_timeout_s=5.0)  # a start still blocking the loop is left to exit
+            raise
+        self.llm = _BlockingCalls(self)
+        self.tokenizer = self.async_llm.get_tokenizer()
+        self._init_sleep_state()
+
+    def _place_workers(self) -> bool:
+        if self.settings.multiprocess is False:
+            raise ValueError(
+                "rollout.engine=async runs vLLM's engine core in a process of its own; "
+                "EngineSettings.multiprocess=False is the offline engine's in-process mode"
+            )
+        _prepare_worker_processes(self.settings.tensor_model_parallel_size)
+        import vllm.envs
+
+        if not vllm.envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+            # An in-process engine started earlier in this process froze vLLM's environment
+            # (``enable_envs_cache``) before the switch was set; weight loads need it read live.
+            vllm.envs.disable_envs_cache()
+        return False
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _start(self) -> Any:
+        # Built on the loop so that AsyncLLM starts its output handler on it.
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(model=self.model_path, disable_log_stats=True, **self._engine_kwargs())
+        return AsyncLLM.from_engine_args(args)
+
+    # ---------------------------------------------------------------------------------- the loop
+
+    def _describe(self) -> str:
+        return f"async rollout engine ({self.model_path})"
+
+    def _dead(self) -> bool:
+        return not self._thread.is_alive() or (self.async_llm is not None and self.async_llm.errored)
+
+    def run(self, coro: Coroutine[Any, Any, T], *, timeout_s: float | None = None, what: str = "a call") -> T:
+        """Run ``coro`` on the engine loop from sync code and return its result. ``timeout_s`` None
+        waits as long as the engine lives; a timeout raises ``TimeoutError`` naming ``what``."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(f"{self._describe()}: run() called on the engine loop; await {what} instead")
+        if not self._thread.is_alive():
+            coro.close()
+            raise RuntimeError(f"{self._describe()}: the engine is shut down; cannot run {what}")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+            done, _ = concurrent.futures.wait([future], timeout=left)
+            if done:
+                return self._result(future, what)
+            if self._dead():
+                future.cancel()
+                raise RuntimeError(f"{self._describe()}: the engine died while waiting for {what}")
+            if deadline is not None and time.monotonic() >= deadline:
+                future.cancel()
+                raise TimeoutError(f"{self._describe()}: {what} did not finish within {timeout_s:g} s")
+
+    def _result(self, future: concurrent.futures.Future, what: str) -> Any:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return future.result()
+        except EngineDeadError as err:
+            raise RuntimeError(f"{self._describe()}: the engine core died during {what}") from err
+
+    # ------------------------------------------------------------------------------- generation
+
+    async def agenerate(
+        self, prompt_ids: list[int], sampling: SamplingConfig, *, request_id: str
+    ) -> list[Sample]:
+        """Sample ``sampling.n`` responses to ``prompt_ids`` (in index order); call on ``self.loop``.
+        ``request_id`` must be unique among the requests in flight."""
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if asyncio.get_running_loop() is not self.loop:
+            raise RuntimeError(f"{self._describe()}: agenerate({request_id!r}) must run on engine.loop")
+        if self._asleep:
+            raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
+        params = self._sampling_params(sampling, output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        try:
+            async for out in self.async_llm.generate(
+                {"prompt_token_ids": list(prompt_ids)}, params, request_id=request_id
+            ):
+                final = out
+        except EngineDeadError as err:
+            raise RuntimeError(
+                f"{self._describe()}: the engine core died during request {request_id!r}"
+            ) from err
+        if final is None or not final.finished:
+            raise RuntimeError(f"{self._describe()}: request {request_id!r} ended without a final output")
+        return samples_of(final)
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutOutput:
+        """``RolloutEngine.generate`` with every request in flight at once through ``agenerate``."""
+        prompt_ids = [self._prompt_ids(p) for p in prompts]
+        batch = next(self._request_ids)
+
+        async def all_requests() -> list[list[Sample]]:
+            requests = [
+                self.agenerate(ids, sampling, request_id=f"generate-{batch}-{i}")
+                for i, ids in enumerate(prompt_ids)
+            ]
+            return list(await asyncio.gather(*requests))
+
+        samples = self.run(all_requests(), what=f"generate() of {len(prompt_ids)} prompts")
+        return RolloutOutput.from_samples(prompt_ids, samples, n=sampling.n)
+
+    # ------------------------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its workers, then the loop (the engine is unusable afterwards)."""
+        if self.async_llm is None or not self._thread.is_alive():
+            return
+
+        async def stop() -> None:  # on the loop: AsyncLLM closes its sockets and tasks there
+            self.async_llm.shutdown(timeout=CONTROL_TIMEOUT_S)
+
+        # no liveness check here: a dead engine is shut down too
+        future = asyncio.run_coroutine_threadsafe(stop(), self.loop)
+        try:
+            future.result(timeout=CONTROL_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"{self._describe()}: the engine shutdown did not finish within {CONTROL_TIMEOUT_S:g} s"
+            ) from None
+        finally:
+            self._stop_loop(join_timeout_s=CONTROL_TIMEOUT_S)
+
+    def _stop_loop(self, *, join_timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=join_timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class _BlockingCalls:
+    """The ``AsyncLLM`` calls ``RolloutEngine`` makes on ``self.llm``, each run on the engine loop
+    and bounded by ``CONTROL_TIMEOUT_S``."""
+
+    def __init__(self, engine: AsyncRolloutEngine) -> None:
+        self._engine = engine
+
+    def _call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        return self._engine.run(coro, timeout_s=CONTROL_TIMEOUT_S, what=what)
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        rpc = self._engine.async_llm.collective_rpc(
+            method, timeout=CONTROL_TIMEOUT_S, args=args, kwargs=kwargs
+        )
+        return self._call(rpc, f"collective_rpc({name})")
+
+    def reset_prefix_cache(self) -> None:
+        if not self._call(self._engine.async_llm.reset_prefix_cache(), "the prefix-cache reset"):
+            # vLLM refuses while requests run: their cached blocks would outlive the weights they hold
+            raise RuntimeError(
+                f"{self._engine._describe()}: prefix-cache reset refused while requests are running; "
+                "load weights between generations"
+            )
+
+    def sleep(self, level: int = 1) -> None:
+        self._call(self._engine.async_llm.sleep(level), f"sleep(level={level})")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call(self._engine.async_llm.wake_up(tags), f"wake_up(tags={tags})")

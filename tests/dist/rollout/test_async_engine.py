@@ -1,0 +1,221 @@
+"""``AsyncRolloutEngine`` (a real ``AsyncLLM``, engine core in its own process) against the offline
+in-process ``RolloutEngine`` as the independent reference: the same samples bit for bit, concurrent
+requests equal to one at a time, weight loads (digests of the tensors loaded, prefix cache reset),
+sleep/wake on CPU, timeouts and a dead engine core that raise instead of hanging.
+
+One async and one offline engine serve the module (``import vllm`` and the starts cost ~40 s here);
+the weight test restores the checkpoint's weights in both before it returns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from rltrain.rollout.types import EngineSettings, SamplingConfig
+
+pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.slow]
+
+SETTINGS = EngineSettings(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=16)
+PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150], [1, 340, 202, 371, 296, 224, 21], [11, 12, 13]]
+SAMPLED = SamplingConfig(temperature=1.0, n=3, response_length=16, seed=7)
+GREEDY = SamplingConfig(temperature=0.0, response_length=10)
+LONG_PROMPT = [3 + (7 * i) % 390 for i in range(200)]  # spans full KV blocks: cacheable prefix
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from rltrain.models.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def weights(model_dir) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    from megatron_bridge.vllm_names import grouped_order
+
+    return grouped_order(load_file(str(model_dir / "model.safetensors")).items())
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """The reference, started first: its in-process engine freezes vLLM's environment in this
+    process, the case the async engine must cope with when both share a process."""
+    from rltrain.rollout.engine import RolloutEngine
+
+    eng = RolloutEngine(str(model_dir), settings=SETTINGS)
+    assert eng.in_process
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, offline):
+    from rltrain.rollout.async_engine import AsyncRolloutEngine
+
+    start = time.perf_counter()
+    eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
+    print(f"AsyncRolloutEngine start: {time.perf_counter() - start:.1f} s")
+    assert not eng.in_process
+    yield eng
+    eng.shutdown()
+
+
+def samples(out) -> list[tuple]:
+    return list(zip(out.response_ids, out.response_logprobs, out.finish_reasons, out.stop_reasons))
+
+
+def test_generate_equals_offline_engine_bit_for_bit(engine, offline):
+    chat = [{"role": "user", "content": "What is 12 + 7?"}]
+    prompts = [*PROMPTS, chat]
+    ref = offline.generate(prompts, SAMPLED)
+    # a stop token the samples reach: some end on it ("stop"), others run to the length limit
+    stop_token = ref.response_ids[0][5]
+    sampling = SamplingConfig(temperature=1.0, n=3, response_length=16, seed=7, stop_token_ids=(stop_token,))
+    ref = offline.generate(prompts, sampling)
+    out = engine.generate(prompts, sampling)
+    assert out.prompt_ids == ref.prompt_ids and out.prompt_ids[-1] == offline.apply_chat_template(chat)
+    assert out.n == 3 and out.num_samples == 3 * len(prompts)
+    assert samples(out) == samples(ref)  # token ids, logprobs (floats compared exactly), finish, stop
+    assert {"stop", "length"} <= set(out.finish_reasons) and stop_token in out.stop_reasons
+    assert out.response_ids[0] != out.response_ids[1]  # sampled, not greedy
+
+
+def test_many_concurrent_requests_equal_one_at_a_time(engine):
+    requests = [
+        (prompt, SamplingConfig(temperature=1.0, n=2, response_length=12, seed=seed))
+        for prompt in PROMPTS
+        for seed in (1, 2, 3, 4)
+    ]
+    assert len(requests) == 16
+
+    async def concurrent():
+        calls = [engine.agenerate(p, s, request_id=f"concurrent-{i}") for i, (p, s) in enumerate(requests)]
+        return await asyncio.gather(*calls)
+
+    async def one_at_a_time():
+        return [await engine.agenerate(p, s, request_id=f"serial-{i}") for i, (p, s) in enumerate(requests)]
+
+    together = engine.run(concurrent(), timeout_s=120, what="16 concurrent requests")
+    alone = engine.run(one_at_a_time(), timeout_s=120, what="16 requests one at a time")
+    assert together == alone
+    assert all(len(s) == 2 for s in together)
+    assert len({tuple(s[0].token_ids) for s in together}) > 8  # seeds and prompts give distinct samples
+
+
+def greedy_with_cache_hits(engine, prompt: list[int]) -> tuple[int, tuple]:
+    """One greedy request: (prompt tokens the engine took from its prefix cache, the sample)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    from rltrain.rollout.engine import samples_of
+
+    params = engine._sampling_params(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one():
+        final = None
+        async for out in engine.async_llm.generate({"prompt_token_ids": prompt}, params, request_id="cache"):
+            final = out
+        return final
+
+    final = engine.run(one(), timeout_s=60, what="a prefix-cache probe")
+    (sample,) = samples_of(final)
+    return final.num_cached_tokens, (
+        sample.token_ids,
+        sample.logprobs,
+        sample.finish_reason,
+        sample.stop_reason,
+    )
+
+
+def test_weight_load_equals_offline_engine_and_resets_prefix_cache(engine, offline, weights):
+    from rltrain.weight_sync import checksum
+
+    prompts = [*PROMPTS, LONG_PROMPT]
+    before = engine.generate(prompts, GREEDY)
+    assert samples(before) == samples(offline.generate(prompts, GREEDY))
+    assert greedy_with_cache_hits(engine, LONG_PROMPT)[0] > 0  # the long prompt's blocks are cached now
+    gen = torch.Generator().manual_seed(11)
+    new = [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in weights]
+    try:
+        stats = engine.load_weights(new, bucket_bytes=64 << 10)  # several buckets, each a blob RPC
+        offline.load_weights(new)
+        assert stats.num_tensors == len(new) and stats.num_buckets > 1
+        assert stats.num_bytes == sum(t.numel() * 4 for _, t in new)
+        assert checksum.compare_digests(checksum.digests(new), engine.weights_digests()) == []
+        assert engine.all_weights_digests() == [checksum.digests(new)]
+        # the first request after the load finds no cached blocks (stale KV would skew its logprobs).
+        # Both engines then run the same batches afresh: a cache hit, or the long prompt batched
+        # with others instead of alone, changes its floats in the last bits.
+        hits, long_after = greedy_with_cache_hits(engine, LONG_PROMPT)
+        assert hits == 0
+        assert [long_after] == samples(offline.generate([LONG_PROMPT], GREEDY))
+        after = engine.generate(PROMPTS, GREEDY)
+        assert samples(after) == samples(offline.generate(PROMPTS, GREEDY))
+        assert after.response_ids != before.response_ids[: len(PROMPTS)]
+        assert samples(engine.generate(PROMPTS, SAMPLED)) == samples(offline.generate(PROMPTS, SAMPLED))
+    finally:
+        engine.load_weights(weights)
+        offline.load_weights(weights)
+    assert engine.weights_digests() == checksum.digests(weights)
+    assert samples(engine.generate(prompts, GREEDY)) == samples(before)  # restored bit for bit
+
+
+def test_sleep_and_wake_up_on_cpu_are_the_logged_noop(engine, caplog):
+    before = engine.generate(PROMPTS, SAMPLED)
+    with caplog.at_level(logging.INFO, logger="rltrain.rollout.engine"):
+        engine.sleep()
+        engine.wake_up()
+        engine.sleep(level=2)
+        engine.wake_up()
+    messages = [r.getMessage() for r in caplog.records if "sleep" in r.getMessage()]
+    assert len(messages) == 1 and "unsupported on CPU; skipped" in messages[0]
+    assert samples(engine.generate(PROMPTS, SAMPLED)) == samples(before)  # still serving, same samples
+
+
+def test_run_timeout_names_what_it_waited_for(engine):
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"a ten-second nap did not finish within 0\.2 s"):
+        engine.run(asyncio.sleep(10), timeout_s=0.2, what="a ten-second nap")
+    assert time.perf_counter() - start < 2.0
+    with pytest.raises(RuntimeError, match=r"must run on engine\.loop"):
+        asyncio.run(engine.agenerate(PROMPTS[0], GREEDY, request_id="elsewhere"))
+    assert engine.generate([PROMPTS[0]], GREEDY).finish_reasons == ["length"]  # the loop is free
+
+
+def test_dead_engine_core_raises_naming_the_engine(model_dir, engine):
+    """A second engine (the shared one keeps serving): its engine core is killed mid-generation."""
+    from rltrain.rollout.async_engine import AsyncRolloutEngine
+
+    doomed = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
+    outcome: dict[str, BaseException] = {}
+
+    def generate() -> None:
+        try:
+            doomed.generate(PROMPTS * 4, SamplingConfig(temperature=1.0, n=4, response_length=240, seed=1))
+        except BaseException as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(1.0)
+    (core,) = doomed.async_llm.engine_core.resources.engine_manager.processes
+    os.kill(core.pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "generate() hung after the engine core died"
+    assert isinstance(outcome.get("error"), RuntimeError), outcome
+    assert f"async rollout engine ({model_dir})" in str(outcome["error"])
+    assert "died" in str(outcome["error"])
+    with pytest.raises(RuntimeError, match="died"):
+        doomed.generate([PROMPTS[0]], GREEDY)
+    start = time.perf_counter()
+    doomed.shutdown()
+    assert time.perf_counter() - start < 30
+    assert engine.generate([PROMPTS[0]], GREEDY).finish_reasons == ["length"]
