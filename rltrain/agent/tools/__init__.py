@@ -9,11 +9,13 @@ or ray.
 from .base import ERROR_KINDS, ParsedTurn, Tool, ToolCall, ToolResult
 from .calculator import CalculatorTool
 from .parser import get_parser, parse_hermes
+from .sandbox import PythonSandboxTool
 
 __all__ = [
     "ERROR_KINDS",
     "CalculatorTool",
     "ParsedTurn",
+    "PythonSandboxTool",
     "Tool",
     "ToolCall",
     "ToolResult",
