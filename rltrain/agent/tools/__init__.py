@@ -9,6 +9,7 @@ or ray.
 from .base import ERROR_KINDS, ParsedTurn, Tool, ToolCall, ToolResult
 from .calculator import CalculatorTool
 from .parser import get_parser, parse_hermes
+from .registry import ToolSet, load_tool_config, register_tool, registered_tools
 from .sandbox import PythonSandboxTool
 
 __all__ = [
@@ -19,6 +20,10 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolResult",
+    "ToolSet",
     "get_parser",
+    "load_tool_config",
     "parse_hermes",
+    "register_tool",
+    "registered_tools",
 ]
