@@ -49,10 +49,9 @@ def parse_hermes(text: str) -> ParsedTurn:
 def _hermes_call(body: str, *, raw: str, number: int) -> ToolCall | str:
     """The call one block holds, or the message saying what is wrong with it."""
     where = f"tool call {number}"
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return f"{where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    obj = _decode(body)
+    if isinstance(obj, json.JSONDecodeError):
+        return f"{where} is not valid JSON ({obj.msg} at line {obj.lineno} column {obj.colno})"
     if not isinstance(obj, dict):
         return f'{where} must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {_json_type(obj)}'
     name = obj.get("name")
@@ -60,13 +59,20 @@ def _hermes_call(body: str, *, raw: str, number: int) -> ToolCall | str:
         return f'{where} has no "name" (a non-empty string naming the tool)'
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            return f'{where} ({name}): "arguments" is a string that is not valid JSON ({e.msg})'
+        arguments = _decode(arguments)
+        if isinstance(arguments, json.JSONDecodeError):
+            return f'{where} ({name}): "arguments" is a string that is not valid JSON ({arguments.msg})'
     if not isinstance(arguments, dict):
         return f'{where} ({name}): "arguments" must be a JSON object, got {_json_type(arguments)}'
     return ToolCall(name=name, arguments=arguments, raw=raw)
+
+
+def _decode(text: str) -> Any:
+    """The JSON value ``text`` holds, or the error saying why it holds none."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return e
 
 
 def _json_type(value: Any) -> str:

@@ -8,7 +8,7 @@ space (``memory_mb``, ``RLIMIT_AS``), size of a written file (``file_size_mb``, 
 and output: stdout and stderr together, read until ``max_output_chars`` characters, when the
 program is stopped. The code gets a fresh environment (none of the trainer's variables) and an
 empty stdin. The interpreter is the trainer's own (``sys.executable -I``): its installed packages
-can be imported.
+can be imported. Reading files is not restricted: the code may read what the trainer's user may.
 
 Barriers: an audit hook installed before the code runs refuses network access, processes, writes
 outside the scratch directory and the ways around those (``forbidden``), and, where the kernel
