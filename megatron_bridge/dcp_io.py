@@ -9,7 +9,9 @@ whatever layout wrote them. Only the stored chunks that overlap are read, each o
 the region plus the largest overlapping stored chunk. ``pad_rows=True`` lets the region run past
 the stored rows of dimension 0 (a vocabulary padded for another TP size); those rows are zeros.
 Unknown keys, regions outside the tensor and regions the stored chunks do not cover raise naming
-the key and the directory.
+the key and the directory. An unreadable ``.metadata``, a shard file that is missing or shorter than
+the metadata says (checked when the reader opens), and stored bytes that do not load (an overwritten
+shard, found when read) raise ``errors.CheckpointError`` naming the file.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron_bridge.errors import CheckpointError
 
 
 class _IntoTensor:
@@ -53,8 +57,29 @@ class DistCheckpointReader:
         if not (self.directory / ".metadata").exists():
             raise FileNotFoundError(f"{self.directory}: no .metadata (not a torch_dist Megatron checkpoint)")
         self._reader = FileSystemReader(str(self.directory))
-        self.metadata = self._reader.read_metadata()
+        try:
+            self.metadata = self._reader.read_metadata()
+        except Exception as err:  # a garbled pickle raises any of several types; name the file
+            raise CheckpointError(
+                f"{self.directory / '.metadata'}: unreadable ({_first_line(err)})"
+            ) from None
         self._reader.set_up_storage_reader(self.metadata, True)
+        self._check_files()
+
+    def _check_files(self) -> None:
+        """Every shard file the metadata names exists and holds the bytes it places there."""
+        needed: dict[str, int] = {}
+        for info in self.metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            path = self.directory / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (the checkpoint's .metadata places tensors in it)")
+            if path.stat().st_size < size:
+                raise CheckpointError(
+                    f"{path}: truncated: {path.stat().st_size} bytes, the checkpoint's .metadata "
+                    f"places tensor data up to byte {size}"
+                )
 
     def keys(self) -> list[str]:
         """Keys of the stored tensors (objects such as RNG states and extra states excluded)."""
@@ -96,10 +121,22 @@ class DistCheckpointReader:
             key, md, [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(stored))]
         )
         planner = _IntoTensor(target)
-        self._reader.read_data(LoadPlan(items), planner).wait()
+        try:
+            self._reader.read_data(LoadPlan(items), planner).wait()
+        except Exception as err:  # bytes that do not unpickle (an overwritten shard): name the files
+            files = sorted({self.metadata.storage_data[item.storage_index].relative_path for item in items})
+            raise CheckpointError(
+                f"{', '.join(str(self.directory / f) for f in files)}: cannot read {key!r}: its "
+                f"stored bytes do not load ({type(err).__name__}); the file is damaged"
+            ) from None
         if planner.filled != target.numel():
             raise ValueError(
                 f"{self.directory}: the stored chunks of {key!r} cover {planner.filled} of the "
                 f"{target.numel()} elements of region {tuple(offsets)}+{tuple(stored)}"
             )
         return out
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__

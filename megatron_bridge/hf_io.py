@@ -4,7 +4,8 @@ Contract:
 - ``HFCheckpointReader(dir)`` opens ``model.safetensors.index.json`` (sharded) or the directory's
   ``*.safetensors`` files, parses only their headers, and reads a tensor (or a block of dim-0 rows)
   with plain positioned reads into a fresh tensor: no mmap, so resident memory stays about one
-  tensor, whatever the checkpoint size.
+  tensor, whatever the checkpoint size. A file that is not safetensors, or is shorter than its
+  header says, or an index naming a missing shard, raises ``errors.CheckpointError`` naming it.
 - ``SafetensorsWriter(dir, plan)`` writes a checkpoint whose tensor names, shapes and dtypes are
   known up front (``plan``): headers are written first, each tensor goes to its offset when it
   arrives (any order), shards are cut at ``max_shard_bytes`` and an index json written when there
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from megatron_bridge.errors import CheckpointError
 
 DTYPES = {
     "F64": torch.float64,
@@ -79,22 +82,71 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+    """The tensors a safetensors file holds; raises ``CheckpointError`` naming ``path`` for a file that
+    is not one (too short, a header that is not JSON or not a tensor table) or is truncated (its
+    header places data past the end of the file)."""
+    try:
+        file_size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+            raw = f.read(size) if size is not None and size <= file_size - 8 else b""
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read it ({err.strerror or err})") from None
+    if size is None:
+        raise CheckpointError(f"{path}: not a safetensors file ({file_size} bytes, no 8-byte header length)")
+    if size > file_size - 8:
+        raise CheckpointError(
+            f"{path}: not a safetensors file (header length {size} > the file's {file_size} bytes)"
+        )
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"{path}: not a safetensors file (its {size}-byte header is not JSON: {err})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not a table of tensors)")
     header.pop("__metadata__", None)
     out = {}
+    data_end = 0
     for name, meta in header.items():
-        if meta["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {meta['dtype']}")
-        begin, end = meta["data_offsets"]
-        info = TensorInfo(path, DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + size + begin)
+        try:
+            dtype, shape, (begin, end) = (
+                meta["dtype"],
+                tuple(int(n) for n in meta["shape"]),
+                meta["data_offsets"],
+            )
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry {str(meta)[:200]}"
+            ) from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        info = TensorInfo(path, DTYPES[dtype], shape, 8 + size + begin)
         if info.nbytes != end - begin:
-            raise ValueError(
+            raise CheckpointError(
                 f"{path}: tensor {name!r} header size {end - begin} != shape×dtype {info.nbytes}"
             )
         out[name] = info
+        data_end = max(data_end, end)
+    if 8 + size + data_end > file_size:
+        raise CheckpointError(
+            f"{path}: truncated: {file_size} bytes, its header places tensor data up to byte {8 + size + data_end}"
+        )
     return out
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard files an HF index names; raises ``CheckpointError`` naming the index or a missing shard."""
+    try:
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{index}: not an HF index (no readable weight_map: {err})") from None
+    for name in files:
+        if not (index.parent / name).is_file():
+            raise CheckpointError(f"{index} lists {name}, which is missing from {index.parent}")
+    return files
 
 
 class HFCheckpointReader:
@@ -104,8 +156,7 @@ class HFCheckpointReader:
         self.directory = Path(directory)
         index = self.directory / INDEX
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            paths = [self.directory / f for f in files]
+            paths = [self.directory / f for f in _index_files(index)]
         else:
             paths = sorted(self.directory.glob("*.safetensors"))
         if not paths:
@@ -148,7 +199,7 @@ class HFCheckpointReader:
         with open(info.file, "rb") as f:
             f.seek(info.begin + start * row_bytes)
             if f.readinto(memoryview(buffer)) != buffer.nbytes:
-                raise OSError(f"{info.file}: short read of tensor {name!r}")
+                raise CheckpointError(f"{info.file}: truncated: short read of tensor {name!r}")
         return out
 
 

@@ -22,6 +22,7 @@ import torch
 
 from megatron_bridge.bridge import Bridge, Unit
 from megatron_bridge.dcp_io import DistCheckpointReader
+from megatron_bridge.errors import CheckpointError
 from megatron_bridge.hf_io import TensorInfo
 from megatron_bridge.registry import get_family
 
@@ -43,7 +44,10 @@ class MegatronCheckpointView:
             raise KeyError(f"{self.directory}: no checkpoint location for Megatron parameters {missing[:20]}")
         absent = sorted({locations[n][0] for n in base.megatron_names()} - set(self.stored.keys()))
         if absent:
-            raise KeyError(f"{self.directory}: the checkpoint has no tensors {absent[:20]}")
+            raise CheckpointError(
+                f"{self.directory}: the checkpoint has no tensors {absent[:20]} that the model of its HF "
+                "config needs (was it saved from another model?)"
+            )
         rows = self.stored.shape(locations[_EMBED][0])[len(locations[_EMBED][1])]
         self.bridge = Bridge(get_family(base.dims.model_type), base.dims.with_padded_vocab(rows))
         self._infos = {name: info for unit in self._units() for name, info in self._unit_infos(unit)}

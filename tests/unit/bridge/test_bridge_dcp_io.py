@@ -7,6 +7,7 @@ read back in tests/dist/bridge (TP=2 checkpoints converted at TP=1).
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from megatron_bridge.convert import reshard_source
 from megatron_bridge.dcp_io import DistCheckpointReader
+from megatron_bridge.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +65,48 @@ def test_reshard_source_pads_the_vocab_and_rejects_other_shape_changes(saved):
     region = SimpleNamespace(key=fc1, offsets=(0, 0, 0), sizes=(1, 8, 5), global_shape=(4, 8, 5))
     with pytest.raises(ValueError, match=r"'decoder.layers.mlp.linear_fc1.weight' is stored as \(3, 8, 5\)"):
         source(region, torch.empty(1, 8, 5, device="meta"))
+
+
+@pytest.fixture
+def damaged(saved, tmp_path):
+    """A copy of the saved checkpoint, and its one shard file."""
+    path, _ = saved
+    copy = tmp_path / "step"
+    shutil.copytree(path, copy)
+    (shard,) = copy.glob("*.distcp")
+    return copy, shard
+
+
+def test_a_truncated_or_missing_shard_is_named_when_the_reader_opens(damaged):
+    path, shard = damaged
+    size = shard.stat().st_size
+    with shard.open("r+b") as f:
+        f.truncate(size - 10)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{shard}: truncated: {size - 10} bytes, the checkpoint's \.metadata places tensor data up to byte {size}",
+    ):
+        DistCheckpointReader(path)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"^{shard}: missing"):
+        DistCheckpointReader(path)
+
+
+def test_garbled_metadata_is_named(damaged):
+    path, _ = damaged
+    raw = bytearray((path / ".metadata").read_bytes())
+    raw[: len(raw) // 2] = bytes(len(raw) // 2)
+    (path / ".metadata").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"^{path / '.metadata'}: unreadable \("):
+        DistCheckpointReader(path)
+
+
+def test_an_overwritten_shard_names_the_file_and_the_tensor_when_read(damaged):
+    path, shard = damaged
+    reader = DistCheckpointReader(path)
+    shard.write_bytes(bytes(shard.stat().st_size))  # same size, zeros: only reading finds it
+    key = "embedding.word_embeddings.weight"
+    with pytest.raises(
+        CheckpointError, match=rf"^{shard}: cannot read '{key}': its stored bytes do not load"
+    ):
+        reader.read(key, (0, 0), (6, 4))
