@@ -31,6 +31,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_bridge.family import ArchitectureFacts, MoEFacts, config_value
+from megatron_bridge.layout import layout_problems
 from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.local_spec import local_block_spec
@@ -65,28 +66,15 @@ def architecture_facts(hf_config: Any) -> ArchitectureFacts:
 
 def validate_layout(hf_config: Any, parallel: ParallelConfig, *, moe: MoEFacts | None) -> list[str]:
     """Problems of running ``hf_config`` (with experts ``moe``) at ``parallel``, each naming both numbers."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    vpp = parallel.virtual_pipeline_model_parallel_size or 1
-    ep = parallel.expert_model_parallel_size
-    etp = parallel.expert_tensor_parallel_size or tp
-    checks = [
-        ("tensor_model_parallel_size", tp, "num_attention_heads", hf_config.num_attention_heads),
-        ("tensor_model_parallel_size", tp, "num_key_value_heads", _kv_heads(hf_config)),
-        (
-            "pipeline_model_parallel_size × virtual",
-            pp * vpp,
-            "num_hidden_layers",
-            hf_config.num_hidden_layers,
-        ),
-    ]
-    if moe:
-        checks.append(("expert_model_parallel_size", ep, "num_experts", moe.num_experts))
-        checks.append(("expert_tensor_parallel_size", etp, "moe_intermediate_size", moe.ffn_hidden_size))
-    else:
-        checks.append(("tensor_model_parallel_size", tp, "intermediate_size", hf_config.intermediate_size))
-        if ep > 1:
-            checks.append(("expert_model_parallel_size", ep, "num_experts", 0))
-    return [f"{lhs}={a} does not divide {rhs}={b}" for lhs, a, rhs, b in checks if b == 0 or b % a]
+    return layout_problems(
+        hf_config,
+        tp=parallel.tensor_model_parallel_size,
+        pp=parallel.pipeline_model_parallel_size,
+        vpp=parallel.virtual_pipeline_model_parallel_size or 1,
+        ep=parallel.expert_model_parallel_size,
+        etp=parallel.expert_tensor_parallel_size,
+        moe=moe,
+    )
 
 
 def _kv_heads(hf_config: Any) -> int:
