@@ -19,6 +19,7 @@ CORE = [
     "ray[default]>=2.50,<3",
     "transformers>=5.16.1,<5.20",
     "pyyaml>=6.0",
+    "jsonschema>=4.18",  # tool argument schemas (rltrain.agent.tools)
     "tensorboard>=2.15",
     "safetensors>=0.4",
     "numpy>=1.26",
