@@ -12,7 +12,6 @@ most :data:`NOTE_CHARS` characters of notes and error lines the tool adds (see :
 from __future__ import annotations
 
 import copy
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -91,10 +90,6 @@ class ToolResult:
     def failure(cls, kind: str, text: str, *, seconds: float = 0.0) -> ToolResult:
         """A failed call of ``kind`` whose text is ``text`` (the caller writes the ``error:`` line)."""
         return cls(text=text, ok=False, error_kind=kind, seconds=seconds)
-
-    def timed(self, seconds: float) -> ToolResult:
-        """This result with ``seconds`` replaced."""
-        return dataclasses.replace(self, seconds=seconds)
 
 
 def cut_output(text: str, max_chars: int) -> tuple[str, bool]:
