@@ -15,13 +15,14 @@ to the outcome score the reward function gives the whole response at its last mo
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from rltrain.agent.classes import lookup_class
 
 
 @dataclass(frozen=True)
@@ -92,16 +93,11 @@ def load_interaction(path: str | Path) -> Interaction:
 
 
 def _resolve(class_name: str, where: str) -> type[Interaction]:
-    if class_name in _REGISTRY:
-        return _REGISTRY[class_name]
-    module, _, attr = class_name.rpartition(".")
-    cls = None
-    if module:
-        try:
-            cls = getattr(importlib.import_module(module), attr, None)
-        except ImportError:
-            cls = None
-    if not (isinstance(cls, type) and issubclass(cls, Interaction)):
+    try:
+        cls = lookup_class(class_name, _REGISTRY, Interaction)
+    except ImportError:
+        cls = None
+    if cls is None:
         raise InteractionConfigError(
             f"{where}: interaction[0].class_name {class_name!r} is neither a registered interaction "
             f"({', '.join(registered_interactions())}) nor an importable Interaction subclass"

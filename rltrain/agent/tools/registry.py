@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import importlib
 import inspect
 import logging
 import time
@@ -33,6 +32,7 @@ import jsonschema
 import jsonschema.exceptions
 import yaml
 
+from rltrain.agent.classes import lookup_class
 from rltrain.config.recipe import ConfigError
 
 from .base import NOTE_CHARS, Tool, ToolCall, ToolResult, cut_output
@@ -211,16 +211,12 @@ def _build_tool(entry: Any, key: str) -> Tool:
 
 
 def _resolve_class(name: str, key: str) -> type[Tool]:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    module, _, attr = name.rpartition(".")
-    cls = None
-    if module:
-        try:
-            cls = getattr(importlib.import_module(module), attr, None)
-        except ImportError as err:
-            raise ConfigError([f"{key}: cannot import {module!r} for {name!r}: {err}"]) from None
-    if not (isinstance(cls, type) and issubclass(cls, Tool)):
+    try:
+        cls = lookup_class(name, _REGISTRY, Tool)
+    except ImportError as err:
+        module = name.rpartition(".")[0]
+        raise ConfigError([f"{key}: cannot import {module!r} for {name!r}: {err}"]) from None
+    if cls is None:
         close = difflib.get_close_matches(name, _REGISTRY, n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
