@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from rltrain.config import ConfigError
     from rltrain.doctor import EnvironmentMismatch
+    from rltrain.errors import RunStopped
     from rltrain.logging.console import terminal
     from rltrain.orchestrator.checkpoints import CheckpointError
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, EnvironmentMismatch) as err:
         print(f"rltrain {args.command}: {err}", file=terminal().err)
         return 2
-    except CheckpointError as err:  # a save or resume that cannot go on: one line, the cause chained
+    except (CheckpointError, RunStopped) as err:  # a run that cannot go on: one line naming why
         print(f"rltrain {args.command}: {err}", file=terminal().err)
         return 1
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rltrain.config.fields import PositiveFloat, PositiveInt
+
 
 @dataclass
 class CheckpointConfig:
@@ -18,6 +20,42 @@ class CheckpointConfig:
     """With ``trainer.resume_mode: disable``: delete the checkpoints already in the run directory and
     start from step 0. Without it such a run is refused (a run directory holding checkpoints is never
     restarted by accident); a new run directory is the other choice."""
+
+
+@dataclass
+class TimeoutConfig:
+    """How long the driver waits for each kind of call to a role's workers. A call that is not back
+    in time stops the run (or, with ``trainer.max_restarts``, restarts the roles) with one line naming
+    the role, the ranks that did not answer and the method: a stopped process, a deadlock or a
+    collective stuck on a peer never hangs the run."""
+
+    init_s: PositiveFloat = 1800.0
+    """Starting a role's ranks (model build, HF weights, engine start), connecting weight-sync groups,
+    and placing the run's resources on the cluster."""
+
+    generate_s: PositiveFloat = 1800.0
+    """One rollout (all samples of a step, or a validation pass)."""
+
+    compute_s: PositiveFloat = 900.0
+    """One forward pass over a step batch: old and reference log-probs, critic values."""
+
+    update_s: PositiveFloat = 1800.0
+    """One role update (every optimizer step of a PPO step)."""
+
+    weight_sync_s: PositiveFloat = 600.0
+    """Moving the actor's weights to the engines."""
+
+    checkpoint_s: PositiveFloat = 1800.0
+    """Saving or loading a role's checkpoint."""
+
+    call_s: PositiveFloat = 300.0
+    """Any other call (rank layout, rendezvous addresses)."""
+
+    collective_s: PositiveFloat = 1800.0
+    """A wait inside one torch.distributed collective on a worker (Megatron's process groups, the
+    weight-sync broadcast group); the waiting rank then fails naming itself. Keep it above the call
+    timeouts so that the driver, which sees which ranks did not answer, reports first. In the torchrun
+    mode every call ends in a collective over the ranks, so there it bounds each call."""
 
 
 @dataclass
@@ -97,6 +135,19 @@ class TrainerConfig:
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """What checkpoints hold and how many are kept."""
+
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    """How long each call to the workers and each collective may take before the run stops."""
+
+    max_consecutive_skipped_steps: PositiveInt = 3
+    """Stop the run, naming the role and the first non-finite value, once a role has skipped this many
+    optimizer steps in a row for a non-finite loss or gradient (one skipped now and then is tolerated:
+    the step leaves the parameters unchanged)."""
+
+    max_param_abs: PositiveFloat | None = 1.0e4
+    """Stop the run when a parameter's magnitude exceeds this after an optimizer step (weights blown
+    up by too large a learning rate stay finite for a while, then make every later step non-finite);
+    null disables the check. Parameters that are not finite after a step always stop the run."""
 
     def validate(self, prefix: str) -> list[str]:
         problems = []
