@@ -56,9 +56,10 @@ class ParallelContext:
 
     @classmethod
     def initialize(
-        cls, parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes: int = 30
+        cls, parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes: float = 30
     ) -> ParallelContext:
-        """Start (or reuse) torch.distributed and build Megatron's groups for ``parallel``."""
+        """Start (or reuse) torch.distributed and build Megatron's groups for ``parallel``; a rank
+        waits at most ``timeout_minutes`` in one of their collectives."""
         apply_cpu_compat()
         owns = not dist.is_initialized()
         if owns:

@@ -4,7 +4,12 @@ A group places rank i on bundle i of a placement group (one bundle per device), 
 torch.distributed between its ranks (rank 0's node address and a free port there), and runs a method
 on all ranks (``call``) or with per-rank arguments (``call_each``), gathering the results in rank
 order. A failure in a worker, or a worker process that died, is raised in the driver as
-:class:`WorkerError` naming the role, the rank and the method, with the worker's traceback.
+:class:`WorkerError` naming the role, the rank and the method, with the worker's traceback. Every
+wait has a deadline (``trainer.timeouts``, the field per method in :data:`TIMEOUT_KEYS`): ranks not
+back by then (a stopped or deadlocked process, or one waiting in a collective for it) raise
+:class:`WorkerTimeout`, a :class:`WorkerError` naming the role, those ranks and the method, in one
+line. A worker's :class:`~rltrain.errors.RunStopped` (e.g. divergence) is raised again in the driver
+as the same class, its one-line message prefixed with the role and rank.
 Each rank's process logs as :func:`~rltrain.logging.console.configure_worker_logging` sets up, and
 Ray prefixes the lines it forwards to the driver with ``(<role> rank <r> pid=...)``.
 """
@@ -12,14 +17,17 @@ Ray prefixes the lines it forwards to the driver with ``(<role> rank <r> pid=...
 from __future__ import annotations
 
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rltrain.config.trainer import TimeoutConfig
+from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.workers import RankInfo
 
@@ -30,6 +38,38 @@ class WorkerError(RuntimeError):
     def __init__(self, role: str, rank: int, method: str, detail: str) -> None:
         self.role, self.rank, self.method = role, rank, method
         super().__init__(f"{role} rank {rank}: {method} failed: {detail}")
+
+
+class WorkerTimeout(WorkerError):
+    """Ranks of a role did not finish a method within its ``trainer.timeouts`` bound."""
+
+    def __init__(self, role: str, ranks: list[int], method: str, *, seconds: float, key: str) -> None:
+        self.role, self.rank, self.method, self.ranks = role, ranks[0], method, list(ranks)
+        self.seconds, self.key = seconds, key
+        names = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        RuntimeError.__init__(
+            self,
+            f"{role} {names}: {method} did not finish within {seconds:g} s (trainer.timeouts.{key}): "
+            "a worker stopped or hung, or waits in a collective for one that did",
+        )
+
+
+TIMEOUT_KEYS: dict[str, str] = {
+    "__init__": "init_s",
+    "address": "init_s",
+    "connect_weight_sync": "init_s",
+    "generate": "generate_s",
+    "compute_log_prob": "compute_s",
+    "compute_ref_log_prob": "compute_s",
+    "compute_values": "compute_s",
+    "update_actor": "update_s",
+    "update_critic": "update_s",
+    "sync_weights": "weight_sync_s",
+    "receive_weights": "weight_sync_s",
+    "save_checkpoint": "checkpoint_s",
+    "load_checkpoint": "checkpoint_s",
+}
+"""The ``trainer.timeouts`` field that bounds each worker method; any other method gets ``call_s``."""
 
 
 @ray.remote
@@ -44,29 +84,52 @@ class _RankHost:
     def __repr__(self) -> str:  # Ray's prefix of this process's lines on the driver
         return f"{self.role} rank {self.rank}"
 
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free TCP port on it (for rank 0 as the rendezvous)."""
+    def address(self) -> tuple[bool, tuple[str, int]]:
+        """This node's IP and a free TCP port on it (for rank 0 as the rendezvous), as ``run``
+        reports a result."""
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return True, (ray.util.get_node_ip_address(), port)
 
-    def build(self, cls: type, args: tuple, kwargs: dict) -> tuple[bool, str]:
+    def build(self, cls: type, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         try:
             self.worker = cls(*args, **kwargs)
             return True, ""
+        except RunStopped as err:  # its message says it all: travels as itself
+            return False, err
         except BaseException as err:  # reported to the driver with role and rank, never swallowed
             return False, _describe(err)
 
     def run(self, method: str, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         try:
             return True, getattr(self.worker, method)(*args, **kwargs)
+        except RunStopped as err:
+            return False, err
         except BaseException as err:
             return False, _describe(err)
 
 
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}\n--- worker traceback ---\n{traceback.format_exc()}"
+
+
+class PlacementTimeout(RunStopped):
+    """The cluster could not place the run's bundles in time (too few CPUs or GPUs)."""
+
+
+def reserve_bundles(bundles: list[dict[str, float]], *, timeout_s: float) -> PlacementGroup:
+    """A ready placement group of ``bundles`` (packed); raises :class:`PlacementTimeout`, naming what
+    was asked for and what the cluster has, when Ray cannot place it within ``timeout_s``."""
+    group = placement_group(bundles, strategy="PACK")
+    if group.wait(timeout_seconds=timeout_s):
+        return group
+    ray.util.remove_placement_group(group)
+    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    raise PlacementTimeout(
+        f"Ray could not place the run's {len(bundles)} bundles {bundles} within {timeout_s:g} s "
+        f"(trainer.timeouts.init_s); the cluster has {total} (other jobs may hold part of it)"
+    )
 
 
 @dataclass(frozen=True)
@@ -95,9 +158,12 @@ class RayWorkerGroup:
         kwargs: dict | None = None,
         per_rank_kwargs: list[dict] | None = None,
         env: dict[str, str] | None = None,
+        timeouts: TimeoutConfig | None = None,
     ) -> None:
+        """``timeouts``: how long each method may take (``trainer.timeouts``; its defaults if None)."""
         self.role = role
         self.world_size = world_size
+        self.timeouts = timeouts or TimeoutConfig()
         self.hosts = [
             _RankHost.options(
                 num_cpus=placement.num_cpus,
@@ -111,7 +177,7 @@ class RayWorkerGroup:
             ).remote(role, rank)
             for rank in range(world_size)
         ]
-        addr, port = ray.get(self.hosts[0].address.remote())
+        addr, port = self.free_address()
         refs = []
         for rank, host in enumerate(self.hosts):
             info = RankInfo(rank=rank, world_size=world_size, master_addr=addr, master_port=port)
@@ -141,22 +207,31 @@ class RayWorkerGroup:
 
     def free_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port there (a rendezvous for a group of our own)."""
-        return ray.get(self.hosts[0].address.remote())
+        return self._gather("address", [self.hosts[0].address.remote()])[0]
 
     def _gather(self, method: str, refs: list) -> list[Any]:
         """Results in rank order; raises at the first failure as it arrives, without waiting for ranks
-        that may be blocked in a collective with the failed one (the caller then kills the group)."""
+        that may be blocked in a collective with the failed one, and at the method's deadline (the
+        caller then kills the group). ``refs[i]`` is rank i's call (one ref: rank 0's)."""
+        key = TIMEOUT_KEYS.get(method, "call_s")
+        seconds = getattr(self.timeouts, key)
+        deadline = time.monotonic() + seconds
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                raise WorkerTimeout(self.role, ranks, method, seconds=seconds, key=key)
             rank = rank_of[done[0]]
             try:
                 ok, value = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
                 ok, value = False, f"the worker process died ({type(err).__name__}: {err})"
             if not ok:
+                if isinstance(value, RunStopped):
+                    raise type(value)(f"{self.role} rank {rank}: {value}")
                 raise WorkerError(self.role, rank, method, value)
             results[rank] = value
         return results

@@ -118,7 +118,9 @@ class _MegatronRankBase:
             raise ValueError(
                 f"roles sharing a process need one parallel layout: {ctx.parallel} != {parallel}"
             )
-        self.ctx = ctx or ParallelContext.initialize(parallel, seed=config.trainer.seed)
+        self.ctx = ctx or ParallelContext.initialize(
+            parallel, seed=config.trainer.seed, timeout_minutes=config.trainer.timeouts.collective_s / 60
+        )
         self.hf_config = AutoConfig.from_pretrained(
             model_dir, trust_remote_code=config.model.trust_remote_code
         )
@@ -261,7 +263,12 @@ class PolicyWorker(_MegatronRankBase):
         if address is not None:
             from rltrain.weight_sync.broadcast import join_broadcast_group
 
-            self._broadcast = join_broadcast_group(address, group_rank=0, world_size=1 + num_engines)
+            self._broadcast = join_broadcast_group(
+                address,
+                group_rank=0,
+                world_size=1 + num_engines,
+                timeout_s=self.config.trainer.timeouts.collective_s,
+            )
 
     def sync_weights(self) -> dict[str, float]:
         """Move the actor's weights to the engines (collective over the actor's ranks; see
@@ -387,7 +394,12 @@ class RolloutWorker:
     def connect_weight_sync(self, address: tuple[str, int], num_engines: int) -> None:
         from rltrain.weight_sync.broadcast import BroadcastTransport, join_broadcast_group
 
-        group, device = join_broadcast_group(address, group_rank=1 + self.rank, world_size=1 + num_engines)
+        group, device = join_broadcast_group(
+            address,
+            group_rank=1 + self.rank,
+            world_size=1 + num_engines,
+            timeout_s=self.config.trainer.timeouts.collective_s,
+        )
         bucket_bytes = self.config.rollout.weight_sync.bucket_size_mb << 20
         self.receiver = BroadcastTransport(group=group, src_rank=0, bucket_bytes=bucket_bytes, device=device)
 

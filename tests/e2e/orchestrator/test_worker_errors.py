@@ -1,11 +1,23 @@
-"""A failure inside a Ray worker surfaces in the driver naming the role, the rank and the method."""
+"""A failure inside a Ray worker surfaces in the driver naming the role, the rank and the method; so
+does a worker that stops answering (SIGSTOP), within its timeout."""
 
 import os
+import signal
+import time
 
 import pytest
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup, WorkerError
+from rltrain.config.trainer import TimeoutConfig
+from rltrain.errors import DivergenceError
+from rltrain.orchestrator.worker_group import (
+    Placement,
+    PlacementTimeout,
+    RayWorkerGroup,
+    WorkerError,
+    WorkerTimeout,
+    reserve_bundles,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -27,6 +39,17 @@ class RankedWorker:
     def die(self) -> None:
         if self.rank == 1:
             os._exit(3)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    def diverge(self) -> None:
+        if self.rank == 1:
+            raise DivergenceError("actor diverged: parameter w (rank 1) is not finite")
 
 
 @pytest.fixture
@@ -71,3 +94,52 @@ def test_constructor_failure_and_dead_process_are_named(placement):
     with pytest.raises(WorkerError, match=r"^reward rank 1: die failed: the worker process died"):
         group.call("die")
     group.kill()
+
+
+def test_a_stopped_worker_is_named_within_the_timeout(placement):
+    """Rank 1 is stopped (SIGSTOP) in the middle of a call: the driver's wait ends at the method's
+    bound with one line naming the role, that rank and the method; rank 0's answer came back."""
+    group = RayWorkerGroup(
+        "critic",
+        RankedWorker,
+        world_size=2,
+        placement=placement,
+        args=(1,),
+        timeouts=TimeoutConfig(call_s=3.0),
+    )
+    pid = group.call("pid")[1]
+    try:
+        calls = group.submit("nap", 0.5)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerTimeout) as info:
+            group.wait("nap", calls)
+        waited = time.monotonic() - start
+        assert 3.0 <= waited < 4.5, waited
+        err = info.value
+        assert isinstance(err, WorkerError) and (err.role, err.ranks, err.method) == ("critic", [1], "nap")
+        assert str(err) == (
+            "critic rank 1: nap did not finish within 3 s (trainer.timeouts.call_s): a worker stopped or "
+            "hung, or waits in a collective for one that did"
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        group.kill()
+
+
+def test_a_workers_run_stop_arrives_as_itself_in_one_line(placement):
+    group = RayWorkerGroup("actor_rollout_ref", RankedWorker, world_size=2, placement=placement, args=(1,))
+    with pytest.raises(DivergenceError) as info:
+        group.call("diverge")
+    assert str(info.value) == "actor_rollout_ref rank 1: actor diverged: parameter w (rank 1) is not finite"
+    group.kill()
+
+
+def test_bundles_the_cluster_cannot_place_fail_naming_them(local_ray):
+    with pytest.raises(PlacementTimeout) as info:
+        reserve_bundles([{"CPU": 64}], timeout_s=1.0)
+    assert str(info.value).startswith(
+        "Ray could not place the run's 1 bundles [{'CPU': 64}] within 1 s (trainer.timeouts.init_s); "
+        "the cluster has {'CPU': 2.0}"
+    )
