@@ -16,9 +16,11 @@ group               keys (all per training step)
 ``actor/``          ``pg_loss``, ``entropy``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``
                     (old vs new policy), ``tis_weight_mean`` (with TIS), ``kl`` (policy vs
                     reference, per token), ``kl_coef`` (β), ``kl_seq_sum``, ``kl_loss``,
-                    ``entropy_before_update``, ``loss``, ``grad_norm``, ``lr``, ``skipped_steps``
+                    ``entropy_before_update``, ``loss``, ``grad_norm``, ``lr``, ``skipped_steps``,
+                    ``param_max_abs`` (largest parameter magnitude after the update)
 ``critic/``         ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``loss``, ``grad_norm``, ``lr``,
-                    ``skipped_steps``, ``values/mean``, ``advantages/mean``, ``returns/mean``
+                    ``skipped_steps``, ``param_max_abs``, ``values/mean``, ``advantages/mean``,
+                    ``returns/mean``
 ``rollout/``        ``logprob_abs_diff_mean``, ``logprob_abs_diff_max`` |trainer - rollout|
                     logprob gap per response token, ``importance_ratio_mean`` (written by
                     :func:`rltrain.rollout.mismatch.logprob_mismatch`; DESIGN.md principle 6)
@@ -54,7 +56,9 @@ PROMPT_LENGTH_MEAN = "prompt/length/mean"
 GRAD_NORM = "grad_norm"
 LR = "lr"
 SKIPPED_STEPS = "skipped_steps"
-"""Names of an update step's ``<role>/grad_norm``, ``<role>/lr`` and ``<role>/skipped_steps``."""
+PARAM_MAX_ABS = "param_max_abs"
+"""Names of an update step's ``<role>/grad_norm``, ``<role>/lr``, ``<role>/skipped_steps`` and
+``<role>/param_max_abs``."""
 ACTOR_PG_LOSS = "actor/pg_loss"
 ACTOR_ENTROPY = "actor/entropy"
 ACTOR_PG_CLIPFRAC = "actor/pg_clipfrac"

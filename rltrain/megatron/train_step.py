@@ -5,6 +5,10 @@ Contract: ``wrap_for_training`` puts the chunks in Megatron's DDP (grads reduced
 ``OptimizerParamScheduler`` (linear warm-up, then constant/linear/cosine decay to ``min_lr``),
 and ``train_step`` runs forward-backward over all micro-batches, computes the global gradient norm,
 and either skips the update (non-finite norm, reported as ``skipped=True``) or clips and steps.
+Then it looks at the parameters themselves (a finite gradient times a huge learning rate wrecks
+them without a non-finite gradient): the largest magnitude over all ranks is reported
+(``param_max_abs``), and a parameter that is not finite raises
+:class:`~rltrain.errors.DivergenceError` on every rank, naming it, before anything reads it.
 Because the loss callable uses global denominators, the gradient equals the full-batch gradient for
 any micro-batch split and any data-parallel size.
 """
@@ -28,8 +32,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from rltrain.algo.token_batch import LossFn, TokenBatch
 from rltrain.config.optim import OptimConfig
+from rltrain.errors import DivergenceError
 from rltrain.megatron.forward import MicroBatching, run_model
 from rltrain.megatron.parallel import ParallelContext
+from rltrain.tensor_checks import first_non_finite, global_max_abs
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,9 @@ class TrainStepResult:
     """True when the gradient norm was not finite and the parameters were left unchanged."""
     lr: float
     """Learning rate used for this step."""
+    param_max_abs: float
+    """Largest parameter magnitude after the step, over all ranks (always finite: a non-finite
+    parameter raises instead)."""
 
 
 def _finalize_without_token_scaling(model: list, num_tokens: torch.Tensor | None = None, **kwargs) -> None:
@@ -146,7 +155,30 @@ def train_step(
         logger.warning("skipping optimizer step: gradient norm is %s", grad_norm)
     else:
         scheduler.step(increment=1)
-    return TrainStepResult(metrics=result.metrics, grad_norm=grad_norm, skipped=skipped, lr=lr)
+    role = "critic" if critic else "actor"
+    param_max_abs = _check_parameters(chunks, role=role, device=ctx.device, grad_norm=grad_norm, lr=lr)
+    return TrainStepResult(
+        metrics=result.metrics, grad_norm=grad_norm, skipped=skipped, lr=lr, param_max_abs=param_max_abs
+    )
+
+
+def _check_parameters(
+    chunks: list[DistributedDataParallel], *, role: str, device: torch.device, grad_norm: float, lr: float
+) -> float:
+    """The largest parameter magnitude over every rank (collective: every rank of the role runs each
+    train step); raises :class:`DivergenceError` on every rank, naming the first parameter that is
+    not finite (in rank order, then model order), when there is one."""
+    named = [(name, p) for chunk in chunks for name, p in getattr(chunk, "module", chunk).named_parameters()]
+    largest = global_max_abs(named, device=device)
+    if math.isfinite(largest):
+        return largest
+    found = first_non_finite(named)
+    assert found is not None, "global_max_abs saw a non-finite value that no rank holds"
+    rank, name = found
+    raise DivergenceError(
+        f"{role} diverged: parameter {name} (rank {rank}) is not finite after an optimizer step "
+        f"(gradient norm {grad_norm:.4g}, lr {lr:g}); stopped before it reaches the engines or a checkpoint"
+    )
 
 
 @torch.no_grad()

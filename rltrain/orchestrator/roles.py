@@ -4,7 +4,9 @@ A handle turns one driver-side call into per-rank calls: a :class:`StepBatch` is
 contiguous parts as the role has data-parallel ranks, every rank of a data-parallel group gets the
 same part, and the result of each group's first rank is kept (Megatron hands every rank of a
 TP/PP group the same output). The backend is anything with ``call``/``call_each`` and ``world_size``
-(a Ray worker group, or the in-process group of the torchrun mode).
+(a Ray worker group, or the in-process group of the torchrun mode). Every update goes through the
+role's :class:`~rltrain.orchestrator.divergence.DivergenceGuard` (``trainer`` settings) before it
+returns, so a role that diverged stops the run there, before the step's checkpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
+from rltrain.config.trainer import TrainerConfig
 from rltrain.orchestrator.batch import StepBatch
+from rltrain.orchestrator.divergence import DivergenceGuard
 from rltrain.orchestrator.placement import RolloutPlacement
 from rltrain.orchestrator.ppo_losses import GlobalCounts
 from rltrain.rollout.types import RolloutOutput, SamplingConfig
@@ -38,8 +42,14 @@ class EngineGroup(Group, Protocol):
 
 
 class _DataParallelRole:
-    def __init__(self, group: Group) -> None:
+    metric_prefix = ""
+    """The prefix of the role's update metrics (``actor``, ``critic``)."""
+
+    def __init__(self, group: Group, *, trainer: TrainerConfig | None = None) -> None:
+        """``trainer``: the run's divergence limits (``trainer.max_consecutive_skipped_steps``,
+        ``trainer.max_param_abs``); their defaults if None."""
         self.group = group
+        self.guard = DivergenceGuard.from_config(self.metric_prefix, trainer or TrainerConfig())
         infos = group.call("rank_info")
         self.dp_ranks = [info["dp_rank"] for info in infos]
         self.dp_size = infos[0]["dp_size"]
@@ -58,7 +68,8 @@ class _DataParallelRole:
             for d, part in enumerate(mini.chunk(self.dp_size)):
                 plans[d].append((part, counts))
         results = self.group.call_each(method, [(plans[d],) for d in self.dp_ranks])
-        return results[0]  # metrics are already reduced over ranks
+        self.guard.check(results[0])  # metrics are already reduced over ranks
+        return results[0]
 
     def save(self, root: str, step: int) -> None:
         self.group.call("save_checkpoint", root, step)
@@ -75,15 +86,22 @@ class PolicyRole(_DataParallelRole):
     (``placement.engine_ranks``), or a separate engine group (``separate``, weights broadcast from
     actor rank 0)."""
 
+    metric_prefix = "actor"
+
     def __init__(
-        self, group: Group, *, placement: RolloutPlacement, separate: EngineGroup | None = None
+        self,
+        group: Group,
+        *,
+        placement: RolloutPlacement,
+        separate: EngineGroup | None = None,
+        trainer: TrainerConfig | None = None,
     ) -> None:
         if placement.separate != (separate is not None):
             raise ValueError(
                 f"rollout.mode={placement.mode} needs "
                 + ("a separate engine group" if placement.separate else "no separate engine group")
             )
-        super().__init__(group)
+        super().__init__(group, trainer=trainer)
         self.placement = placement
         self.separate = separate
 
@@ -124,6 +142,8 @@ class PolicyRole(_DataParallelRole):
 
 
 class CriticRole(_DataParallelRole):
+    metric_prefix = "critic"
+
     def compute_values(self, batch: StepBatch) -> torch.Tensor:
         return torch.cat(self._dispatch("compute_values", batch))
 

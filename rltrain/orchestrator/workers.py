@@ -442,10 +442,11 @@ def _agent_loop(engine, config: RLConfig):
 
 def _step_metrics(role: str, result: TrainStepResult) -> dict[str, float]:
     """A train step's metrics under the role's prefix (the backend reports the total as ``loss``),
-    plus ``{role}/grad_norm``, ``{role}/lr`` and ``{role}/skipped_steps``."""
+    plus ``{role}/grad_norm``, ``{role}/lr``, ``{role}/skipped_steps`` and ``{role}/param_max_abs``."""
     metrics = {(k if "/" in k else f"{role}/{k}"): v for k, v in result.metrics.items()}
     return metrics | {
         f"{role}/{mk.GRAD_NORM}": result.grad_norm,
         f"{role}/{mk.LR}": result.lr,
         f"{role}/{mk.SKIPPED_STEPS}": float(result.skipped),
+        f"{role}/{mk.PARAM_MAX_ABS}": result.param_max_abs,
     }

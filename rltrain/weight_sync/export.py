@@ -10,7 +10,10 @@ Contract (torch.distributed only; collective over the trainer's ranks):
   replica 0 for experts), found by parameter name, so uneven or virtual pipeline stages need no
   special case. A family whose HF tensors are themselves fused (``FusedGatedMLP``,
   ``GroupedExperts``; none of the shipped families) is refused here, naming the tensor.
-- ``regions(engine, dst=...)`` (collective generator: every rank iterates to the end) yields on
+- ``regions(engine, dst=...)`` (collective generator: every rank iterates to the end) first checks
+  every rank's parameters and refuses non-finite ones (:class:`~rltrain.errors.NonFiniteWeightsError`
+  on every rank, naming the first such parameter, before anything is sent: NaN never reaches an
+  engine), then yields on
   ``dst``, per HF tensor in export order, a ``TensorRegions``: every engine rank's planned regions,
   each moved once from its owner. Owners send their region of their *local piece* (their Megatron
   shard unfused into HF names, in HF coordinates, by the bridge's own ``to_hf`` at the shard's head
@@ -26,6 +29,7 @@ Contract (torch.distributed only; collective over the trainer's ranks):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -41,6 +45,8 @@ from megatron_bridge.reshard import (
     plan_weight_sync,
     trainer_range,
 )
+from rltrain.errors import NonFiniteWeightsError
+from rltrain.tensor_checks import first_non_finite, global_max_abs
 from rltrain.weight_sync.types import NamedTensor, TensorRegions
 
 
@@ -105,6 +111,7 @@ class PlannedExport:
             for copy in copies:
                 by_name.setdefault(copy.hf_name, []).append((engine_rank, copy))
         me = self.ctx.rank
+        self.check_finite()
         try:
             for name in [n for n in self.shapes if n in by_name]:
                 update = TensorRegions(name, self.shapes[name], {})
@@ -117,6 +124,20 @@ class PlannedExport:
                     yield update
         finally:
             self._cached_unit, self._pieces = None, {}
+
+    def check_finite(self) -> None:
+        """Raise :class:`NonFiniteWeightsError` on every rank when a rank's parameter holds a NaN or
+        an infinity, naming the first (collective)."""
+        named = list(self.params.items())
+        if math.isfinite(global_max_abs(named, device=self.device)):
+            return
+        found = first_non_finite(named)
+        assert found is not None, "global_max_abs saw a non-finite value that no rank holds"
+        rank, name = found
+        raise NonFiniteWeightsError(
+            f"weight sync refused: parameter {name} (trainer rank {rank}) holds NaN or infinite values; "
+            "the engines keep their weights"
+        )
 
     def stream(self, engine: EngineLayout, engine_rank: int, *, dst: int) -> Iterator[NamedTensor]:
         """Engine rank ``engine_rank``'s full-shaped HF tensors, on ``dst`` (collective)."""
