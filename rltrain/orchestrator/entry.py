@@ -1,8 +1,10 @@
 """``rltrain train`` under Ray: resolve the model and data, place the roles, run the driver.
 
-Ray: joins the cluster named by ``cluster.ray_address`` or ``RAY_ADDRESS``, else one that
-``ray.init(address="auto")`` finds (a ``ray start`` head on this machine, or the cluster a
-``ray job submit`` runs in), else starts a local one with ``cluster.num_cpus`` CPUs.
+Ray (:mod:`~rltrain.orchestrator.ray_connect`, checked before the model and the prompts are
+prepared): joins the cluster named by ``cluster.ray_address`` or ``RAY_ADDRESS`` (the cluster a
+``ray job submit`` runs in), else the one ``ray start`` recorded on this machine, else starts a
+private one with ``cluster.num_cpus`` CPUs; never another process's private instance. Every call to
+the workers is bounded by ``trainer.timeouts``.
 Placement (:func:`~rltrain.orchestrator.placement.rollout_placement`, read by every worker too):
 one placement-group bundle per device (``nnodes × n_gpus_per_node``); the policy worker
 (actor + reference + rollout engine) and the critic worker of rank i share bundle i (colocated).
@@ -13,13 +15,13 @@ from actor rank 0 by broadcast.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 from rltrain.config import RLConfig, write_resolved
 from rltrain.data.dataset import PromptDataset, PromptFields
 from rltrain.data.loader import PromptLoader
 from rltrain.logging.console import stage, terminal
+from rltrain.orchestrator.ray_connect import connect_ray, resolve_ray
 
 log = logging.getLogger(__name__)
 
@@ -100,56 +102,6 @@ def build_data(config: RLConfig, tokenizer) -> RunData:
     return RunData(train=loader, val=val, num_filtered=train.num_filtered + (val.num_filtered if val else 0))
 
 
-def connect_ray(config: RLConfig) -> bool:
-    """Join or start Ray; returns whether this process started it (and should shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
-    if address and address != "local":  # "local": Ray's own word for a new instance of this process
-        ray.init(address=address, log_to_driver=True)
-        log.info("joined the running Ray cluster at %s", address)
-        return False
-    found = _running_cluster() if address != "local" else None
-    if found is not None:
-        ray.init(address=found, log_to_driver=True)
-        log.info("joined the running Ray cluster at %s", found)
-        return False
-    cpus = config.cluster.num_cpus
-    with stage(f"starting a local Ray instance ({cpus or 'all'} CPUs)"):
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-    return True
-
-
-def _running_cluster(timeout_s: float = 3.0) -> str | None:
-    """The address of a Ray cluster running on this machine whose GCS answers, else None.
-
-    ``ray.init(address="auto")`` trusts ``/tmp/ray/ray_current_cluster``; a head that was killed
-    without ``ray stop`` leaves it behind, and ``ray.init`` then retries that address for many
-    minutes. A plain TCP connect tells a live GCS from a stale file first.
-    """
-    import socket
-
-    from ray._private.services import get_ray_address_from_environment
-
-    try:
-        address = get_ray_address_from_environment("auto", None)
-    except ConnectionError:
-        return None
-    host, _, port = str(address).rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return address
-    except (OSError, ValueError):
-        log.warning(
-            "ignoring the Ray cluster address %s found on this machine (nothing answers there: a head "
-            "stopped without `ray stop`?); starting a local Ray instead",
-            address,
-        )
-        return None
-
-
 def total_steps_of(config: RLConfig, data: RunData) -> int:
     return config.trainer.total_training_steps or config.trainer.total_epochs * len(data.train)
 
@@ -199,22 +151,22 @@ def prepare_run(config: RLConfig, *, write_config: bool = True) -> RunSetup:
 def train(config: RLConfig) -> int:
     """Run ``config`` to the end; returns the last step."""
     import ray
-    from ray.util.placement_group import placement_group
 
     from rltrain.orchestrator.driver import Roles
     from rltrain.orchestrator.placement import rollout_placement
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
-    from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup
+    from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup, reserve_bundles
     from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RolloutWorker
 
+    ray_target = None if ray.is_initialized() else resolve_ray(config)  # a refusing cluster: fail now
     setup = prepare_run(config)
     model_dir, total_steps = setup.model_dir, setup.total_steps
-    started_ray = connect_ray(config)
+    started_ray = connect_ray(config, ray_target)
+    timeouts = config.trainer.timeouts
     world = config.cluster.world_size()
     gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
     layout = rollout_placement(config, gpu=gpu)
-    pg = placement_group([b.resources() for b in layout.bundles], strategy="PACK")
-    ray.get(pg.ready())
+    pg = reserve_bundles([b.resources() for b in layout.bundles], timeout_s=timeouts.init_s)
     share = 0.5 if config.critic_enabled() else 1.0
     placement = Placement(pg, num_cpus=share, num_gpus=share if gpu else 0.0)
     groups = []
@@ -223,7 +175,13 @@ def train(config: RLConfig) -> int:
         """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)``; killed when the run ends."""
         with role_stage(role, size):
             group = RayWorkerGroup(
-                role, cls, world_size=size, placement=where, args=(config, model_dir), kwargs=kwargs
+                role,
+                cls,
+                world_size=size,
+                placement=where,
+                args=(config, model_dir),
+                kwargs=kwargs,
+                timeouts=timeouts,
             )
         groups.append(group)
         return group
@@ -251,10 +209,12 @@ def train(config: RLConfig) -> int:
         critic = None
         if config.critic_enabled():
             critic = CriticRole(
-                start_group("critic", CriticWorker, world, placement, total_steps=total_steps)
+                start_group("critic", CriticWorker, world, placement, total_steps=total_steps),
+                trainer=config.trainer,
             )
         roles = Roles(
-            policy=PolicyRole(policy_group, placement=layout, separate=rollout_group), critic=critic
+            policy=PolicyRole(policy_group, placement=layout, separate=rollout_group, trainer=config.trainer),
+            critic=critic,
         )
         return run_driver(config, setup, roles)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -91,7 +92,10 @@ def train_spmd(config: RLConfig) -> int:
     check_world(config)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+        timeout=timedelta(seconds=config.trainer.timeouts.collective_s),
+    )
     rank = dist.get_rank()
     # Rank 0 resolves (and may build) the model and writes the config; the others then read its cache.
     setup = prepare_run(config, write_config=True) if rank == 0 else None
@@ -109,8 +113,8 @@ def train_spmd(config: RLConfig) -> int:
             critic_worker = CriticWorker(
                 config, setup.model_dir, None, total_steps=setup.total_steps, ctx=worker.ctx
             )
-        critic = CriticRole(SPMDGroup("critic", critic_worker))
-    policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), placement=placement)
+        critic = CriticRole(SPMDGroup("critic", critic_worker), trainer=config.trainer)
+    policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), placement=placement, trainer=config.trainer)
     checkpoints = RunCheckpoints(
         config.run_dir() / "checkpoints",
         keep=config.trainer.checkpoint.max_ckpt_to_keep,
