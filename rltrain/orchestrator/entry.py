@@ -51,12 +51,20 @@ class RunData:
 
 
 def tool_schemas(config: RLConfig) -> list[dict] | None:
-    """The function schemas of a multi-turn run's tools (what the chat template renders), or None."""
+    """The function schemas of a multi-turn run's tools (what the chat template renders), or None.
+
+    Reads the tools and interaction files here, before any worker starts, so that a bad one stops
+    the run with a one-line error naming the file and key."""
     multi_turn = config.rollout.multi_turn
-    if not (multi_turn.enable and multi_turn.tool_config_path):
+    if not multi_turn.enable:
         return None
+    from rltrain.agent.interactions import load_interaction
     from rltrain.agent.tools.registry import load_tool_config
 
+    if multi_turn.interaction_config_path:
+        load_interaction(multi_turn.interaction_config_path)
+    if not multi_turn.tool_config_path:
+        return None
     return load_tool_config(multi_turn.tool_config_path).schemas()
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from rltrain.agent.classes import lookup_class
+from rltrain.config.recipe import ConfigError
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,15 @@ def registered_interactions() -> list[str]:
     return sorted(_REGISTRY)
 
 
-class InteractionConfigError(ValueError):
+class InteractionConfigError(ConfigError):
     """A bad interaction file (the message names the file and the key)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([message])
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def load_interaction(path: str | Path) -> Interaction:

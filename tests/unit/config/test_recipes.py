@@ -9,7 +9,8 @@ from rltrain.config.loader import build_dataclass
 from rltrain.config.recipe import read_recipe
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
-ALL = sorted(RECIPES.rglob("*.yaml"))
+SIDE_FILES = ("tools", "interactions")  # tools and interaction files the recipes name, not recipes
+ALL = sorted(p for p in RECIPES.rglob("*.yaml") if p.relative_to(RECIPES).parts[0] not in SIDE_FILES)
 BASES = [p for p in ALL if p.stem.endswith("_base")]
 RUNNABLE = [p for p in ALL if p not in BASES]
 
@@ -52,3 +53,23 @@ def test_gpu_recipes_use_verl_published_sizes():
         assert (c.actor.optim.lr, c.critic.optim.lr, c.algorithm.kl_ctrl.kl_coef) == (1e-6, 1e-5, 0.001)
     moe = load_config(RECIPES / "gpu" / "qwen1.5_moe_a2.7b_gsm8k_grpo_ep.yaml")
     assert moe.actor.parallel.expert_model_parallel_size == 4
+
+
+def test_multi_turn_recipes_name_tool_and_interaction_files_that_load():
+    from rltrain.agent.interactions import load_interaction
+    from rltrain.agent.tools.registry import load_tool_config
+
+    multi = [p for p in RUNNABLE if load_config(p).rollout.multi_turn.enable]
+    assert {p.name for p in multi} >= {
+        "calculator_multiturn_cpu.yaml",
+        "smollm2_135m_multiturn_cpu.yaml",
+        "qwen2.5_3b_gsm8k_python_tool_grpo.yaml",
+    }
+    root = RECIPES.parent
+    for path in multi:
+        cfg = load_config(path).rollout
+        assert cfg.uses_async_engine(), path.name
+        names = sorted(load_tool_config(root / cfg.multi_turn.tool_config_path).tools)
+        assert names == (["python"] if "python" in path.name else ["calculator"]), path.name
+        if cfg.multi_turn.interaction_config_path:
+            assert load_interaction(root / cfg.multi_turn.interaction_config_path).name == "feedback"
