@@ -96,6 +96,9 @@ def fit_sequences(
         optimizer.step()
         schedule.step()
         losses.append(out.loss.item())
+        if steps >= 200 and len(losses) % (steps // 4) == 0 and len(losses) < steps:
+            recent = losses[-10:]
+            log.info("sft warm-up: step %d/%d, loss %.3f", len(losses), steps, sum(recent) / len(recent))
     model.eval()
     result = WarmupResult(first_loss=losses[0], last_loss=sum(losses[-10:]) / len(losses[-10:]), steps=steps)
     log.info("sft warm-up: %d steps, answer loss %.3f -> %.3f", steps, result.first_loss, result.last_loss)
