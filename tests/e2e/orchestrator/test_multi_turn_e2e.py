@@ -34,6 +34,7 @@ def _config(run_root: Path, cache: Path, interaction: Path, steps: int):
             "data.generated.num_val=8",
             "data.train_batch_size=4",
             "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size_per_gpu=16",
             "rollout.n=4",
             "rollout.response_length=64",
             f"rollout.multi_turn.tool_config_path={ROOT / 'recipes/tools/calculator.yaml'}",
