@@ -57,8 +57,9 @@ def test_multi_turn_run_trains_on_the_engines_tokens_and_resumes_to_the_same_met
     assert reference.rollout.uses_async_engine()
     assert train(reference) == 4
     records = {r["step"]: r for r in read_metrics(reference.run_dir())}
-    assert sorted(records) == [1, 2, 3, 4]
-    for step, r in records.items():
+    assert sorted(records) == [0, 1, 2, 3, 4]  # step 0: validation before training
+    for step in (1, 2, 3, 4):
+        r = records[step]
         assert all(v is not None and math.isfinite(v) for v in r.values()), r
         # several turns per trajectory, tool or user tokens between them
         assert r["agent/turns"] > 1.2 and r["agent/tool_tokens"] > 1, (step, r["agent/turns"])
