@@ -4,7 +4,7 @@ Contract (torch only; the conversion ranks and the CLI that use these live in ``
 - ``compare_bit_exact(expected, actual, what)`` compares every tensor of two readers (the interface
   of ``hf_io.HFCheckpointReader``: ``names``, ``get``) bit-for-bit, one tensor at a time, and
   returns how many it compared; names, shapes, dtypes and bytes must all agree, else it raises
-  ``AssertionError`` naming ``what`` and the tensors (at most 20 of each kind).
+  ``errors.VerificationError`` naming ``what`` and the tensors (at most 20 of each kind).
 - ``write_hf(view, out, aux_from=, progress=)`` writes every tensor of an HF-named reader as a
   safetensors directory, one tensor at a time, and copies the config, tokenizer and generation
   config from ``aux_from``.
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_bridge.errors import VerificationError
 from megatron_bridge.hf_io import SafetensorsWriter, copy_hf_aux_files
 
 
@@ -30,14 +31,16 @@ def compare_bit_exact(expected: Any, actual: Any, what: str) -> int:
     if sorted(expected.names()) != sorted(actual.names()):
         missing = sorted(set(expected.names()) - set(actual.names()))
         unexpected = sorted(set(actual.names()) - set(expected.names()))
-        raise AssertionError(f"{what}: missing tensors {missing[:20]}; unexpected tensors {unexpected[:20]}")
+        raise VerificationError(
+            f"{what}: missing tensors {missing[:20]}; unexpected tensors {unexpected[:20]}"
+        )
     bad = []
     for name in expected.names():
         ref, got = expected.get(name), actual.get(name)
         if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(got, ref):
             bad.append(f"{name} ({tuple(got.shape)} {got.dtype} vs {tuple(ref.shape)} {ref.dtype})")
     if bad:
-        raise AssertionError(f"{what}: round trip differs for {bad[:20]}")
+        raise VerificationError(f"{what}: round trip differs for {bad[:20]}")
     return len(expected.names())
 
 

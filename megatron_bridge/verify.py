@@ -1,24 +1,59 @@
-"""Verification pieces: a probe batch, Megatron logits gathered over TP/PP, HF reference logits.
+"""Verification pieces: a probe batch, Megatron logits gathered over TP/PP, HF reference logits and
+their comparison in the checkpoint's dtype.
 
 Contract: ``megatron_logits`` is collective over all ranks of ``ctx`` (no virtual pipeline) and
-returns ``[batch, seq, vocab_size]`` fp32 logits on rank ``dst`` (None elsewhere), the padded
+returns ``[batch, seq, vocab_size]`` logits (as fp32) on rank ``dst`` (None elsewhere), the padded
 vocabulary rows dropped. Pipeline stages hand activations on with plain point-to-point sends; the
-model chunks are called directly (no Megatron import here). ``hf_logits`` runs transformers in fp32.
+model chunks are called directly (no Megatron import here). ``hf_logits`` runs transformers in a
+given dtype. ``compare_logits`` compares like with like: Megatron's logits, computed in the
+checkpoint's dtype, against transformers' in that same dtype, within ``atol`` plus
+``ROUNDING_NOISE_FACTOR`` times the rounding noise of that dtype *for this model*: how far
+transformers' own logits move when run in the dtype instead of the next wider one (fp32 for bf16
+and fp16, fp64 for fp32). So a correct conversion passes whatever the dtype, depth and logit scale,
+while an error larger than the dtype's own rounding fails. The wider reference holds twice the
+checkpoint's bytes on rank 0 for the moment of one forward. The probe rows are
+``PROBE_TOKENS`` long (capped at the model's context): a dropped or wrong RoPE scaling changes the
+rotation of far positions only, and at 16 tokens it hides under bf16 rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+PROBE_TOKENS = 256
+"""Tokens per probe row (fewer when the model's context is shorter)."""
 
-def probe_batch(vocab_size: int, *, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
-    """Deterministic token ids [batch, seq] (no padding)."""
+ROUNDING_NOISE_FACTOR = 3.0
+"""Megatron and transformers each deviate from the fp32 function by about the reference's rounding
+noise, so their difference stays within about twice it (measured 0.5-1.9 times it in bf16 over two
+seeds of each tiny family, MoE included, whose noise is larger as rounding flips expert choices);
+three leaves room without hiding an error larger than the rounding."""
+
+
+WIDER = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
+"""The dtype whose reference logits measure a dtype's rounding noise."""
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def probe_batch(
+    vocab_size: int,
+    *,
+    batch: int = 2,
+    seq: int = PROBE_TOKENS,
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Deterministic token ids [batch, min(seq, max_positions)] (no padding)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (batch, seq), generator=gen)
+    return torch.randint(0, vocab_size, (batch, min(seq, max_positions or seq)), generator=gen)
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -71,9 +106,68 @@ def megatron_logits(
 
 
 @torch.no_grad()
-def hf_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
-    """Transformers' fp32 logits [batch, seq, vocab] of the checkpoint in ``hf_dir``."""
+def hf_logits(
+    hf_dir: str | Path, input_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Transformers' logits [batch, seq, vocab] of the checkpoint in ``hf_dir``, computed in ``dtype``
+    (returned as fp32; fp64 logits as fp64)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    return model(input_ids=input_ids).logits.float()
+    # transformers' grouped expert matmul has no fp64 kernel; its eager loop over experts has.
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **experts).eval()
+    logits = model(input_ids=input_ids).logits
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+@dataclass(frozen=True)
+class LogitsComparison:
+    """Megatron's logits against transformers' on one probe batch, both computed in ``dtype``."""
+
+    dtype: torch.dtype
+    probe_shape: tuple[int, int]
+    """[batch, tokens] of the probe."""
+    max_abs_diff: float
+    rounding_noise: float
+    """max |transformers in ``dtype`` − transformers in the next wider dtype| (0 for fp64)."""
+    atol: float
+    tolerance: float
+    """``atol + ROUNDING_NOISE_FACTOR × rounding_noise``."""
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+    def describe(self) -> str:
+        """One line: what was compared, the difference and the tolerance it is held to (and why)."""
+        dtype = _name(self.dtype)
+        batch, tokens = self.probe_shape
+        bound = f"tolerance {self.tolerance:.3e}" if self.rounding_noise else f"atol {self.atol:g}"
+        if self.rounding_noise:
+            bound += (
+                f" (atol {self.atol:g} + {ROUNDING_NOISE_FACTOR:g} × {self.rounding_noise:.3e}, the most that "
+                f"running in {dtype} instead of {_name(WIDER[self.dtype])} moves transformers' own logits)"
+            )
+        verdict = "<=" if self.ok else ">"
+        return (
+            f"logits vs transformers, both in {dtype} on {batch}×{tokens} tokens: max abs diff "
+            f"{self.max_abs_diff:.3e} {verdict} {bound}"
+        )
+
+
+def compare_logits(
+    ours: torch.Tensor, hf_dir: str | Path, input_ids: torch.Tensor, *, dtype: torch.dtype, atol: float
+) -> LogitsComparison:
+    """Compare ``ours`` (Megatron's logits of ``input_ids``, computed in ``dtype``) with transformers'."""
+    reference = hf_logits(hf_dir, input_ids, dtype=dtype)
+    noise = 0.0
+    if dtype in WIDER:
+        noise = (reference - hf_logits(hf_dir, input_ids, dtype=WIDER[dtype])).abs().max().item()
+    return LogitsComparison(
+        dtype=dtype,
+        probe_shape=(input_ids.shape[0], input_ids.shape[1]),
+        max_abs_diff=(ours - reference).abs().max().item(),
+        rounding_noise=noise,
+        atol=atol,
+        tolerance=atol + ROUNDING_NOISE_FACTOR * noise,
+    )
