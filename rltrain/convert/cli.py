@@ -9,11 +9,16 @@ Subcommands::
 SRC_MCORE_DIR holds ``latest`` (a conversion's output, or a run's ``checkpoints/step_N/actor``);
 the model's HF config and tokenizer come from ``SRC_MCORE_DIR/hf`` or ``--hf-config DIR``.
 
-By default the result is verified (bit-exact round trip of every tensor, logits vs transformers on
-a probe batch within ``--atol``) and the verification is printed; ``--no-verify`` skips it. Exit
-status 1 with the failing tensors named when verification or conversion fails. Conversion and the
-round-trip check stream one tensor at a time; only the logits check holds the model (each rank its
-shard), so ``--no-logits`` keeps the whole run at about the largest tensor's memory.
+By default the result is verified (bit-exact round trip of every tensor; logits vs transformers on
+a probe batch of hundreds of tokens, both computed in the checkpoint's dtype, within ``--atol`` plus
+three times that dtype's rounding noise for the model: how far transformers' own logits move from
+running in the next wider dtype, fp32 for bf16, fp64 for fp32) and the verification is printed; ``--no-verify`` skips it. The output appears at DST only
+when conversion and verification succeeded. DST must be new or empty; ``--overwrite`` clears it
+first. Bad input (unreadable files, an unsupported model family, a layout the model cannot take, a
+non-empty DST) is refused before any rank starts. Every failure the user can act on is one line
+naming the culprit, with exit status 1. Conversion and the round-trip check stream one tensor at a
+time; only the logits check holds the model (each rank its shard), so ``--no-logits`` keeps the
+whole run at about the largest tensor's memory.
 
 Importing this module costs no torch (``rltrain --help`` stays quick); ``run`` imports the launcher.
 """
@@ -36,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--ep", "expert")):
             sub.add_argument(
                 flag,
-                type=int,
+                type=_positive_int,
                 default=1,
                 help=f"{what}-parallel size of the {'target' if layout else 'logits-check'} layout",
             )
@@ -47,9 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 help="HF config/tokenizer directory of the model (default: SRC/hf, which conversions "
                 "and the trainer's actor checkpoints carry)",
             )
+        sub.add_argument("--overwrite", action="store_true", help="clear a non-empty DST first")
         sub.add_argument("--no-verify", action="store_true", help="skip the round-trip and logits checks")
-        sub.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed (fp32)")
+        sub.add_argument(
+            "--atol",
+            type=float,
+            default=1e-4,
+            help="max abs logit difference allowed on top of 3x the dtype's rounding noise for the model",
+        )
         sub.add_argument("--no-logits", action="store_true", help="verify the round trip only")
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of 1 or more, got {text!r}")
+    return int(text)
 
 
 def add_subparser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -74,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
             verify=not args.no_verify,
             atol=None if args.no_logits else args.atol,
             hf_config_dir=getattr(args, "hf_config", None),
+            overwrite=args.overwrite,
         )
-    except (RuntimeError, KeyError, ValueError, FileNotFoundError) as err:
+    except RuntimeError as err:  # ConversionError: one line; a bug: the failing rank's traceback
         print(f"convert {args.mode} failed: {err}", file=sys.stderr)
         return 1
     print(report.summary())

@@ -6,48 +6,42 @@ Contract:
   (config, tokenizer and generation config, so the architecture travels with the weights).
 - ``mcore_to_hf(src, dst)`` writes a (sharded) safetensors HF directory with those files copied.
 - ``mcore_to_mcore(src, dst, tp=, pp=, ep=)`` reshards a Megatron checkpoint (model weights).
-Each checks its inputs before any rank starts (naming the missing directory or file), then launches
-``tp × pp × ep`` gloo ranks (spawned processes) that stream the conversion one tensor at a time and,
-unless ``verify=False``, verify it (``ranks.rank_main``: bit-exact round trip of every tensor, and
-the logits on a probe batch within ``atol`` of transformers'; ``atol=None`` skips the logits). A
-failing rank's traceback is raised as ``RuntimeError``. Returns rank 0's ``ConversionReport``.
+
+Before any rank starts (``inputs.check_inputs``), a bad input raises ``ConversionError`` in one
+line naming the culprit: the source files, the HF config and its model family, every layout the
+model cannot take, a non-empty ``dst`` (cleared only with ``overwrite=True``). Then ``tp × pp × ep``
+gloo ranks (spawned processes) stream the conversion one tensor at a time into a staging directory
+beside ``dst`` and, unless ``verify=False``, verify it (``ranks.rank_main``: bit-exact round trip
+of every tensor; unless ``atol`` is None, the logits on a probe batch against transformers in the
+checkpoint's dtype). Only when every rank succeeded is the staging directory renamed to ``dst``;
+otherwise it is removed, so a failed conversion or verification leaves nothing that looks
+complete. A rank's unreadable checkpoint file, failed verification or unsupported feature raises
+``ConversionError`` with its one-line message; any other failure ``RuntimeError`` with the rank's
+traceback. The rendezvous port stays held (``rltrain.ports.HeldPort``) until the ranks are done,
+so nothing else on the machine can take it before rank 0 binds it. Returns rank 0's
+``ConversionReport``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+import queue
+import shutil
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_bridge.hf_io import HFCheckpointReader
+from megatron_bridge.errors import CheckpointError, VerificationError
 from megatron_bridge.memory import return_freed_tensors_to_os
-from rltrain.convert.report import MODES, ConversionReport
+from rltrain.convert.inputs import check_inputs, staging_dir
+from rltrain.convert.report import ConversionError, ConversionReport
+from rltrain.ports import HeldPort
 
-
-def _check_inputs(mode: str, src: Path, hf_config_dir: str | Path | None) -> Path:
-    """The HF directory with the model's config; fails before any rank starts, naming what is missing."""
-    if mode not in MODES:
-        raise ValueError(f"unknown conversion mode {mode!r}; expected one of {', '.join(MODES)}")
-    if mode == "hf-to-mcore":
-        HFCheckpointReader(src)  # raises naming the directory without safetensors
-        hf_dir = src
-    else:
-        if not (src / "latest").is_file():
-            raise FileNotFoundError(
-                f"{src}: no Megatron checkpoint ({src / 'latest'} is missing); pass the directory that "
-                "holds `latest`, e.g. a conversion's output or a run's checkpoints/step_N/actor"
-            )
-        hf_dir = Path(hf_config_dir) if hf_config_dir is not None else src / "hf"
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{hf_dir / 'config.json'} is missing: the HF config (and tokenizer) of the model"
-            + ("" if mode == "hf-to-mcore" else "; pass --hf-config DIR (the model it was trained from)")
-        )
-    return hf_dir
+_ONE_LINE = (CheckpointError, VerificationError, ConversionError, NotImplementedError)
+"""Failures on a rank that are about the input (said in one line), not a bug (said with a traceback)."""
 
 
 def _entry(rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
@@ -64,6 +58,8 @@ def _entry(rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
         from rltrain.convert.ranks import rank_main  # Megatron and transformers: on the ranks only
 
         queue.put((rank, "ok", rank_main(*args)))
+    except _ONE_LINE as err:
+        queue.put((rank, "failed", str(err)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -79,39 +75,83 @@ def run_conversion(
     verify: bool = True,
     atol: float | None = 1e-4,
     hf_config_dir: str | Path | None = None,
+    overwrite: bool = False,
     timeout_s: float = 3600,
 ) -> ConversionReport:
-    """Run one conversion on ``tp × pp × ep`` spawned gloo ranks; raises with the failing rank's traceback.
+    """Run one conversion on ``tp × pp × ep`` spawned gloo ranks; raises ``ConversionError`` (one line)
+    for a bad input or a failed verification, ``RuntimeError`` with the failing rank's traceback else.
 
     ``hf_config_dir``: for a Megatron source, where its HF config and tokenizer are (default
-    ``src/hf``, which conversions and the trainer's actor checkpoints carry).
+    ``src/hf``, which conversions and the trainer's actor checkpoints carry). ``overwrite``: clear a
+    non-empty ``dst`` first (refused otherwise).
     """
+    src, dst = Path(src), Path(dst)
+    hf_dir = check_inputs(
+        mode, src, dst, hf_config_dir=hf_config_dir, tp=tp, pp=pp, ep=ep, overwrite=overwrite
+    )
+    if dst.exists():  # empty, or cleared with --overwrite: the staging directory takes its place
+        shutil.rmtree(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(dst)
+    if staging.exists():  # left by a conversion that was killed
+        shutil.rmtree(staging)
+    args = (mode, str(src), str(staging), str(hf_dir), tp, pp, ep, verify, atol)
+    try:
+        report = _run_ranks(mode, args, tp * pp * ep, timeout_s)
+        staging.rename(dst)
+    except ConversionError as err:
+        raise ConversionError(f"{err}; nothing was written to {dst}") from None
+    finally:
+        if staging.exists():  # a failure's partial output (after the rename there is none)
+            shutil.rmtree(staging)
+    return report
+
+
+def _run_ranks(mode: str, args: tuple, world: int, timeout_s: float) -> ConversionReport:
     import torch.multiprocessing as mp
 
-    hf_dir = _check_inputs(mode, Path(src), hf_config_dir)
-    world = tp * pp * ep
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     mp_ctx = mp.get_context("spawn")
-    queue = mp_ctx.Queue()
-    args = (mode, str(src), str(dst), str(hf_dir), tp, pp, ep, verify, atol)
-    procs = [mp_ctx.Process(target=_entry, args=(r, world, port, args, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout_s)
-            if status == "error":
-                raise RuntimeError(f"{mode} failed on rank {rank}:\n{value}")
-            results[rank] = value
-    finally:
+    answers = mp_ctx.Queue()
+    with HeldPort("127.0.0.1") as port:
+        procs = [
+            mp_ctx.Process(target=_entry, args=(r, world, port.port, args, answers)) for r in range(world)
+        ]
         for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+            proc.start()
+        try:
+            results = _gather(mode, procs, answers, timeout_s)
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
     return ConversionReport(**results[0])
+
+
+def _gather(mode: str, procs: list, answers: Any, timeout_s: float) -> dict[int, Any]:
+    """Every rank's report; raises at the first failure, a rank that died or ``timeout_s`` passing."""
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(procs):
+        try:
+            rank, status, value = answers.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+            if dead:
+                codes = ", ".join(f"rank {r} exit code {procs[r].exitcode}" for r in dead)
+                raise RuntimeError(f"{mode}: a conversion rank died without an answer ({codes})") from None
+            if time.monotonic() > deadline:
+                waiting = [r for r in range(len(procs)) if r not in results]
+                raise ConversionError(
+                    f"{mode}: ranks {waiting} did not finish within {timeout_s:g} s"
+                ) from None
+            continue
+        if status == "failed":
+            raise ConversionError(f"rank {rank}: {value}")
+        if status == "error":
+            raise RuntimeError(f"{mode} failed on rank {rank}:\n{value}")
+        results[rank] = value
+    return results
 
 
 def hf_to_mcore(src: str | Path, dst: str | Path, **kwargs: Any) -> ConversionReport:

@@ -14,9 +14,12 @@ any TP/PP/EP) with ``dst/hf/`` (config, tokenizer, generation config) beside it.
 memory grows by a few of the largest tensors, whatever the model size (measured on every rank over
 the conversion, the maximum reported). Unless ``verify`` is false: (a) every tensor of the result,
 read back in the source's terms, must be bit-identical to the source (streamed too); (b) unless
-``atol`` is None, the Megatron logits on a probe batch must match transformers' within ``atol``
-(this forward holds each rank's shard of the model, as any forward must). Failures raise naming
-the tensors.
+``atol`` is None, the Megatron logits on a probe batch of hundreds of tokens, computed in the
+checkpoint's dtype, must match transformers' in that dtype within ``atol`` plus the dtype's
+rounding noise for this model (``megatron_bridge.verify.compare_logits``; this forward holds each
+rank's shard of the model, as any forward must). Failures raise ``VerificationError`` naming the
+tensors, or the logits difference and its tolerance. ``dst`` is where the launcher stages the
+output; it publishes it only when every rank succeeded.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from transformers import AutoConfig
 from megatron_bridge.bridge import Bridge
 from megatron_bridge.convert import compare_bit_exact, reshard_source, write_hf
 from megatron_bridge.dcp_io import DistCheckpointReader
+from megatron_bridge.errors import VerificationError
 from megatron_bridge.hf_io import HFCheckpointReader, copy_hf_aux_files
 from megatron_bridge.live import LazyShards, bridge_for_chunks, chunk_namings
 from megatron_bridge.mcore_view import MegatronCheckpointView
 from megatron_bridge.memory import PeakMemory
-from megatron_bridge.verify import hf_logits, megatron_logits, probe_batch
+from megatron_bridge.verify import LogitsComparison, compare_logits, megatron_logits, probe_batch
 from rltrain.config.parallel import ParallelConfig
 from rltrain.convert.model import build_padded_model
 from rltrain.convert.report import MODES, ConversionReport
@@ -69,21 +73,19 @@ def setup_rank(
 
 
 def _check_logits(
-    chunks: Chunks, ctx: ParallelContext, bridge: Bridge, hf_dir: Path, atol: float | None
-) -> float | None:
-    """Max abs logit diff vs transformers on rank 0 (None elsewhere, or when ``atol`` is None: skipped)."""
-    if atol is None:
-        return None
-    ids = probe_batch(bridge.dims.vocab_size)
+    chunks: Chunks, ctx: ParallelContext, bridge: Bridge, hf_dir: Path, atol: float, max_positions: int
+) -> LogitsComparison | None:
+    """Megatron's logits vs transformers', both in the model's dtype, on rank 0 (None elsewhere);
+    raises ``VerificationError`` saying by how much they differ and what that was held to."""
+    ids = probe_batch(bridge.dims.vocab_size, max_positions=max_positions)
     ours = megatron_logits(chunks, ctx, ids, vocab_size=bridge.dims.vocab_size)
     if ctx.rank != 0:
         return None
-    diff = (ours - hf_logits(hf_dir, ids)).abs().max().item()
-    if not diff <= atol:
-        raise AssertionError(
-            f"logits of the converted model differ from transformers by {diff:.3e} > atol {atol}"
-        )
-    return diff
+    dtype = next(chunks[0].parameters()).dtype
+    comparison = compare_logits(ours, hf_dir, ids, dtype=dtype, atol=atol)
+    if not comparison.ok:
+        raise VerificationError(f"the converted model's {comparison.describe()}")
+    return comparison
 
 
 def _locations(
@@ -163,18 +165,20 @@ def rank_main(
     # (b) logits against transformers: a forward needs the model, so each rank holds its shard here.
     model = build()
     load_checkpoint(dst_p if mode != "mcore-to-hf" else src_p, ctx=ctx, chunks=model)
+    positions = config.max_position_embeddings
     if mode == "mcore-to-mcore":
         with tempfile.TemporaryDirectory(dir=dst_p) as tmp:
             reference = _shared_tmp(Path(tmp))
             if ctx.rank == 0:
                 write_hf(source, reference, aux_from=hf_dir, progress=False)
             dist.barrier()
-            report.max_abs_logit_diff = _check_logits(model, ctx, bridge, reference, atol)
+            logits = _check_logits(model, ctx, bridge, reference, atol, positions)
             dist.barrier()
     else:
-        report.max_abs_logit_diff = _check_logits(
-            model, ctx, bridge, src_p if mode == "hf-to-mcore" else dst_p, atol
-        )
+        logits = _check_logits(model, ctx, bridge, src_p if mode == "hf-to-mcore" else dst_p, atol, positions)
+    if logits is not None:
+        report.max_abs_logit_diff, report.logits_tolerance = logits.max_abs_diff, logits.tolerance
+        report.logits_check = logits.describe()
     ctx.destroy()
     return report.__dict__
 

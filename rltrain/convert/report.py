@@ -3,6 +3,9 @@
 Contract: ``MODES`` are the three directions ``rltrain convert`` offers. A ``ConversionReport`` is
 filled on the conversion ranks (rank 0's is returned) and crosses the process boundary as its
 ``__dict__``; ``summary()`` is the text the CLI prints, ``report_json`` the same fields as JSON.
+``ConversionError`` is a conversion that cannot run (bad input, found before any rank starts) or
+failed (an unreadable checkpoint, a failed verification); its message is one line naming the
+culprit, which the CLI prints without a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ from dataclasses import dataclass, field
 MODES = ("hf-to-mcore", "mcore-to-hf", "mcore-to-mcore")
 
 
+class ConversionError(RuntimeError):
+    """A conversion that cannot run or failed; the message is one line naming the culprit."""
+
+
 @dataclass
 class ConversionReport:
     mode: str
@@ -21,6 +28,10 @@ class ConversionReport:
     bit_exact_tensors: int | None = None
     """Tensors compared bit-for-bit after converting back (None: not verified)."""
     max_abs_logit_diff: float | None = None
+    logits_tolerance: float | None = None
+    """What ``max_abs_logit_diff`` was held to (``megatron_bridge.verify.compare_logits``)."""
+    logits_check: str | None = None
+    """The logits comparison in words: dtype, probe, difference, tolerance and where it comes from."""
     peak_memory_growth_bytes: int | None = None
     """The largest growth of any rank's peak resident memory while converting (None: not measured)."""
     largest_tensor_bytes: int | None = None
@@ -35,8 +46,8 @@ class ConversionReport:
         ]
         if self.bit_exact_tensors is not None:
             lines.append(f"  round trip: {self.bit_exact_tensors} tensors bit-exact")
-        if self.max_abs_logit_diff is not None:
-            lines.append(f"  logits vs transformers: max abs diff {self.max_abs_logit_diff:.3e}")
+        if self.logits_check is not None:
+            lines.append(f"  {self.logits_check}")
         if self.peak_memory_growth_bytes is not None and self.largest_tensor_bytes:
             growth = self.peak_memory_growth_bytes
             lines.append(

@@ -20,3 +20,66 @@ def save_the_trainer_way(hf_dir: str, root: str) -> None:
     load_hf_weights(chunks, ctx, bridge_for_chunks(config, chunks, ctx), HFCheckpointReader(hf_dir))
     save_checkpoint(root, step=0, ctx=ctx, chunks=chunks)
     ctx.destroy()
+
+
+def entry_with_gate_and_up_swapped(*args: object) -> None:
+    """``rltrain.convert.launch._entry`` on a rank whose Llama table maps ``gate_proj`` and ``up_proj``
+    to each other's half of ``linear_fc1``: a mapping bug the round trip cannot see (it swaps both ways)."""
+    import dataclasses
+
+    from megatron_bridge import registry
+    from megatron_bridge.mappings import GatedMLP
+    from rltrain.convert import launch
+
+    family = registry.get_family("llama")
+    rows = tuple(
+        dataclasses.replace(row, hf=row.up, up=row.hf) if isinstance(row, GatedMLP) else row
+        for row in family.mappings
+    )
+    registry._FAMILIES["llama"] = dataclasses.replace(family, mappings=rows)
+    launch._entry(*args)
+
+
+def rope_probe_checks(
+    hf_dirs: list[str], token_counts: list[int]
+) -> dict[tuple[str, str, int], tuple[float, float]]:
+    """Megatron built from each checkpoint's config as saved, with its RoPE scaling dropped and with
+    its rope_theta halved (what a builder that mishandles RoPE would build), weights loaded from the
+    checkpoint, against transformers on probes of ``token_counts`` tokens: ``(dtype, variant, tokens)
+    -> (max abs diff, tolerance)`` of ``compare_logits`` (one rank)."""
+    import copy
+
+    from transformers import AutoConfig
+
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, load_hf_weights
+    from megatron_bridge.verify import compare_logits, megatron_logits, probe_batch
+    from rltrain.config.parallel import ParallelConfig
+    from rltrain.convert.model import build_padded_model
+    from rltrain.megatron.parallel import ParallelContext
+
+    ctx = ParallelContext.initialize(ParallelConfig())
+    results = {}
+    for hf_dir in hf_dirs:
+        config = AutoConfig.from_pretrained(hf_dir)
+        rope = dict(config.rope_parameters)
+        variants = {
+            "as saved": config,
+            "scaling dropped": copy.deepcopy(config),
+            "theta halved": copy.deepcopy(config),
+        }
+        variants["scaling dropped"].rope_parameters = {
+            "rope_type": "default",
+            "rope_theta": rope["rope_theta"],
+        }
+        variants["theta halved"].rope_parameters = {**rope, "rope_theta": rope["rope_theta"] / 2}
+        for name, variant in variants.items():
+            chunks = build_padded_model(variant, ctx, dtype=config.dtype)
+            load_hf_weights(chunks, ctx, bridge_for_chunks(variant, chunks, ctx), HFCheckpointReader(hf_dir))
+            for tokens in token_counts:
+                ids = probe_batch(config.vocab_size, seq=tokens, max_positions=config.max_position_embeddings)
+                ours = megatron_logits(chunks, ctx, ids, vocab_size=config.vocab_size)
+                check = compare_logits(ours, hf_dir, ids, dtype=config.dtype, atol=1e-4)
+                results[(str(config.dtype), name, tokens)] = (check.max_abs_diff, check.tolerance)
+    ctx.destroy()
+    return results
