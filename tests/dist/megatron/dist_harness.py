@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import os
 import queue as queue_module
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from rltrain.ports import HeldPort
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
@@ -46,9 +41,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
     """``fn(*args)`` on ``world_size`` ranks; returns the per-rank results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = HeldPort("127.0.0.1")  # held until the ranks are done, so nothing else takes it first
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_entry, args=(rank, world_size, port.port, fn, args, queue), daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -70,6 +65,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
             proc.join(timeout=5 if errors else 30)
             if proc.is_alive():
                 proc.kill()
+        port.close()
     if errors:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
@@ -79,9 +75,10 @@ def run_until_exit(fn: Callable, *args: Any, timeout_s: float = 300) -> int | No
     """``fn(*args)`` on a single rank that is expected to die; returns its exit code."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()  # kept referenced until the child has started
-    proc = ctx.Process(target=_entry, args=(0, 1, _free_port(), fn, args, queue))
-    proc.start()
-    proc.join(timeout=timeout_s)
-    if proc.is_alive():
-        proc.kill()
+    with HeldPort("127.0.0.1") as port:
+        proc = ctx.Process(target=_entry, args=(0, 1, port.port, fn, args, queue))
+        proc.start()
+        proc.join(timeout=timeout_s)
+        if proc.is_alive():
+            proc.kill()
     return proc.exitcode

@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from rltrain.ports import HeldPort
+
 REPO = Path(__file__).resolve().parents[3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_ranks(worker: str, args: list[str], out: Path, *, timeout: float) -> dict:
     """Run ``python worker *args`` as ranks 0 and 1, each given ``timeout`` seconds; return (and print)
     the JSON that rank 0 wrote to ``out``. A rank that fails is reported with the tail of its log."""
     script = Path(__file__).with_name(worker)
-    port = str(free_port())
+    held = HeldPort("127.0.0.1")  # held until the ranks are done, so nothing else takes it first
+    port = str(held.port)
     procs = []
     for rank in (0, 1):
         env = {
@@ -45,6 +41,7 @@ def run_two_ranks(worker: str, args: list[str], out: Path, *, timeout: float) ->
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        held.close()
     for rank, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log[-5000:]}"
     result = json.loads(out.read_text())
