@@ -51,7 +51,10 @@ def test_multi_turn_run_trains_on_the_engines_tokens_and_resumes_to_the_same_met
     from rltrain.orchestrator.entry import train
 
     interaction = tmp_path / "feedback.yaml"
-    interaction.write_text("interaction:\n  - name: feedback\n    class_name: feedback\n")
+    # a wrong answer costs 0.1 per turn: GRPO's group scores then differ even while no answer is right
+    interaction.write_text(
+        "interaction:\n  - name: feedback\n    class_name: feedback\n    config: {wrong_reward: -0.1}\n"
+    )
     cache = tmp_path / "models"
     reference = _config(tmp_path / "uninterrupted", cache, interaction, 4)
     assert reference.rollout.uses_async_engine()
