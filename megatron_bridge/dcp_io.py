@@ -124,10 +124,10 @@ class DistCheckpointReader:
         try:
             self._reader.read_data(LoadPlan(items), planner).wait()
         except Exception as err:  # bytes that do not unpickle (an overwritten shard): name the files
-            files = sorted({self.metadata.storage_data[item.storage_index].relative_path for item in items})
+            bad = self._unloadable_files(items, target)
             raise CheckpointError(
-                f"{', '.join(str(self.directory / f) for f in files)}: cannot read {key!r}: its "
-                f"stored bytes do not load ({type(err).__name__}); the file is damaged"
+                f"{', '.join(bad)}: cannot read {key!r}: its stored bytes do not load "
+                f"({type(err).__name__}); the file{' is' if len(bad) == 1 else 's are'} damaged"
             ) from None
         if planner.filled != target.numel():
             raise ValueError(
@@ -135,6 +135,19 @@ class DistCheckpointReader:
                 f"{target.numel()} elements of region {tuple(offsets)}+{tuple(stored)}"
             )
         return out
+
+    def _unloadable_files(self, items: list[ReadItem], target: torch.Tensor) -> list[str]:
+        """Which of the files holding ``items`` fail to load on their own (all of them if none does)."""
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in items:
+            by_file.setdefault(self.metadata.storage_data[item.storage_index].relative_path, []).append(item)
+        bad = []
+        for name, group in sorted(by_file.items()):
+            try:
+                self._reader.read_data(LoadPlan(group), _IntoTensor(target)).wait()
+            except Exception:  # this file is one that does not load: what we are looking for
+                bad.append(str(self.directory / name))
+        return bad or [str(self.directory / name) for name in sorted(by_file)]
 
 
 def _first_line(err: BaseException) -> str:

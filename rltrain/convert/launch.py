@@ -149,9 +149,23 @@ def _gather(mode: str, procs: list, answers: Any, timeout_s: float) -> dict[int,
         if status == "failed":
             raise ConversionError(f"rank {rank}: {value}")
         if status == "error":
+            _raise_root_cause(answers)
             raise RuntimeError(f"{mode} failed on rank {rank}:\n{value}")
         results[rank] = value
     return results
+
+
+def _raise_root_cause(answers: Any, wait_s: float = 5.0) -> None:
+    """After a rank's traceback, a moment for a one-line failure of another rank to arrive: a rank
+    whose input failed leaves its peers failing in a collective, and the input is the cause to name."""
+    deadline = time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            rank, status, value = answers.get(timeout=left)
+        except queue.Empty:
+            return
+        if status == "failed":
+            raise ConversionError(f"rank {rank}: {value}")
 
 
 def hf_to_mcore(src: str | Path, dst: str | Path, **kwargs: Any) -> ConversionReport:

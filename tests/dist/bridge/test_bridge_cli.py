@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,20 @@ def test_cli_converts_verifies_and_names_bad_input(tmp_path):
     failed = _convert("mcore-to-hf", str(tmp_path / "empty"), str(tmp_path / "out"), "--no-verify")
     assert failed.returncode == 1
     assert f"{tmp_path / 'empty'}: no Megatron checkpoint" in failed.stderr
+
+    # A shard overwritten with zeros keeps its size: only a rank reading it finds out, and says so in
+    # one line naming the file, without a traceback, leaving nothing at the destination.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "mcore", damaged)
+    shard = damaged / "step_0" / "__1_0.distcp"  # TP rank 1's half of every split tensor
+    shard.write_bytes(bytes(shard.stat().st_size))
+    failed = _convert("mcore-to-hf", str(damaged), str(tmp_path / "back"))
+    assert failed.returncode == 1
+    assert "Traceback" not in failed.stderr
+    line = failed.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"convert mcore-to-hf failed: rank 0: {shard}: cannot read '[\w.]+': its stored bytes do not load "
+        rf"\(UnpicklingError\); the file is damaged; nothing was written to {tmp_path / 'back'}",
+        line,
+    ), line
+    assert not (tmp_path / "back").exists() and not (tmp_path / ".back.incomplete").exists()
