@@ -48,6 +48,9 @@ class TimeoutConfig:
     checkpoint_s: PositiveFloat = 1800.0
     """Saving or loading a role's checkpoint."""
 
+    reward_s: PositiveFloat = 600.0
+    """Scoring one step's responses in Ray tasks (``reward.num_workers`` > 0)."""
+
     call_s: PositiveFloat = 300.0
     """Any other call (rank layout, rendezvous addresses)."""
 

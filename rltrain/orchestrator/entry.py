@@ -262,7 +262,9 @@ def run_driver(
     if config.reward.num_workers and use_reward_workers:
         from rltrain.orchestrator.reward_workers import RayRewardPool
 
-        rewards = RayRewardPool(rewards, config.reward.num_workers)
+        rewards = RayRewardPool(
+            rewards, config.reward.num_workers, timeout_s=config.trainer.timeouts.reward_s
+        )
     trainer = PPOTrainer(
         config,
         roles=roles,

@@ -2,7 +2,9 @@
 
 The rows of a step are cut into ``num_workers`` contiguous chunks; each chunk is scored by the same
 :class:`~rltrain.rewards.RewardManager` in a Ray task, and the results come back in row order, so
-the metrics and scores are exactly those of scoring in the driver.
+the metrics and scores are exactly those of scoring in the driver. A step whose chunks are not all
+scored within ``timeout_s`` (``trainer.timeouts.reward_s``) cancels the rest and raises
+:class:`RewardTimeout` in one line.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from collections.abc import Sequence
 
 import ray
 
+from rltrain.config.trainer import TimeoutConfig
+from rltrain.errors import RunStopped
 from rltrain.rewards import RewardManager, RewardOutput, RewardResult
+
+
+class RewardTimeout(RunStopped):
+    """Reward tasks did not finish scoring a step in time (a reward function that hangs)."""
 
 
 @ray.remote(num_cpus=0.5)
@@ -22,17 +30,30 @@ def _score_chunk(manager: RewardManager, rows: list[tuple[str, str, str]]) -> li
 class RayRewardPool:
     """Callable like a RewardManager; scores in ``num_workers`` Ray tasks."""
 
-    def __init__(self, manager: RewardManager, num_workers: int) -> None:
+    def __init__(
+        self, manager: RewardManager, num_workers: int, *, timeout_s: float = TimeoutConfig.reward_s
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.manager = manager
         self.num_workers = num_workers
+        self.timeout_s = timeout_s
 
     def _score_rows(self, manager: RewardManager, rows: list[tuple[str, str, str]]) -> list[RewardResult]:
         size = -(-len(rows) // self.num_workers)
         chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
         shared = ray.put(manager)
-        return [r for part in ray.get([_score_chunk.remote(shared, chunk) for chunk in chunks]) for r in part]
+        refs = [_score_chunk.remote(shared, chunk) for chunk in chunks]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if pending:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise RewardTimeout(
+                f"reward workers: {len(pending)} of {len(refs)} chunks of the step's {len(rows)} responses "
+                f"not scored within {self.timeout_s:g} s (trainer.timeouts.reward_s): a reward function "
+                "that hangs?"
+            )
+        return [r for part in ray.get(refs) for r in part]
 
     def __call__(
         self, responses: Sequence[str], *, ground_truths: Sequence[str], data_sources: Sequence[str]
