@@ -40,8 +40,10 @@ class WorkerError(RuntimeError):
         super().__init__(f"{role} rank {rank}: {method} failed: {detail}")
 
 
-class WorkerTimeout(WorkerError):
-    """Ranks of a role did not finish a method within its ``trainer.timeouts`` bound."""
+class WorkerTimeout(WorkerError, RunStopped):
+    """Ranks of a role did not finish a method within its ``trainer.timeouts`` bound: a worker
+    failure (restarts treat it as one) whose one-line message says everything (the command line
+    prints it without a traceback). Raised in the driver only."""
 
     def __init__(self, role: str, ranks: list[int], method: str, *, seconds: float, key: str) -> None:
         self.role, self.rank, self.method, self.ranks = role, ranks[0], method, list(ranks)

@@ -9,7 +9,7 @@ import pytest
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from rltrain.config.trainer import TimeoutConfig
-from rltrain.errors import DivergenceError
+from rltrain.errors import DivergenceError, RunStopped
 from rltrain.orchestrator.worker_group import (
     Placement,
     PlacementTimeout,
@@ -118,7 +118,8 @@ def test_a_stopped_worker_is_named_within_the_timeout(placement):
         waited = time.monotonic() - start
         assert 3.0 <= waited < 4.5, waited
         err = info.value
-        assert isinstance(err, WorkerError) and (err.role, err.ranks, err.method) == ("critic", [1], "nap")
+        assert isinstance(err, WorkerError) and isinstance(err, RunStopped)
+        assert (err.role, err.ranks, err.method) == ("critic", [1], "nap")
         assert str(err) == (
             "critic rank 1: nap did not finish within 3 s (trainer.timeouts.call_s): a worker stopped or "
             "hung, or waits in a collective for one that did"
