@@ -16,7 +16,6 @@ Ray prefixes the lines it forwards to the driver with ``(<role> rank <r> pid=...
 
 from __future__ import annotations
 
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.workers import RankInfo
+from rltrain.ports import HeldPort
 
 
 class WorkerError(RuntimeError):
@@ -82,17 +82,19 @@ class _RankHost:
         configure_worker_logging()
         self.role, self.rank = role, rank
         self.worker: Any = None
+        self._held_ports: list[HeldPort] = []
 
     def __repr__(self) -> str:  # Ray's prefix of this process's lines on the driver
         return f"{self.role} rank {self.rank}"
 
     def address(self) -> tuple[bool, tuple[str, int]]:
-        """This node's IP and a free TCP port on it (for rank 0 as the rendezvous), as ``run``
-        reports a result."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return True, (ray.util.get_node_ip_address(), port)
+        """This node's IP and a TCP port on it (for rank 0 as the rendezvous), as ``run`` reports a
+        result. The port stays held by this process (``rltrain.ports.HeldPort``) so that nothing
+        else on the node takes it before the rendezvous store binds it (a picked-and-closed port
+        raced: ``EADDRINUSE``)."""
+        held = HeldPort()
+        self._held_ports.append(held)
+        return True, (ray.util.get_node_ip_address(), held.port)
 
     def build(self, cls: type, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         try:
