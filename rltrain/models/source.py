@@ -53,6 +53,7 @@ def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path, tools_
     material: dict = {"tiny": shape, "warmup_data": warmup_source, "v": 2}
     if warmup_source is not None and warmup_source["name"] != "arithmetic":
         material["tools"] = Path(tools_file).read_text(encoding="utf-8") if tools_file else None
+        material["warmup_rows"] = "disjoint"  # its own problems, not the RL prompts
     key_material = json.dumps(material, sort_keys=True)
     out = cache / f"tiny-{tiny.model_type}-{hashlib.sha1(key_material.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
@@ -89,8 +90,12 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
         from rltrain.models.warmup import sft_warmup
 
         task = data.generated
+        # The calculator warm-up draws problems of its own (disjoint from the RL prompts, so that RL
+        # starts from a policy that has not memorized their answers); arithmetic's warms up on the
+        # training prompts' answers, as the quickstart always has.
+        extra = task.num_train if task.name == "calculator" else 0
         rows = generate_arithmetic(
-            task.num_train + task.num_val,
+            task.num_train + task.num_val + extra,
             seed=task.seed,
             max_operand=task.max_operand,
             ops=task.ops,
@@ -106,9 +111,13 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
 
             if not tools_file:
                 raise ValueError("the calculator warm-up needs rollout.multi_turn.tool_config_path")
+            held = {r["extra_info"]["expression"] for r in rows[: task.num_train + task.num_val]}
+            warm = [
+                r for r in rows[task.num_train + task.num_val :] if r["extra_info"]["expression"] not in held
+            ]
             conversations = calculator_conversations(
                 tokenizer,
-                rows[: task.num_train],
+                warm,
                 tools=load_tool_config(tools_file).schemas(),
                 tool_call_fraction=tiny.sft_tool_call_fraction,
                 seed=tiny.seed,
