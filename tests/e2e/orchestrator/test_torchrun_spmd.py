@@ -27,6 +27,10 @@ def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path, assert_console_is_r
         "-m",
         "torch.distributed.run",
         "--standalone",
+        # the rendezvous store is reached by this address, not by the host name (which may not
+        # resolve: on this machine `hostname` is `x`, in no /etc/hosts and no DNS)
+        "--local-addr",
+        "127.0.0.1",
         "--nproc_per_node",
         "2",
         "-m",
