@@ -53,7 +53,7 @@ def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path, tools_
     material: dict = {"tiny": shape, "warmup_data": warmup_source, "v": 2}
     if warmup_source is not None and warmup_source["name"] != "arithmetic":
         material["tools"] = Path(tools_file).read_text(encoding="utf-8") if tools_file else None
-        material["warmup_rows"] = "disjoint"  # its own problems, not the RL prompts
+        material["warmup_rows"] = "disjoint x8"  # its own problems, not the RL prompts
     key_material = json.dumps(material, sort_keys=True)
     out = cache / f"tiny-{tiny.model_type}-{hashlib.sha1(key_material.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
@@ -93,7 +93,7 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
         # The calculator warm-up draws problems of its own (disjoint from the RL prompts, so that RL
         # starts from a policy that has not memorized their answers); arithmetic's warms up on the
         # training prompts' answers, as the quickstart always has.
-        extra = task.num_train if task.name == "calculator" else 0
+        extra = 8 * task.num_train if task.name == "calculator" else 0  # varied enough to learn copying
         rows = generate_arithmetic(
             task.num_train + task.num_val + extra,
             seed=task.seed,
