@@ -131,7 +131,8 @@ def step_part(recipe: str, steps: int) -> list[str]:
         f"step part: {len(records)} steps after the first, load average after {os.getloadavg()[0]:.2f}",
         f"  step {step:.2f} s = generate {generate:.2f} s ({generate / step:.0%}) + train {train:.2f} s "
         f"({train / step:.0%}) + reward/other {step - generate - train:.2f} s",
-        f"  tools: {per_traj_tools * 1000:.2f} ms per trajectory (inside generate, concurrent with it); "
+        f"  tools: {per_traj_tools * 1e6:.0f} us per trajectory, {mean(mk.AGENT_TOOL_LATENCY) * 1e6:.0f} us a "
+        "call (inside generate, concurrent with other trajectories' generation); "
         f"tool calls per trajectory {mean(mk.AGENT_TOOL_CALLS):.2f}, turns {mean(mk.AGENT_TURNS):.2f}",
     ]
 
