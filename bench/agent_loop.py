@@ -126,7 +126,7 @@ def step_part(recipe: str, steps: int) -> list[str]:
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in records)  # noqa: E731
     step, generate = mean(mk.TIMING_STEP), mean(mk.timing_key("generate"))
     train = sum(mean(mk.timing_key(s)) for s in TRAIN_STAGES)
-    per_traj_tools = mean(mk.AGENT_TOOL_SECONDS)
+    per_traj_tools = mean(mk.AGENT_TOOL_LATENCY) * mean(mk.AGENT_TOOL_CALLS)  # a step logs the mean call
     return [
         f"step part: {len(records)} steps after the first, load average after {os.getloadavg()[0]:.2f}",
         f"  step {step:.2f} s = generate {generate:.2f} s ({generate / step:.0%}) + train {train:.2f} s "
