@@ -41,7 +41,9 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
     agent_ports = f"--dashboard-agent-listen-port={free_port()} --dashboard-agent-grpc-port={free_port()}"
     env_vars = (
         f"ALL,RAY_PORT={gcs},RAY_DASHBOARD_PORT={free_port()},RLTRAIN_PYTHON={ROOT / '.venv' / 'bin' / 'python'},"
-        f"RAY_TMP=/tmp/rs-{gcs},RAY_START_ARGS={agent_ports}"
+        f"RAY_TMP=/tmp/rs-{gcs},RAY_START_ARGS={agent_ports},"
+        # one local node: its host name need not resolve (on this machine `x` resolves nowhere)
+        "RAY_HEAD_IP=127.0.0.1"
     )
     job = subprocess.run(
         [

@@ -15,9 +15,10 @@ HOST=$(hostname -s)
 CPUS=$(nproc)
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge /etc/munge
-cat > /etc/slurm/slurm.conf <<CONF
+# Addresses are given (127.0.0.1): the host name need not resolve (on some machines it does not).
+cat > /tmp/rltrain-slurm.conf <<CONF
 ClusterName=rltrain-local
-SlurmctldHost=$HOST
+SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
 ProctrackType=proctrack/linuxproc
@@ -32,9 +33,16 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+NodeName=$HOST NodeAddr=127.0.0.1 NodeHostname=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
+if ! cmp -s /tmp/rltrain-slurm.conf /etc/slurm/slurm.conf; then
+  # a changed configuration: daemons started with another one must not be reused
+  pkill -x slurmctld 2>/dev/null || true
+  pkill -x slurmd 2>/dev/null || true
+  for _ in $(seq 30); do pgrep -x 'slurmctld|slurmd' >/dev/null || break; sleep 1; done
+  mv /tmp/rltrain-slurm.conf /etc/slurm/slurm.conf
+fi
 [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
 chown -R munge:munge /etc/munge /run/munge 2>/dev/null || true
 chmod 0400 /etc/munge/munge.key
