@@ -168,8 +168,7 @@ class AgentLoop:
             traj.add(list(out.token_ids), sampled=True, logprobs=list(out.logprobs))
             traj.num_turns += 1
             traj.finish_reason, traj.stop_reason = out.finish_reason, out.stop_reason
-            if out.finish_reason != "stop":
-                traj.finish_reason = "length" if out.finish_reason == "length" else out.finish_reason
+            if out.finish_reason != "stop":  # the budget ran out (length) or the engine aborted it
                 return
             text = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
             messages = await self._tool_messages(traj, text) if self.tools is not None else []
@@ -200,10 +199,7 @@ class AgentLoop:
         if not parsed.calls and not parsed.errors:
             return []
         cfg = self.config
-        results: list[ToolResult] = [
-            ToolResult(text=f"error: {e}", ok=False, error_kind="parse_error", seconds=0.0)
-            for e in parsed.errors
-        ]
+        results: list[ToolResult] = [ToolResult.failure("parse_error", f"error: {e}") for e in parsed.errors]
         if parsed.calls:
             results += await self.tools.run(  # type: ignore[union-attr]
                 parsed.calls,
