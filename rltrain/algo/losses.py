@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rltrain.algo import rollout_correction
 from rltrain.algo.kl import kl_penalty
 from rltrain.algo.masked import masked_mean, masked_sum
 from rltrain.algo.registry import Registry
@@ -161,6 +162,11 @@ class PolicyLossInputs:
     rollout_logprobs: torch.Tensor | None = None
     """``[batch, response_len]`` log-probs reported by the rollout engine; used by TIS."""
 
+    rollout_is_weights: torch.Tensor | None = None
+    """``[batch, response_len]`` detached rollout-correction IS weights (token or sequence level,
+    :mod:`rltrain.algo.rollout_correction`) multiplying each token's loss; exclusive with
+    ``PolicyLossParams.tis_cap``."""
+
 
 @dataclass(frozen=True)
 class PolicyLossParams:
@@ -218,7 +224,7 @@ class PolicyLossOutput:
     """Mean of ``old_logprobs - logprobs`` over valid tokens (clamped log-ratio)."""
 
     tis_weight_mean: torch.Tensor | None = None
-    """Mean TIS weight over valid tokens; ``None`` when TIS is off."""
+    """Mean TIS (or rollout-correction IS) weight over valid tokens; ``None`` when no weight is applied."""
 
 
 PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams, LossAgg], PolicyLossOutput]
@@ -255,17 +261,30 @@ def tis_weight(inputs: PolicyLossInputs, params: PolicyLossParams) -> torch.Tens
         return None
     if inputs.rollout_logprobs is None:
         raise ValueError("tis_cap is set but PolicyLossInputs.rollout_logprobs is None")
-    log_ratio = (inputs.old_logprobs - inputs.rollout_logprobs).detach()
-    return torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO)).clamp(max=params.tis_cap)
+    ratio_log = rollout_correction.log_ratio(inputs.old_logprobs, inputs.rollout_logprobs)
+    return rollout_correction.is_weights(
+        ratio_log, inputs.response_mask, level="token", threshold=params.tis_cap
+    )
+
+
+def _loss_weight(inputs: PolicyLossInputs, params: PolicyLossParams) -> torch.Tensor | None:
+    """The per-token weight of the loss: TIS (``params.tis_cap``) or ``inputs.rollout_is_weights``."""
+    weight = tis_weight(inputs, params)
+    if inputs.rollout_is_weights is None:
+        return weight
+    if weight is not None:
+        raise ValueError("PolicyLossParams.tis_cap and PolicyLossInputs.rollout_is_weights are both set")
+    return inputs.rollout_is_weights.detach()
 
 
 @POLICY_LOSSES.register("vanilla")
 def vanilla_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: LossAgg) -> PolicyLossOutput:
-    """PPO clipped surrogate with dual clip and optional TIS.
+    """PPO clipped surrogate with dual clip and optional TIS / rollout-correction IS weights.
 
     Per token, with ``r = exp(logprobs - old_logprobs)``:
     ``max(-A r, -A clip(r, 1 - low, 1 + high))``, and for ``A < 0`` additionally capped at
-    ``-A · clip_ratio_c``; multiplied by the TIS weight when on, then aggregated by ``agg``.
+    ``-A · clip_ratio_c``; multiplied by the TIS or rollout-correction weight when on, then
+    aggregated by ``agg``.
 
     Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
     """
@@ -279,7 +298,7 @@ def vanilla_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg:
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(surrogate, dual_bound), surrogate)
 
-    weight = tis_weight(inputs, params)
+    weight = _loss_weight(inputs, params)
     if weight is not None:
         per_token = per_token * weight
 

@@ -1,11 +1,14 @@
-"""Advantage estimation and KL regularization."""
+"""Advantage estimation, KL regularization and rollout correction."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from rltrain.config.fields import NonNegativeFloat, PositiveInt
+from rltrain.config.fields import NonNegativeFloat, PositiveFloat, PositiveInt
+
+if TYPE_CHECKING:
+    from rltrain.algo.rollout_correction import RolloutCorrectionSpec
 
 KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
 
@@ -23,6 +26,65 @@ class KLControlConfig:
 
     horizon: PositiveInt = 10000
     """Samples over which the adaptive controller corrects a KL error (larger = slower)."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction``: correct for the gap between the engine's behaviour
+    log-probs and the trainer's (rltrain/algo/rollout_correction.py has the formulas). Setting the
+    section (even ``{}``) logs the ``rollout_corr/*`` diagnostics every step."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights π_old/π_rollout on the actor loss: per token, per sequence (product of
+    the token ratios), or null (none, diagnostics only)."""
+
+    rollout_is_threshold: PositiveFloat = 2.0
+    """Upper truncation of the IS weights."""
+
+    rollout_rs: str | None = None
+    """Rejection (masked IS, IcePop-style): comma-separated options ``token_k1``, ``seq_sum_k1``,
+    ``seq_mean_k1`` (geometric mean), ``{token,seq_sum,seq_mean,seq_max}_{k2,k3}``; rejected tokens or
+    sequences leave the actor loss and its denominators. Null: none."""
+
+    rollout_rs_threshold: str | float | int | None = None
+    """Bounds of ``rollout_rs``, one for all options or one per option (comma-separated): ``k1``
+    options take ``"lower_upper"`` ratio bounds (one number ``u`` means ``1/u_u``); ``k2``/``k3`` one
+    upper bound. Quote it in YAML: YAML reads ``0.5_2`` as the number 0.52."""
+
+    def spec(self) -> RolloutCorrectionSpec:
+        """The pure-math description (raises ValueError on bad thresholds; ``validate`` reports them)."""
+        from rltrain.algo.rollout_correction import RolloutCorrectionSpec, parse_rejection  # torch, lazily
+
+        return RolloutCorrectionSpec(
+            rollout_is=self.rollout_is,
+            rollout_is_threshold=self.rollout_is_threshold,
+            rejection=parse_rejection(self.rollout_rs, self.rollout_rs_threshold),
+        )
+
+    def validate(self, prefix: str) -> list[str]:
+        from rltrain.algo.rollout_correction import parse_rejection  # torch, lazily
+
+        try:
+            parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
+        except ValueError as err:  # each message starts with the key it is about
+            return [f"{prefix}.{err}"]
+        return []
+
+
+def tis_alias_problems(
+    tis_imp_ratio_cap: float | None, correction: RolloutCorrectionConfig | None
+) -> list[str]:
+    """``actor.tis_imp_ratio_cap`` is the older name of ``rollout_is=token`` with
+    ``rollout_is_threshold=cap``; both may be set only when they agree."""
+    if tis_imp_ratio_cap is None or correction is None or correction.rollout_is is None:
+        return []
+    if correction.rollout_is == "token" and correction.rollout_is_threshold == tis_imp_ratio_cap:
+        return []
+    return [
+        f"actor.tis_imp_ratio_cap={tis_imp_ratio_cap} disagrees with algorithm.rollout_correction.rollout_is="
+        f"{correction.rollout_is}, rollout_is_threshold={correction.rollout_is_threshold}: set only the latter "
+        "(tis_imp_ratio_cap is rollout_is=token with rollout_is_threshold=cap)"
+    ]
 
 
 @dataclass
@@ -50,6 +112,9 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """Controller of β for the in-reward penalty."""
 
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """Rollout correction (IS weights, rejection, ``rollout_corr/*`` diagnostics); null: off."""
+
     def validate(self, prefix: str) -> list[str]:
         problems = []
         if not 0 <= self.gamma <= 1:
@@ -63,4 +128,6 @@ class AlgorithmConfig:
                 problems.append(
                     f"{prefix}.kl_ctrl.type=adaptive has no effect without {prefix}.use_kl_in_reward=true"
                 )
+        if self.rollout_correction is not None:
+            problems += self.rollout_correction.validate(f"{prefix}.rollout_correction")
         return problems

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rltrain.config.actor import ActorConfig, CriticConfig, RefConfig
-from rltrain.config.algorithm import AlgorithmConfig
+from rltrain.config.algorithm import AlgorithmConfig, tis_alias_problems
 from rltrain.config.data import DataConfig
 from rltrain.config.fields import field_problems
 from rltrain.config.loader import build_dataclass, dump_yaml
@@ -104,6 +104,7 @@ class RLConfig:
             )
         problems += self._check_batch_sizes()
         problems += self._check_switches()
+        problems += tis_alias_problems(self.actor.tis_imp_ratio_cap, self.algorithm.rollout_correction)
         return problems
 
     def _check_batch_sizes(self) -> list[str]:

@@ -4,14 +4,20 @@ Each is a :class:`~rltrain.algo.token_batch.LossFn`: it sees one micro-batch's m
 (``logprobs``/``entropy`` or ``values``, ``[batch, response_len]``) and the micro-batch
 (:class:`~rltrain.algo.token_batch.TokenBatch`), whose named loss inputs it reads: the actor
 ``old_logprobs``, ``advantages`` (+ ``ref_logprobs`` with the KL loss, ``rollout_logprobs`` with
-TIS), the critic ``values`` and ``returns``. Every term is aggregated with the
+rollout correction), the critic ``values`` and ``returns``. Every term is aggregated with the
 mini-batch's global denominators, so the sum over micro-batches and data-parallel ranks is the
 mini-batch loss; the metrics use the same denominators and add up the same way.
+
+Rollout correction (:func:`actor_correction`: ``algorithm.rollout_correction``, or its older
+spelling ``actor.tis_imp_ratio_cap``) weights the actor's per-token losses and, with rejection,
+drops the rejected tokens from every actor term (policy, entropy, KL loss), as verl's modified
+``response_mask`` does; the caller then counts the denominators over the kept tokens
+(:meth:`GlobalCounts.kept`). Advantages and the critic see every token (verl masks them too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,8 +30,10 @@ from rltrain.algo import (
     compute_policy_loss,
     compute_value_loss,
 )
+from rltrain.algo.rollout_correction import CorrectionStats, RolloutCorrectionSpec, apply_correction
 from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config import ActorConfig, CriticConfig
+from rltrain.config.algorithm import AlgorithmConfig
 from rltrain.logging import metrics as mk
 
 
@@ -50,6 +58,11 @@ class GlobalCounts:
             response_length=response_mask.size(-1),
         )
 
+    def kept(self, stats: CorrectionStats) -> GlobalCounts:
+        """These counts over the tokens the rejection kept (``stats`` merged over the mini-batch);
+        at least 1 each, so an all-rejected mini-batch has a zero loss rather than 0/0."""
+        return replace(self, num_tokens=max(stats.kept_tokens, 1), num_seqs=max(stats.kept_seqs, 1))
+
     def agg(self, mode: str) -> LossAgg:
         return LossAgg(
             mode,
@@ -59,27 +72,67 @@ class GlobalCounts:
         )
 
 
-def actor_loss_fn(cfg: ActorConfig, counts: GlobalCounts) -> LossFn:
-    """PPO clipped surrogate (+ dual clip, TIS), minus the entropy bonus, plus the KL loss."""
+@dataclass(frozen=True)
+class ActorCorrection:
+    """The actor's rollout correction, resolved from the config."""
+
+    spec: RolloutCorrectionSpec
+    """IS level and threshold, rejection bounds."""
+
+    log_metrics: bool
+    """Whether to log the ``rollout_corr/*`` diagnostics (the ``algorithm.rollout_correction``
+    section is set; ``actor.tis_imp_ratio_cap`` alone keeps today's metrics)."""
+
+
+def actor_correction(actor: ActorConfig, algorithm: AlgorithmConfig) -> ActorCorrection | None:
+    """``algorithm.rollout_correction``, with ``actor.tis_imp_ratio_cap = C`` read as
+    ``rollout_is=token, rollout_is_threshold=C`` (the config check refuses the two when they
+    disagree); ``None`` when neither is set."""
+    section, cap = algorithm.rollout_correction, actor.tis_imp_ratio_cap
+    if section is None:
+        if cap is None:
+            return None
+        return ActorCorrection(
+            RolloutCorrectionSpec(rollout_is="token", rollout_is_threshold=cap), log_metrics=False
+        )
+    spec = section.spec()
+    if spec.rollout_is is None and cap is not None:
+        spec = replace(spec, rollout_is="token", rollout_is_threshold=cap)
+    return ActorCorrection(spec, log_metrics=True)
+
+
+def actor_loss_fn(
+    cfg: ActorConfig, counts: GlobalCounts, *, correction: RolloutCorrectionSpec | None = None
+) -> LossFn:
+    """PPO clipped surrogate (+ dual clip, rollout correction), minus the entropy bonus, plus the
+    KL loss. With a rejecting ``correction``, ``counts`` must be the kept ones (``GlobalCounts.kept``)."""
     agg = counts.agg(cfg.loss_agg_mode)
     params = PolicyLossParams(
         clip_ratio=cfg.clip_ratio,
         clip_ratio_low=cfg.clip_ratio_low,
         clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c,
-        tis_cap=cfg.tis_imp_ratio_cap,
     )
     # Metrics are token means over the mini-batch whatever the loss aggregation mode.
     token_mean = counts.agg("token-mean")
 
     def loss_fn(output: ModelOutput, micro_batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = micro_batch.response_mask.to(output.logprobs.dtype)
+        weights = None
+        if correction is not None:
+            if micro_batch.rollout_logprobs is None:
+                raise ValueError("rollout correction is on but the micro-batch carries no rollout_logprobs")
+            corrected = apply_correction(
+                micro_batch.old_logprobs, micro_batch.rollout_logprobs, mask, correction
+            )
+            mask, weights = corrected.mask, corrected.weights
         inputs = PolicyLossInputs(
             old_logprobs=micro_batch.old_logprobs,
             logprobs=output.logprobs,
             advantages=micro_batch.advantages,
             response_mask=mask,
             rollout_logprobs=micro_batch.rollout_logprobs,
+            rollout_is_weights=weights,
         )
         policy = compute_policy_loss(cfg.policy_loss, inputs, params=params, agg=agg)
         loss = policy.loss

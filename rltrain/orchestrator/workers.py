@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrain.algo.rollout_correction import CorrectionStats, RolloutCorrectionSpec, correction_stats
 from rltrain.algo.token_batch import TokenBatch
 from rltrain.config import RLConfig
 from rltrain.logging import metrics as mk
 from rltrain.orchestrator.batch import StepBatch
 from rltrain.orchestrator.placement import RolloutPlacement
-from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
+from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_correction, actor_loss_fn, critic_loss_fn
 
 if TYPE_CHECKING:
     from rltrain.megatron.train_step import TrainStepResult
@@ -293,15 +294,37 @@ class PolicyWorker(_MegatronRankBase):
         loss_inputs = ("old_logprobs", "advantages")
         if self.config.actor.use_kl_loss:
             loss_inputs += ("ref_logprobs",)
-        if self.config.actor.tis_imp_ratio_cap is not None:
+        correction = actor_correction(self.config.actor, self.config.algorithm)
+        if correction is not None:
             loss_inputs += ("rollout_logprobs",)
         results = []
         for local, counts in mini_batches:
-            res = self.actor.update(
-                _token_batch(local, loss_inputs), actor_loss_fn(self.config.actor, counts)
+            extra: dict[str, float] = {}
+            if correction is not None and (correction.spec.rejection or correction.log_metrics):
+                stats = self._correction_stats(local, correction.spec)
+                if correction.spec.rejection:
+                    counts = counts.kept(stats)
+                if correction.log_metrics:
+                    extra = stats.metrics(correction.spec)
+            loss_fn = actor_loss_fn(
+                self.config.actor, counts, correction=None if correction is None else correction.spec
             )
-            results.append(_step_metrics("actor", res))
+            res = self.actor.update(_token_batch(local, loss_inputs), loss_fn)
+            results.append(_step_metrics("actor", res) | extra)
         return results
+
+    def _correction_stats(self, local: StepBatch, spec: RolloutCorrectionSpec) -> CorrectionStats:
+        """Rollout-correction statistics of the whole mini-batch: this rank's part, summed (maxima:
+        max) over the data-parallel group."""
+        stats = correction_stats(local.old_logprobs, local.rollout_logprobs, local.response_mask, spec)
+        if self.ctx.dp_size == 1:
+            return stats
+        import torch.distributed as dist
+
+        sums, maxima = stats.sums.to(self.ctx.device), stats.maxima.to(self.ctx.device)
+        dist.all_reduce(sums, group=self.ctx.groups.dp)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.ctx.groups.dp)
+        return CorrectionStats(sums=sums.cpu(), maxima=maxima.cpu())
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, root: str, step: int) -> str:
