@@ -227,7 +227,9 @@ def apply_correction(
     weights = None
     if spec.rollout_is is not None:
         weights = is_weights(ratio_log, mask, level=spec.rollout_is, threshold=spec.rollout_is_threshold)
-    kept = mask if not spec.rejection else mask * keep_mask(ratio_log, mask, spec.rejection).to(mask.dtype)
+    kept = mask
+    if spec.rejection:  # decided in float64, as correction_stats counts it for the denominators
+        kept = mask * keep_mask(ratio_log.double(), mask.double(), spec.rejection).to(mask.dtype)
     return Correction(weights=weights, mask=kept)
 
 
