@@ -8,12 +8,15 @@ rltrain checkpoint verify RUN_DIR           check a run's checkpoints against th
 rltrain doctor                              installed packages vs the versions this release needs
 
 Under torchrun use ``python -m rltrain.train RECIPE``, which runs every rank without Ray.
+``rltrain train`` exits 0 when the run finished, 1 when it stopped (one line says why), 2 for a
+configuration error, and 75 when SIGTERM/SIGUSR1 stopped it after saving a checkpoint (resumable).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 
 
@@ -87,10 +90,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"resolved config written to {path}")
         return 0
     capture_run_output(log_path(config.run_dir()), verbose=config.trainer.verbose)
-    from rltrain.orchestrator.entry import train
+    from rltrain.train import run_and_report
 
-    train(config)
-    return 0
+    flags = ["--skip-env-check"] if args.skip_env_check else []
+    command = shlex.join(["rltrain", "train", *flags, args.recipe, *args.overrides])
+    return run_and_report("rltrain train", config, resume_command=command)
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rltrain.config.fields import PositiveFloat, PositiveInt
+from rltrain.config.fields import NonNegativeInt, PositiveFloat, PositiveInt
 
 
 @dataclass
@@ -25,8 +25,8 @@ class CheckpointConfig:
 @dataclass
 class TimeoutConfig:
     """How long the driver waits for each kind of call to a role's workers. A call that is not back
-    in time stops the run (or, with ``trainer.max_restarts``, restarts the roles) with one line naming
-    the role, the ranks that did not answer and the method: a stopped process, a deadlock or a
+    in time stops the run (or, with ``trainer.max_restarts``, restarts the workers) with one line
+    naming the role, the ranks that did not answer and the method: a stopped process, a deadlock or a
     collective stuck on a peer never hangs the run."""
 
     init_s: PositiveFloat = 1800.0
@@ -141,6 +141,13 @@ class TrainerConfig:
 
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     """How long each call to the workers and each collective may take before the run stops."""
+
+    max_restarts: NonNegativeInt = 0
+    """Restarts after a worker process died or stopped answering (a ``trainer.timeouts`` bound): every
+    worker group is started again and the run resumes from its last good checkpoint (step 0 when it
+    has none yet), logging ``trainer/restarts`` and ``trainer/recover_seconds``. 0 stops the run at
+    the first such failure, naming the role and rank. Ray mode only (under torchrun, torchrun's own
+    ``--max-restarts`` restarts every rank and ``resume_mode: auto`` continues from the checkpoint)."""
 
     max_consecutive_skipped_steps: PositiveInt = 3
     """Stop the run, naming the role and the first non-finite value, once a role has skipped this many

@@ -13,7 +13,9 @@ then ``latest`` rewritten, so a crash at any point leaves ``latest`` naming a co
 Older ones beyond ``keep`` (counted among those not newer than the save) are deleted after that. A
 save that fails (no space left, no permission) raises :class:`CheckpointError` in one line naming
 the path, the cause and the free space, after deleting its partial directory; ``latest`` still
-names the previous checkpoint, from which the run resumes once the cause is fixed.
+names the previous checkpoint, from which the run resumes once the cause is fixed. A worker that
+died or stopped answering during the save (:class:`~rltrain.orchestrator.recovery.WorkerLost`) is
+raised as itself, after the same clean-up, for a restart to recover from.
 
 Resume (:meth:`RunCheckpoints.resume`): candidates are the checkpoint ``latest`` names, then the
 older ones, newest first; the first that verifies against its manifest and loads (the caller's
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from rltrain.orchestrator.manifest import MANIFEST, Verification, verify_manifest, write_manifest
+from rltrain.orchestrator.recovery import WorkerLost
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,9 @@ class RunCheckpoints:
             self.barrier()
             if self.is_writer:
                 self._publish(tmp, final, name, state)
+        except WorkerLost:  # a worker died or hung, not the save: the partial directory goes, the error stays
+            self._discard(tmp)
+            raise
         except Exception as err:  # re-raised as one line naming the path; the cause stays chained
             raise self._save_failed(name, tmp, err) from err
         self.barrier()
@@ -109,9 +115,12 @@ class RunCheckpoints:
         self._prune(saved=final)
         log.info("checkpoint %s written", final)
 
-    def _save_failed(self, name: str, tmp: Path, err: Exception) -> CheckpointError:
+    def _discard(self, tmp: Path) -> None:
         if self.is_writer:  # frees what the partial save took, so that the next save can fit
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def _save_failed(self, name: str, tmp: Path, err: Exception) -> CheckpointError:
+        self._discard(tmp)
         current, problem = self._read_marker()
         kept = f"{self.root / LATEST} still names {current}" if problem is None else "no earlier checkpoint"
         return CheckpointError(
@@ -210,6 +219,11 @@ class RunCheckpoints:
                 self.root,
             )
         self.barrier()
+
+    def newest(self) -> Path | None:
+        """The checkpoint ``latest`` names, or None (no checkpoint, or ``latest`` missing or damaged)."""
+        named, problem = self._read_marker()
+        return None if problem is not None else self.root / named
 
     @staticmethod
     def read_state(path: Path) -> dict[str, Any]:

@@ -37,6 +37,8 @@ from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.timer import StageTimer
 from rltrain.orchestrator.batch import StepBatch, build_step_batch
 from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
+from rltrain.orchestrator.preemption import StopSignals
+from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.roles import CriticRole, PolicyRole
 from rltrain.orchestrator.worker_group import WorkerError
 from rltrain.rollout.mismatch import logprob_mismatch
@@ -100,8 +102,11 @@ class PPOTrainer:
         tracker: MetricsSink,
         total_steps: int,
         checkpoints: RunCheckpoints | None = None,
+        stop: StopSignals | None = None,
     ) -> None:
+        """``stop``: the preemption signals (:mod:`~rltrain.orchestrator.preemption`); None ignores them."""
         self.config, self.roles, self.tokenizer = config, roles, tokenizer
+        self.stop = stop
         self.data, self.rewards, self.tracker = data, rewards, tracker
         self.total_steps = total_steps
         kl = config.algorithm.kl_ctrl
@@ -116,11 +121,23 @@ class PPOTrainer:
     # ---------------------------------------------------------------------------------------- loop
     def fit(self, *, progress: Progress | None = None) -> int:
         """Train until ``total_steps``; returns the last step. Resumes first when configured."""
-        step = self.resume()
+        return self.train_from(self.start(), progress=progress)
+
+    def start(self, *, recovering: bool = False) -> int:
+        """Resume (``recovering``: from the run's last good checkpoint whatever ``resume_mode`` says)
+        and put the actor's weights into the engines; the step to continue after."""
+        step = self.resume(recovering=recovering)
         self.roles.policy.sync_weights()
-        trainer = self.config.trainer
-        if trainer.val_before_train and step == 0:
+        if self.config.trainer.val_before_train and step == 0:
             self.tracker.log(self.validate(), step=0)
+        return step
+
+    def train_from(self, step: int, *, progress: Progress | None = None) -> int:
+        """Steps after ``step`` until ``total_steps``, or until a stop signal (:attr:`stop`): then the
+        step is saved, due or not, and the last step returned."""
+        trainer = self.config.trainer
+        if self._stop_requested():
+            return step
         while step < self.total_steps:
             step += 1
             metrics = self.train_step(step)
@@ -130,9 +147,17 @@ class PPOTrainer:
             self.tracker.log(metrics, step=step)
             if progress is not None:
                 progress.update(metrics)
-            if _due(trainer.save_freq, step, last):
+            saved = _due(trainer.save_freq, step, last)
+            if saved:
                 self.save(step)
+            if not last and self._stop_requested():
+                if not saved:
+                    self.save(step)
+                return step
         return step
+
+    def _stop_requested(self) -> bool:
+        return self.stop is not None and self.stop.requested() is not None
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, timer, policy, critic = self.config, self.timer, self.roles.policy, self.roles.critic
@@ -338,14 +363,21 @@ class PPOTrainer:
         state = {"step": step, "data": self.data.train.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
         self.checkpoints.save(step, write_roles=write_roles, state=state)
 
-    def resume(self) -> int:
+    def resume(self, *, recovering: bool = False) -> int:
         """The step to continue after: 0 for a fresh start, else that of the newest checkpoint that
-        verifies and loads (:meth:`RunCheckpoints.resume` falls back past the others, one line each)."""
+        verifies and loads (:meth:`RunCheckpoints.resume` falls back past the others, one line each).
+        ``recovering`` (after a restart of the workers): the run's newest such checkpoint, else the
+        one it started from (``resume_from_path``), else step 0."""
         trainer = self.config.trainer
+        explicit = trainer.resume_from_path if trainer.resume_mode == "resume_path" else None
+        if recovering:
+            step = self.checkpoints.resume(self.load_checkpoint)
+            if step is None and explicit is not None:
+                step = self.checkpoints.resume(self.load_checkpoint, explicit=explicit)
+            return step or 0
         if trainer.resume_mode == "disable":
             self.checkpoints.start_fresh(discard_existing=trainer.checkpoint.discard_existing)
             return 0
-        explicit = trainer.resume_from_path if trainer.resume_mode == "resume_path" else None
         step = self.checkpoints.resume(self.load_checkpoint, explicit=explicit)
         return 0 if step is None else step
 
@@ -360,6 +392,8 @@ class PPOTrainer:
                 continue
             try:
                 loaded = role.load(str(path))
+            except WorkerLost:  # the worker, not the checkpoint: a restart's business
+                raise
             except WorkerError as err:
                 raise CheckpointLoadError(str(err).splitlines()[0]) from err
             if loaded != state["step"]:

@@ -156,58 +156,68 @@ def prepare_run(config: RLConfig, *, write_config: bool = True) -> RunSetup:
     )
 
 
-def train(config: RLConfig) -> int:
-    """Run ``config`` to the end; returns the last step."""
-    import ray
+class RunWorkers:
+    """The run's worker groups on its placement group: :meth:`start` starts every role's ranks (the
+    colocated engines inside the policy ranks, separate engines in a group of their own) and returns
+    the role handles; :meth:`stop` kills them all, and the engines they host with them."""
 
-    from rltrain.orchestrator.driver import Roles
-    from rltrain.orchestrator.placement import rollout_placement
-    from rltrain.orchestrator.roles import CriticRole, PolicyRole
-    from rltrain.orchestrator.worker_group import Placement, RayWorkerGroup, reserve_bundles
-    from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RolloutWorker
+    def __init__(self, config: RLConfig, setup: RunSetup, *, gpu: bool) -> None:
+        from rltrain.orchestrator.placement import rollout_placement
+        from rltrain.orchestrator.worker_group import Placement, reserve_bundles
 
-    ray_target = None if ray.is_initialized() else resolve_ray(config)  # a refusing cluster: fail now
-    setup = prepare_run(config)
-    model_dir, total_steps = setup.model_dir, setup.total_steps
-    started_ray = connect_ray(config, ray_target)
-    timeouts = config.trainer.timeouts
-    world = config.cluster.world_size()
-    gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
-    layout = rollout_placement(config, gpu=gpu)
-    pg = reserve_bundles([b.resources() for b in layout.bundles], timeout_s=timeouts.init_s)
-    share = 0.5 if config.critic_enabled() else 1.0
-    placement = Placement(pg, num_cpus=share, num_gpus=share if gpu else 0.0)
-    groups = []
+        self.config, self.model_dir, self.total_steps = config, setup.model_dir, setup.total_steps
+        self.gpu = gpu
+        self.layout = rollout_placement(config, gpu=gpu)
+        self.pg = reserve_bundles(
+            [b.resources() for b in self.layout.bundles], timeout_s=config.trainer.timeouts.init_s
+        )
+        share = 0.5 if config.critic_enabled() else 1.0
+        self.placement = Placement(self.pg, num_cpus=share, num_gpus=share if gpu else 0.0)
+        self.groups: list = []
 
-    def start_group(role: str, cls: type, size: int, where: Placement, **kwargs) -> RayWorkerGroup:
-        """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)``; killed when the run ends."""
+    def _start_group(self, role: str, cls: type, size: int, where, **kwargs):
+        """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)``; killed by :meth:`stop`."""
+        from rltrain.orchestrator.worker_group import RayWorkerGroup
+
         with role_stage(role, size):
             group = RayWorkerGroup(
                 role,
                 cls,
                 world_size=size,
                 placement=where,
-                args=(config, model_dir),
+                args=(self.config, self.model_dir),
                 kwargs=kwargs,
-                timeouts=timeouts,
+                timeouts=self.config.trainer.timeouts,
             )
-        groups.append(group)
+        self.groups.append(group)
         return group
 
-    try:
-        policy_group = start_group(
-            "actor_rollout_ref", PolicyWorker, world, placement, total_steps=total_steps, placement=layout
+    def start(self):
+        """Start every role; the :class:`~rltrain.orchestrator.driver.Roles` over them."""
+        from rltrain.orchestrator.driver import Roles
+        from rltrain.orchestrator.roles import CriticRole, PolicyRole
+        from rltrain.orchestrator.worker_group import Placement
+        from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RolloutWorker
+
+        config, layout, world = self.config, self.layout, self.config.cluster.world_size()
+        policy_group = self._start_group(
+            "actor_rollout_ref",
+            PolicyWorker,
+            world,
+            self.placement,
+            total_steps=self.total_steps,
+            placement=layout,
         )
         rollout_group = None
         if layout.separate:
             num_engines = layout.num_engines
             engine_placement = Placement(
-                pg,
+                self.pg,
                 first_bundle=layout.first_engine_bundle,
                 num_cpus=1.0,
-                num_gpus=float(layout.engine_tp) if gpu else 0.0,
+                num_gpus=float(layout.engine_tp) if self.gpu else 0.0,
             )
-            rollout_group = start_group("rollout", RolloutWorker, num_engines, engine_placement)
+            rollout_group = self._start_group("rollout", RolloutWorker, num_engines, engine_placement)
             address = policy_group.free_address()
             joining = rollout_group.submit("connect_weight_sync", address, num_engines)
             policy_group.call_each(
@@ -217,20 +227,56 @@ def train(config: RLConfig) -> int:
         critic = None
         if config.critic_enabled():
             critic = CriticRole(
-                start_group("critic", CriticWorker, world, placement, total_steps=total_steps),
+                self._start_group(
+                    "critic", CriticWorker, world, self.placement, total_steps=self.total_steps
+                ),
                 trainer=config.trainer,
             )
-        roles = Roles(
+        return Roles(
             policy=PolicyRole(policy_group, placement=layout, separate=rollout_group, trainer=config.trainer),
             critic=critic,
         )
-        return run_driver(config, setup, roles)
-    finally:
-        for group in groups:
+
+    def restart(self):
+        """Kill every group and start them again (a worker died or stopped answering)."""
+        self.stop()
+        return self.start()
+
+    def stop(self) -> None:
+        for group in self.groups:
             group.kill()
-        ray.util.remove_placement_group(pg)
-        if started_ray:
-            ray.shutdown()
+        self.groups = []
+
+    def release(self) -> None:
+        """:meth:`stop`, and free the placement group."""
+        import ray
+
+        self.stop()
+        ray.util.remove_placement_group(self.pg)
+
+
+def train(config: RLConfig) -> int:
+    """Run ``config`` to the end; returns the last step. Raises
+    :class:`~rltrain.orchestrator.preemption.Preempted` when a stop signal ended it early, saved."""
+    import ray
+
+    from rltrain.orchestrator.preemption import StopSignals
+
+    ray_target = None if ray.is_initialized() else resolve_ray(config)  # a refusing cluster: fail now
+    setup = prepare_run(config)
+    started_ray = connect_ray(config, ray_target)
+    gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
+    workers = None
+    # After connect_ray: a Ray it started put its own SIGTERM handler in (it would exit at once).
+    with StopSignals().installed() as stop:
+        try:
+            workers = RunWorkers(config, setup, gpu=gpu)
+            return run_driver(config, setup, workers.start(), stop=stop, restart_roles=workers.restart)
+        finally:
+            if workers is not None:
+                workers.release()
+            if started_ray:
+                ray.shutdown()
 
 
 def run_driver(
@@ -241,15 +287,24 @@ def run_driver(
     checkpoints=None,
     is_logger: bool = True,
     use_reward_workers: bool = True,
+    stop=None,
+    restart_roles=None,
 ) -> int:
     """Run the PPO loop over ``roles``; only ``is_logger`` writes metrics and shows progress.
 
     ``use_reward_workers``: score in Ray CPU tasks when ``reward.num_workers`` > 0 (the Ray mode);
-    the torchrun mode has no Ray and scores in the driver."""
+    the torchrun mode has no Ray and scores in the driver. ``stop``: the run's
+    :class:`~rltrain.orchestrator.preemption.StopSignals`; a stop they asked for before the last
+    step raises :class:`~rltrain.orchestrator.preemption.Preempted` once the step is saved.
+    ``restart_roles``: kills the roles' workers and returns new roles over new ones; with
+    ``trainer.max_restarts`` > 0 a worker that dies or stops answering goes through it
+    (:mod:`~rltrain.orchestrator.recovery`)."""
     from rltrain.logging import metrics as mk
     from rltrain.logging.progress import StepProgress
     from rltrain.logging.tracker import MetricsLogger
+    from rltrain.orchestrator.checkpoints import RunCheckpoints
     from rltrain.orchestrator.driver import PPOTrainer
+    from rltrain.orchestrator.recovery import RestartMetrics, fit_with_restarts
     from rltrain.rewards import RewardManager
 
     backends = config.trainer.logger if is_logger else ()
@@ -265,25 +320,49 @@ def run_driver(
         rewards = RayRewardPool(
             rewards, config.reward.num_workers, timeout_s=config.trainer.timeouts.reward_s
         )
-    trainer = PPOTrainer(
-        config,
-        roles=roles,
-        tokenizer=setup.tokenizer,
-        data=setup.data,
-        rewards=rewards,
-        tracker=tracker,
-        total_steps=setup.total_steps,
-        checkpoints=checkpoints,
+    checkpoints = checkpoints or RunCheckpoints(
+        config.run_dir() / "checkpoints", keep=config.trainer.checkpoint.max_ckpt_to_keep
     )
+    sink = RestartMetrics(tracker)
+    data_start = setup.data.train.state_dict()
+
+    def trainer_over(roles) -> PPOTrainer:
+        return PPOTrainer(
+            config,
+            roles=roles,
+            tokenizer=setup.tokenizer,
+            data=setup.data,
+            rewards=rewards,
+            tracker=sink,
+            total_steps=setup.total_steps,
+            checkpoints=checkpoints,
+            stop=stop,
+        )
+
+    def restart() -> PPOTrainer:
+        setup.data.train.load_state_dict(data_start)  # a run without checkpoint starts over
+        return trainer_over(restart_roles())
+
+    max_restarts = config.trainer.max_restarts if restart_roles is not None else 0
     try:
         show_bar = is_logger and term.err.isatty()
         with (
             stage(f"training ({setup.total_steps} step{'s' if setup.total_steps > 1 else ''})"),
             StepProgress(setup.total_steps, disable=not show_bar, file=term.err) as progress,
         ):
-            last = trainer.fit(progress=progress)
+            last = fit_with_restarts(
+                trainer_over(roles),
+                restart=restart,
+                max_restarts=max_restarts,
+                restart_metrics=sink,
+                progress=progress,
+            )
     finally:
         tracker.close()
+    if last < setup.total_steps and stop is not None and (signal_name := stop.requested()):
+        from rltrain.orchestrator.preemption import Preempted
+
+        raise Preempted(signal_name=signal_name, step=last, checkpoint=checkpoints.newest())
     log.info("run finished at step %d: %s", last, config.run_dir())
     return last
 

@@ -6,7 +6,12 @@ one parallel state per process, so the critic must use the actor's layout). The 
 Ray mode run unchanged over :class:`SPMDGroup`, which calls the local worker and all-gathers the
 results, so every rank holds the full step batch and takes the same decisions. Only rank 0 writes
 metrics and the run-level checkpoint structure; role checkpoints are collective as in the Ray mode.
-A failure on any rank is raised on every rank as :class:`WorkerError` naming role, rank and method.
+A failure on any rank is raised on every rank as :class:`WorkerError` naming role, rank and method;
+a rank's :class:`~rltrain.errors.RunStopped` (divergence, non-finite weights) as itself, its one line
+prefixed with the role and rank. SIGTERM/SIGUSR1 on any rank stop every rank after the same step,
+saved (:mod:`~rltrain.orchestrator.preemption`; the ranks agree after each step). There are no
+restarts in this mode (``trainer.max_restarts`` is refused): torchrun's ``--max-restarts`` restarts
+every rank, and ``resume_mode: auto`` continues from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rltrain.config import RLConfig
+from rltrain.config import ConfigError, RLConfig
+from rltrain.errors import RunStopped
 from rltrain.orchestrator.worker_group import WorkerError
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,8 @@ class SPMDGroup:
     def _run(self, method: str, args: tuple, kwargs: dict) -> list[Any]:
         try:
             outcome = (True, getattr(self.worker, method)(*args, **kwargs))
+        except RunStopped as err:  # its one line says it all: travels as itself
+            outcome = (False, err)
         except Exception as err:  # every rank learns of it below, naming this rank
             outcome = (
                 False,
@@ -56,26 +64,46 @@ class SPMDGroup:
         dist.all_gather_object(gathered, outcome)
         for rank, (ok, value) in enumerate(gathered):
             if not ok:
+                if isinstance(value, RunStopped):
+                    raise type(value)(f"{self.role} rank {rank}: {value}")
                 raise WorkerError(self.role, rank, method, value)
         return [value for _, value in gathered]
 
 
+def agree_on_stop(signum: int) -> int:
+    """The stop signal every rank settles on: the largest any rank received (0: none)."""
+    import torch
+
+    value = torch.tensor([signum], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 def check_world(config: RLConfig) -> None:
+    """Refuse (:class:`~rltrain.config.ConfigError`, one line) what the torchrun mode cannot run."""
     world = int(os.environ["WORLD_SIZE"])
+    problems = []
     if world != config.cluster.world_size():
-        raise ValueError(
+        problems.append(
             f"torchrun started {world} processes but cluster.nnodes × cluster.n_gpus_per_node = "
             f"{config.cluster.nnodes}×{config.cluster.n_gpus_per_node} = {config.cluster.world_size()}"
         )
     if config.rollout.mode != "colocated":
-        raise ValueError(
+        problems.append(
             "torchrun mode runs each rank's engine beside its trainer: rollout.mode must be colocated"
         )
+    if config.trainer.max_restarts:
+        problems.append(
+            f"trainer.max_restarts={config.trainer.max_restarts} needs the Ray mode; under torchrun use "
+            "torchrun --max-restarts (resume_mode auto continues from the last checkpoint)"
+        )
     if config.critic_enabled() and config.critic.parallel != config.actor.parallel:
-        raise ValueError(
+        problems.append(
             "torchrun mode hosts actor and critic in one process: critic.parallel must equal actor.parallel "
             f"({config.critic.parallel} != {config.actor.parallel}); use the Ray mode for different layouts"
         )
+    if problems:
+        raise ConfigError(problems)
 
 
 def train_spmd(config: RLConfig) -> int:
@@ -86,6 +114,7 @@ def train_spmd(config: RLConfig) -> int:
     from rltrain.orchestrator.driver import Roles
     from rltrain.orchestrator.entry import prepare_run, role_stage, run_driver
     from rltrain.orchestrator.placement import rollout_placement
+    from rltrain.orchestrator.preemption import StopSignals
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
     from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
 
@@ -122,14 +151,16 @@ def train_spmd(config: RLConfig) -> int:
         barrier=dist.barrier,
     )
     try:
-        return run_driver(
-            config,
-            setup,
-            Roles(policy=policy, critic=critic),
-            checkpoints=checkpoints,
-            is_logger=rank == 0,
-            use_reward_workers=False,
-        )
+        with StopSignals(agree=agree_on_stop).installed() as stop:
+            return run_driver(
+                config,
+                setup,
+                Roles(policy=policy, critic=critic),
+                checkpoints=checkpoints,
+                is_logger=rank == 0,
+                use_reward_workers=False,
+                stop=stop,
+            )
     finally:
         worker.shutdown()  # the engine first: it must not outlive the process group
         if dist.is_initialized():  # an in-process vLLM engine may have torn the default group down

@@ -3,19 +3,22 @@
 A group places rank i on bundle i of a placement group (one bundle per device), starts
 torch.distributed between its ranks (rank 0's node address and a free port there), and runs a method
 on all ranks (``call``) or with per-rank arguments (``call_each``), gathering the results in rank
-order. A failure in a worker, or a worker process that died, is raised in the driver as
-:class:`WorkerError` naming the role, the rank and the method, with the worker's traceback. Every
-wait has a deadline (``trainer.timeouts``, the field per method in :data:`TIMEOUT_KEYS`): ranks not
-back by then (a stopped or deadlocked process, or one waiting in a collective for it) raise
-:class:`WorkerTimeout`, a :class:`WorkerError` naming the role, those ranks and the method, in one
-line. A worker's :class:`~rltrain.errors.RunStopped` (e.g. divergence) is raised again in the driver
-as the same class, its one-line message prefixed with the role and rank.
+order. A failure in a worker is raised in the driver as :class:`WorkerError` naming the role, the
+rank and the method, with the worker's traceback; a worker process that died as :class:`WorkerDied`
+(a WorkerError, in one line). Every wait has a deadline (``trainer.timeouts``, the field per method
+in :data:`TIMEOUT_KEYS`): ranks not back by then (a stopped or deadlocked process, or one waiting in
+a collective for it) raise :class:`WorkerTimeout`, a :class:`WorkerError` naming the role, those
+ranks and the method, in one line. Both are :class:`~rltrain.orchestrator.recovery.WorkerLost`, what
+``trainer.max_restarts`` recovers from. A worker's :class:`~rltrain.errors.RunStopped` (e.g.
+divergence) is raised again in the driver as the same class, its one-line message prefixed with the
+role and rank.
 Each rank's process logs as :func:`~rltrain.logging.console.configure_worker_logging` sets up, and
 Ray prefixes the lines it forwards to the driver with ``(<role> rank <r> pid=...)``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
+from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.workers import RankInfo
 from rltrain.ports import HeldPort
 
@@ -40,14 +44,25 @@ class WorkerError(RuntimeError):
         super().__init__(f"{role} rank {rank}: {method} failed: {detail}")
 
 
-class WorkerTimeout(WorkerError, RunStopped):
+class WorkerDied(WorkerError, WorkerLost):
+    """A rank's process died during a method (killed, out of memory, crashed): ``trainer.max_restarts``
+    recovers from it. The message is one line; Ray's own account of the death stays in ``detail``."""
+
+    def __init__(self, role: str, rank: int, method: str, err: BaseException) -> None:
+        self.detail = f"{type(err).__name__}: {err}"
+        self.cause = f"the worker process died ({type(err).__name__})"
+        super().__init__(role, rank, method, self.cause)
+
+
+class WorkerTimeout(WorkerError, RunStopped, WorkerLost):
     """Ranks of a role did not finish a method within its ``trainer.timeouts`` bound: a worker
-    failure (restarts treat it as one) whose one-line message says everything (the command line
-    prints it without a traceback). Raised in the driver only."""
+    failure (``trainer.max_restarts`` recovers from it) whose one-line message says everything (the
+    command line prints it without a traceback). Raised in the driver only."""
 
     def __init__(self, role: str, ranks: list[int], method: str, *, seconds: float, key: str) -> None:
         self.role, self.rank, self.method, self.ranks = role, ranks[0], method, list(ranks)
         self.seconds, self.key = seconds, key
+        self.cause = f"no answer within {seconds:g} s (trainer.timeouts.{key})"
         names = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         RuntimeError.__init__(
             self,
@@ -97,9 +112,10 @@ class _RankHost:
         return True, (ray.util.get_node_ip_address(), held.port)
 
     def build(self, cls: type, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """Builds the worker; reports this process's id."""
         try:
             self.worker = cls(*args, **kwargs)
-            return True, ""
+            return True, os.getpid()
         except RunStopped as err:  # its message says it all: travels as itself
             return False, err
         except BaseException as err:  # reported to the driver with role and rank, never swallowed
@@ -187,7 +203,8 @@ class RayWorkerGroup:
             info = RankInfo(rank=rank, world_size=world_size, master_addr=addr, master_port=port)
             extra = per_rank_kwargs[rank] if per_rank_kwargs else {}
             refs.append(host.build.remote(cls, (*args, info), {**(kwargs or {}), **extra}))
-        self._gather("__init__", refs)
+        self.pids: list[int] = self._gather("__init__", refs)
+        """Each rank's process id (what the restart lines and the fault tests name)."""
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``method`` with the same arguments on every rank; results in rank order."""
@@ -232,7 +249,7 @@ class RayWorkerGroup:
             try:
                 ok, value = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
-                ok, value = False, f"the worker process died ({type(err).__name__}: {err})"
+                raise WorkerDied(self.role, rank, method, err) from err
             if not ok:
                 if isinstance(value, RunStopped):
                     raise type(value)(f"{self.role} rank {rank}: {value}")

@@ -1,5 +1,6 @@
 """A failure inside a Ray worker surfaces in the driver naming the role, the rank and the method; so
-does a worker that stops answering (SIGSTOP), within its timeout."""
+do a worker process that died (one line, a WorkerLost) and one that stops answering (SIGSTOP), within
+its timeout."""
 
 import os
 import signal
@@ -10,10 +11,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import DivergenceError, RunStopped
+from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.worker_group import (
     Placement,
     PlacementTimeout,
     RayWorkerGroup,
+    WorkerDied,
     WorkerError,
     WorkerTimeout,
     reserve_bundles,
@@ -91,8 +94,15 @@ def test_constructor_failure_and_dead_process_are_named(placement):
             kwargs={"fail_init_rank": 1},
         )
     group = RayWorkerGroup("reward", RankedWorker, world_size=2, placement=placement, args=(1,))
-    with pytest.raises(WorkerError, match=r"^reward rank 1: die failed: the worker process died"):
+    assert group.pids == group.call("pid")
+    with pytest.raises(WorkerDied) as info:
         group.call("die")
+    err = info.value
+    assert isinstance(err, WorkerError) and isinstance(err, WorkerLost)
+    # one line; what Ray says about the death is kept beside it (the run's log file gets it)
+    assert str(err) == "reward rank 1: die failed: the worker process died (ActorDiedError)"
+    assert (err.role, err.rank, err.method) == ("reward", 1, "die")
+    assert err.detail.startswith("ActorDiedError: ")
     group.kill()
 
 
@@ -118,7 +128,7 @@ def test_a_stopped_worker_is_named_within_the_timeout(placement):
         waited = time.monotonic() - start
         assert 3.0 <= waited < 4.5, waited
         err = info.value
-        assert isinstance(err, WorkerError) and isinstance(err, RunStopped)
+        assert isinstance(err, WorkerError) and isinstance(err, RunStopped) and isinstance(err, WorkerLost)
         assert (err.role, err.ranks, err.method) == ("critic", [1], "nap")
         assert str(err) == (
             "critic rank 1: nap did not finish within 3 s (trainer.timeouts.call_s): a worker stopped or "
