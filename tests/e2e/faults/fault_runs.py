@@ -1,0 +1,84 @@
+"""Helpers of the fault-injection tier: the shared overrides, metrics comparison, waiting, and a thread
+that breaks a run while the test's thread drives it."""
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+RECIPE = ROOT / "recipes" / "quickstart_cpu.yaml"
+STEPS = 3
+# Wall-clock and throughput differ between runs by nature, and the restart metrics exist only in the
+# recovered run; everything else must repeat.
+NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "trainer/")
+
+
+def fault_overrides(run_root: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        f"trainer.default_local_dir={run_root}",
+        f"model.cache_dir={cache}",
+        "model.tiny.sft_warmup_steps=20",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.save_freq=1",
+        "trainer.test_freq=0",
+        "trainer.logger=[jsonl]",
+        # a stopped worker is found within these (each call of the tiny model takes about a second)
+        "trainer.timeouts.compute_s=15",
+        "trainer.timeouts.update_s=15",
+        "trainer.timeouts.checkpoint_s=15",
+        *extra,
+    ]
+
+
+def metrics_of(run_dir: Path) -> dict[int, dict]:
+    """The last record of each step (a step redone after a failure replaces the first one)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {r["step"]: r for r in records}
+
+
+def assert_same_metrics(got: dict[int, dict], want: dict[int, dict], steps) -> None:
+    for step in steps:
+        a = {k: v for k, v in want[step].items() if not k.startswith(NONDETERMINISTIC)}
+        b = {k: v for k, v in got[step].items() if not k.startswith(NONDETERMINISTIC)}
+        assert a.keys() == b.keys(), (step, a.keys() ^ b.keys())
+        for key in a:
+            assert b[key] == pytest.approx(a[key], abs=1e-6), (step, key)
+
+
+def wait_for(condition: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.05)
+
+
+class Saboteur(threading.Thread):
+    """Runs ``act`` beside a run driven from this thread; its failure is raised by :meth:`finish`."""
+
+    def __init__(self, act: Callable[[], None]) -> None:
+        super().__init__(daemon=True)
+        self.act, self.error = act, None
+
+    def run(self) -> None:
+        try:
+            self.act()
+        except BaseException as err:  # reported in the test's thread
+            self.error = err
+
+    def finish(self) -> None:
+        self.join(timeout=60)
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass(frozen=True)
+class Reference:
+    metrics: dict[int, dict]
+    """The records of the uninterrupted run by step."""
+    run_dir: Path

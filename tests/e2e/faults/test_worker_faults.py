@@ -1,0 +1,103 @@
+"""Automatic recovery for real: in one run with ``trainer.max_restarts=2``, the policy worker's process
+is SIGKILLed during the first step (before any checkpoint: the run starts again from step 0), then,
+after the restart, the critic's process is SIGSTOPped once step 2 is saved (found at the next call's
+``trainer.timeouts.compute_s`` bound: the run resumes from step 2). Every worker group is torn down
+each time (the stopped process too), and the metrics of all steps equal the uninterrupted run's.
+"""
+
+import logging
+import os
+import re
+import signal
+
+import pytest
+from fault_runs import RECIPE, STEPS, Saboteur, assert_same_metrics, fault_overrides, metrics_of, wait_for
+
+from rltrain.config import load_config
+from rltrain.orchestrator.recovery import RECOVER_SECONDS, RESTARTS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed Ray worker may linger as a zombie of the raylet for a moment
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
+    fault_ray, fault_cache, reference, tmp_path, monkeypatch, caplog
+):
+    from rltrain.orchestrator import worker_group
+    from rltrain.orchestrator.entry import train
+
+    groups = []
+    original_init = worker_group.RayWorkerGroup.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        groups.append(self)
+
+    monkeypatch.setattr(worker_group.RayWorkerGroup, "__init__", recording_init)
+    config = load_config(RECIPE, fault_overrides(tmp_path, fault_cache, "trainer.max_restarts=2"))
+    run_dir, latest = config.run_dir(), config.run_dir() / "checkpoints" / "latest"
+    stopped = []
+
+    def sabotage() -> None:
+        # the critic is the last group to start: the driver is then starting step 1
+        wait_for(lambda: len(groups) == 2, timeout_s=300, what="worker groups")
+        assert [g.role for g in groups] == ["actor_rollout_ref", "critic"]
+        assert not latest.exists()
+        os.kill(groups[0].pids[0], signal.SIGKILL)
+        wait_for(lambda: len(groups) == 4, timeout_s=300, what="restarted worker groups")
+        wait_for(
+            lambda: latest.exists() and latest.read_text().strip() == "step_2",
+            timeout_s=300,
+            what="checkpoint step_2 after the restart",
+        )
+        stopped.append(groups[3].pids[0])
+        os.kill(stopped[0], signal.SIGSTOP)
+
+    saboteur = Saboteur(sabotage)
+    caplog.set_level(logging.INFO)
+    saboteur.start()
+    try:
+        assert train(config) == STEPS
+    finally:
+        for pid in stopped:  # killed by the restart already; never leave a stopped process behind
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+    saboteur.finish()
+
+    said = [r.getMessage() for r in caplog.records if r.name == "rltrain.orchestrator.recovery"]
+    assert len(said) == 4, said
+    assert re.fullmatch(
+        r"actor_rollout_ref rank 0 \((generate|sync_weights)\): the worker process died \(\w+Error\): "
+        r"restarting every worker group and resuming from the last good checkpoint "
+        r"\(restart 1 of 2, trainer\.max_restarts\)",
+        said[0],
+    ), said[0]
+    assert re.fullmatch(
+        r"restart 1 of 2: no checkpoint yet: started again from step 0, \d+\.\d s after the failure", said[1]
+    ), said[1]
+    assert said[2] == (
+        "critic rank 0 (compute_values): no answer within 15 s (trainer.timeouts.compute_s): restarting "
+        "every worker group and resuming from the last good checkpoint (restart 2 of 2, trainer.max_restarts)"
+    )
+    assert re.fullmatch(r"restart 2 of 2: resumed from step 2, \d+\.\d s after the failure", said[3]), said[3]
+
+    got = metrics_of(run_dir)
+    assert_same_metrics(got, reference.metrics, range(1, STEPS + 1))
+    assert (got[1][RESTARTS], got[3][RESTARTS]) == (1, 2) and RESTARTS not in got[2]
+    assert got[3][RECOVER_SECONDS] >= 15  # the timeout, then the teardown and a new start
+    assert latest.read_text().strip() == f"step_{STEPS}"
+    # every group of the failed attempts is gone, the stopped process too; the last ones with the run
+    wait_for(
+        lambda: not any(alive(pid) for group in groups for pid in group.pids),
+        timeout_s=30,
+        what="exit of every worker process",
+    )
