@@ -12,10 +12,12 @@ Save: everything goes into ``.tmp-step_<n>``, the manifest last; the directory i
 then ``latest`` rewritten, so a crash at any point leaves ``latest`` naming a complete checkpoint.
 Older ones beyond ``keep`` (counted among those not newer than the save) are deleted after that. A
 save that fails (no space left, no permission) raises :class:`CheckpointError` in one line naming
-the path, the cause and the free space, after deleting its partial directory; ``latest`` still
-names the previous checkpoint, from which the run resumes once the cause is fixed. A worker that
-died or stopped answering during the save (:class:`~rltrain.orchestrator.recovery.WorkerLost`) is
-raised as itself, after the same clean-up, for a restart to recover from.
+the path, the cause (with the innermost error a worker's traceback names) and the free space (said
+to be less than the previous checkpoint takes, when it is), after deleting its partial directory;
+``latest`` still names the previous checkpoint, from which the run resumes once the cause is fixed.
+A worker that died or stopped answering during the save
+(:class:`~rltrain.orchestrator.recovery.WorkerLost`) is raised as itself, after the same clean-up,
+for a restart to recover from.
 
 Resume (:meth:`RunCheckpoints.resume`): candidates are the checkpoint ``latest`` names, then the
 older ones, newest first; the first that verifies against its manifest and loads (the caller's
@@ -123,9 +125,10 @@ class RunCheckpoints:
         self._discard(tmp)
         current, problem = self._read_marker()
         kept = f"{self.root / LATEST} still names {current}" if problem is None else "no earlier checkpoint"
+        previous = self.root / current if problem is None else None
         return CheckpointError(
             f"checkpoint {name} could not be saved in {tmp}: {_first_line(err)} "
-            f"({_free_space(self.root)} free there); {kept}"
+            f"({_free_space(self.root, previous=previous)}); {kept}"
         )
 
     def _prune(self, *, saved: Path) -> None:
@@ -300,9 +303,18 @@ def _step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w+(?:Error|Exception): \S.*$", re.M)
+"""A line of a traceback's text that names an exception and its message."""
+
+
 def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+    """The error's first line, and the innermost exception its text names beyond that (a worker's
+    traceback ends in the one that started it, e.g. a short write of a full disk deep in a writer)."""
+    text = str(err).strip()
+    lines = text.splitlines()
+    first = f"{type(err).__name__}: {lines[0] if lines else ''}"
+    causes = [line for line in _ERROR_LINE.findall(text) if line.split(": ", 1)[1] not in first]
+    return f"{first}, from {causes[-1].strip()}" if causes else first
 
 
 def _size(num_bytes: int) -> str:
@@ -316,7 +328,14 @@ def _size(num_bytes: int) -> str:
     return f"{value:.1f} {unit}"
 
 
-def _free_space(path: Path) -> str:
+def _free_space(path: Path, *, previous: Path | None) -> str:
+    """``12.0 MiB free there``, saying so where that is less than the ``previous`` checkpoint takes."""
     while not path.exists() and path != path.parent:
         path = path.parent
-    return _size(shutil.disk_usage(path).free)
+    free = shutil.disk_usage(path).free
+    said = f"{_size(free)} free there"
+    if previous is not None and previous.is_dir():
+        taken = sum(p.stat().st_size for p in previous.rglob("*") if p.is_file())
+        if free < taken:
+            said += f", less than {previous.name} takes ({_size(taken)})"
+    return said

@@ -249,6 +249,35 @@ def test_no_space_in_a_role_save_stops_with_one_line_naming_the_path(tmp_path):
     assert isinstance(err.value.__cause__, OSError)
 
 
+def test_a_worker_save_failure_names_the_innermost_error_and_a_disk_too_full(tmp_path, monkeypatch):
+    """What a full disk looks like from a Megatron writer in a worker: a generic first line; the short
+    write that started it is deep in the worker's traceback."""
+    ckpt = saved(tmp_path, steps=(1,))
+    worker_text = (
+        "actor_rollout_ref rank 0: save_checkpoint failed: CheckpointException: CheckpointException "
+        'ranks:dict_keys([0])\nTraceback (most recent call last): (RANK 0)\n  File "x.py", line 1\n'
+        "RuntimeError: Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+        '\n\n--- worker traceback ---\nTraceback (most recent call last):\n  File "y.py", line 2\n'
+        "torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:dict_keys([0])"
+    )
+
+    def failing_worker(path):
+        raise RuntimeError(worker_text)
+
+    free = ckpt_mod.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: free._replace(free=2048))
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save(2, write_roles=failing_worker, state={"step": 2})
+    step_1_bytes = sum(p.stat().st_size for p in (tmp_path / "step_1").rglob("*") if p.is_file())
+    assert str(err.value) == (
+        f"checkpoint step_2 could not be saved in {tmp_path / '.tmp-step_2'}: RuntimeError: actor_rollout_ref "
+        "rank 0: save_checkpoint failed: CheckpointException: CheckpointException ranks:dict_keys([0]), from "
+        "RuntimeError: Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598 "
+        f"(2.0 KiB free there, less than step_1 takes ({step_1_bytes / 1024:.1f} KiB)); "
+        f"{tmp_path / 'latest'} still names step_1"
+    )
+
+
 def test_no_space_for_the_manifest_leaves_no_complete_looking_directory(tmp_path, monkeypatch):
     ckpt = saved(tmp_path, steps=(1,))
 
