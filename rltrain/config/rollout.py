@@ -63,6 +63,13 @@ class RolloutConfig:
     token for token); ``auto`` is ``async`` with ``multi_turn.enable`` and ``offline`` otherwise (its
     engine starts in-process on CPU, about 10 s sooner)."""
 
+    partial_rollout: bool = False
+    """What a weight update does with requests still generating (``AsyncRolloutEngine.weight_update``;
+    slime's and verl's ``partial_rollout``): false lets them finish on the old weights before the
+    new ones load; true pauses them, loads the new weights, and continues each from its generated
+    prefix (tokens and behaviour logprobs kept, the policy version recorded per token). Needs the
+    asynchronous engine."""
+
     num_devices: NonNegativeInt = 0
     """Devices of the engines with ``mode: separate`` (a multiple of ``tensor_model_parallel_size``,
     one engine per TP group); 0 with ``mode: colocated``."""
@@ -143,6 +150,11 @@ class RolloutConfig:
             problems.append(
                 f"{prefix}.multi_turn.enable=true needs the asynchronous engine; set {prefix}.engine "
                 "to async or auto"
+            )
+        if self.partial_rollout and not self.uses_async_engine():
+            problems.append(
+                f"{prefix}.partial_rollout=true pauses requests in flight, which needs the asynchronous "
+                f"engine; set {prefix}.engine to async"
             )
         problems += self.multi_turn.validate(f"{prefix}.multi_turn")
         return problems + self._check_mode(prefix)

