@@ -30,22 +30,6 @@ LONG_PROMPT = [3 + (7 * i) % 390 for i in range(200)]  # spans full KV blocks: c
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from rltrain.models.tiny import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def weights(model_dir) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    from megatron_bridge.vllm_names import grouped_order
-
-    return grouped_order(load_file(str(model_dir / "model.safetensors")).items())
-
-
-@pytest.fixture(scope="module")
 def offline(model_dir):
     """The reference, started first: its in-process engine freezes vLLM's environment in this
     process, the case the async engine must cope with when both share a process."""

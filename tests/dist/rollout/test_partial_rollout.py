@@ -28,22 +28,6 @@ VERSIONS = itertools.count(1)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from rltrain.models.tiny import save_tiny_model
-
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def weights(model_dir) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    from megatron_bridge.vllm_names import grouped_order
-
-    return grouped_order(load_file(str(model_dir / "model.safetensors")).items())
-
-
-@pytest.fixture(scope="module")
 def new_weights(weights) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(11)
     return [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in weights]

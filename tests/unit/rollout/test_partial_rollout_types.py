@@ -7,20 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rltrain.config import ConfigError, load_config
+from rltrain.config import load_config
 from rltrain.rollout.partial import SampleStreams, VersionedSample, versions_of
-
-RECIPE = """model:
-  tiny: {}
-data:
-  generated: {num_train: 64}
-  train_batch_size: 8
-actor:
-  ppo_mini_batch_size: 4
-  ppo_micro_batch_size_per_gpu: 2
-critic:
-  ppo_micro_batch_size_per_gpu: 2
-"""
+from tests.unit.config.recipe_helpers import MINIMAL, errors_of, write
 
 
 def span(version: str, start: int, end: int) -> SimpleNamespace:
@@ -81,12 +70,9 @@ def test_sample_streams_reject_missing_logprobs():
 
 
 def test_partial_rollout_defaults_off_and_needs_the_async_engine(tmp_path):
-    path = tmp_path / "r.yaml"
-    path.write_text(RECIPE)
+    path = write(tmp_path, "r.yaml", MINIMAL)
     assert load_config(path, []).rollout.partial_rollout is False
-    with pytest.raises(ConfigError) as info:
-        load_config(path, ["rollout.partial_rollout=true"])
-    assert info.value.problems == [
+    assert errors_of(path, ["rollout.partial_rollout=true"]) == [
         "override 'rollout.partial_rollout=true': rollout.partial_rollout=true pauses requests in "
         "flight, which needs the asynchronous engine; set rollout.engine to async"
     ]
