@@ -2,10 +2,12 @@
 
 The fixture installs and starts munged, slurmctld and slurmd (tests/e2e/slurm/start_local_slurm.sh,
 root needed); the job starts a Ray head through srun, waits for the node, runs the quickstart for two
-steps and stops Ray again.
+steps and stops Ray again. A second job gets SIGUSR1 (what the script asks Slurm to send ahead of
+its time limit), saves, requeues itself and resumes.
 """
 
 import json
+import re
 import socket
 import subprocess
 import time
@@ -34,10 +36,8 @@ def slurm():
     ).stdout.split()
 
 
-def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
-    node, cpus = slurm[0], int(slurm[1])
-    run_root, out = tmp_path / "runs", tmp_path / "job.out"
-    gcs = free_port()
+def sbatch_args(cpus: int, tmp_path: Path, gcs: int, *, wait: bool) -> list[str]:
+    """``sbatch`` of tools/slurm/ray_cluster.sbatch on the local node, Ray on free ports."""
     agent_ports = f"--dashboard-agent-listen-port={free_port()} --dashboard-agent-grpc-port={free_port()}"
     env_vars = (
         f"ALL,RAY_PORT={gcs},RAY_DASHBOARD_PORT={free_port()},RLTRAIN_PYTHON={ROOT / '.venv' / 'bin' / 'python'},"
@@ -45,22 +45,31 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
         # one local node: its host name need not resolve (on this machine `x` resolves nowhere)
         "RAY_HEAD_IP=127.0.0.1"
     )
+    return [
+        "sbatch",
+        *(["--wait"] if wait else ["--parsable"]),
+        f"--export={env_vars}",
+        "--nodes=1",
+        f"--cpus-per-task={cpus}",
+        f"--output={tmp_path / 'job.out'}",
+        f"--chdir={ROOT}",
+        str(ROOT / "tools" / "slurm" / "ray_cluster.sbatch"),
+        "recipes/quickstart_cpu.yaml",
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        "trainer.test_freq=0",
+    ]
+
+
+def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
+    node, cpus = slurm[0], int(slurm[1])
+    run_root, out = tmp_path / "runs", tmp_path / "job.out"
+    gcs = free_port()
     job = subprocess.run(
         [
-            "sbatch",
-            "--wait",
-            f"--export={env_vars}",
-            "--nodes=1",
-            f"--cpus-per-task={cpus}",
-            f"--output={out}",
-            f"--chdir={ROOT}",
-            str(ROOT / "tools" / "slurm" / "ray_cluster.sbatch"),
-            "recipes/quickstart_cpu.yaml",
-            f"trainer.default_local_dir={run_root}",
-            f"model.cache_dir={tmp_path / 'cache'}",
+            *sbatch_args(cpus, tmp_path, gcs, wait=True),
             "trainer.total_training_steps=2",
             "trainer.save_freq=2",
-            "trainer.test_freq=0",
         ],
         capture_output=True,
         text=True,
@@ -79,3 +88,65 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
         assert s.connect_ex(("127.0.0.1", gcs)) != 0, "the Ray head is still running after the job"
     leftovers = subprocess.run(["pgrep", "-f", f"/tmp/rs-{gcs}/"], capture_output=True, text=True).stdout
     assert leftovers == "", f"Ray processes of the job survived it: {leftovers}"
+
+
+def job_state(job_id: str) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    found = re.search(r"JobState=(\w+)", shown)
+    return found[1] if found else "GONE"
+
+
+def wait_until(condition, *, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.5)
+
+
+def test_sigusr1_saves_and_the_job_requeues_itself_and_resumes(slurm, tmp_path):
+    """What Slurm does ahead of a time limit with the script's ``--signal=B:USR1@300``, sent at once:
+    the batch shell passes SIGUSR1 to the driver, which saves its step (``save_freq=0`` would not) and
+    exits 75; the script requeues the job, whose next run resumes from that checkpoint and finishes."""
+    cpus = int(slurm[1])
+    out, run_dir = tmp_path / "job.out", tmp_path / "runs" / "quickstart" / "tiny_llama_arith"
+    metrics = run_dir / "metrics.jsonl"
+    steps = 3
+    submitted = subprocess.run(
+        [
+            *sbatch_args(cpus, tmp_path, free_port(), wait=False),
+            "model.tiny.sft_warmup_steps=20",
+            f"trainer.total_training_steps={steps}",
+            "trainer.save_freq=0",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_until(
+            lambda: metrics.exists() and '"step": 1' in metrics.read_text(), timeout_s=900, what="step 1"
+        )
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+        wait_until(lambda: "rltrain: requeueing job" in out.read_text(), timeout_s=300, what="requeue")
+        # a requeued job waits two minutes before it may start again; the test need not
+        wait_until(lambda: job_state(job_id) == "PENDING", timeout_s=60, what="pending requeued job")
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        wait_until(
+            lambda: job_state(job_id) in ("COMPLETED", "FAILED", "GONE"), timeout_s=900, what="job end"
+        )
+    finally:
+        subprocess.run(["scancel", job_id], check=False)
+    log = out.read_text()
+    assert job_state(job_id) in ("COMPLETED", "GONE"), log[-6000:]
+    assert "rltrain: SIGUSR1 received: the run saves a checkpoint after its current step and stops" in log
+    stopped = re.search(
+        r"^rltrain\.train: stopped by SIGUSR1 after step (\d); its checkpoint is (\S+); ", log, re.M
+    )
+    assert stopped, log[-6000:]
+    step = int(stopped[1])
+    assert 1 <= step < steps and stopped[2] == str(run_dir / "checkpoints" / f"step_{step}")
+    assert "rltrain: run 1 after a requeue: resuming from the last checkpoint" in log
+    logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert logged == [0, *range(1, step + 1), 0, *range(step + 1, steps + 1)], logged
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{step}'} (step {step})" in log
