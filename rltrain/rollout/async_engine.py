@@ -277,12 +277,16 @@ class AsyncRolloutEngine(RolloutEngine):
         prefix recomputed under the new weights. Requests submitted meanwhile wait for the new
         weights. An error inside the block aborts the requests in flight (finish reason ``abort``)
         and the engine serves again, at the old version label."""
-        if not isinstance(version, int) or version <= self.policy_version:
-            raise ValueError(
-                f"{self._describe()}: weight_update(version={version!r}) needs an int above the "
-                f"current policy version {self.policy_version}"
+        if not self._update_lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self._describe()}: weight_update(version={version!r}) while another is in progress"
             )
-        with self._update_lock:
+        try:
+            if not isinstance(version, int) or version <= self.policy_version:
+                raise ValueError(
+                    f"{self._describe()}: weight_update(version={version!r}) needs an int above the "
+                    f"current policy version {self.policy_version}"
+                )
             self._pause_for_update(timeout_s)
             try:
                 yield
@@ -292,6 +296,8 @@ class AsyncRolloutEngine(RolloutEngine):
             self._control(self.async_llm.update_weight_version(str(version)), f"labelling version {version}")
             self.policy_version = version
             self._control(self.async_llm.resume_generation(), "resuming generation after the weight update")
+        finally:
+            self._update_lock.release()
 
     def _pause_for_update(self, timeout_s: float) -> None:
         if self.partial_rollout:

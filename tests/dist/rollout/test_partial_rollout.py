@@ -181,6 +181,10 @@ def test_waits_are_bounded_and_name_what_they_waited_for(engine, uninterrupted):
     too_old = pytest.raises(ValueError, match=rf"needs an int above the current policy version {version}")
     with too_old, engine.weight_update(version=version):
         pytest.fail("weight_update accepted a version that is not above the current one")
+    busy = pytest.raises(RuntimeError, match=r"weight_update\(version=\d+\) while another is in progress")
+    with engine.weight_update(version=next(VERSIONS)), busy, engine.weight_update(version=next(VERSIONS)):
+        pytest.fail("a second weight_update ran inside the first")
+    version = engine.policy_version
     batch = engine.start_batch(PROMPTS, SAMPLED)
     wait_for_tokens(batch, 40)
     start = time.perf_counter()
