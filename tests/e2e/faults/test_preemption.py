@@ -65,3 +65,61 @@ def test_sigterm_saves_exits_75_and_the_printed_command_resumes(fault_ray, fault
     assert resumed.returncode == 0, resumed.stderr[-6000:]
     assert f"resumed from {ckpt / f'step_{step}'} (step {step})" in (run_dir / "rltrain.log").read_text()
     assert_same_metrics(metrics_of(run_dir), reference.metrics, range(1, STEPS + 1))
+
+
+def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_step(fault_cache, tmp_path):
+    """SIGTERM to rank 1 alone: the ranks agree after the step, save it together (the role saves are
+    collective) and stop; rank 0 prints the line and exits 75. torchrun itself reports that as a
+    failure (its own exit code 1, naming exit code 75) and may stop the other rank, by then closing
+    down after the save, with SIGTERM."""
+    import psutil
+
+    from rltrain.orchestrator.checkpoints import verify_path
+
+    overrides = fault_overrides(
+        tmp_path,
+        fault_cache,
+        "trainer.save_freq=0",
+        "cluster.n_gpus_per_node=2",
+        "actor.parallel.tensor_model_parallel_size=2",
+        "critic.parallel.tensor_model_parallel_size=2",
+    )
+    run_dir = load_config(RECIPE, overrides).run_dir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1"]
+    launcher = subprocess.Popen(
+        [*torchrun, "--nproc_per_node", "2", "-m", "rltrain.train", str(RECIPE), *overrides],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: 1 in metrics_of(run_dir), timeout_s=600, what="step 1")
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(launcher.pid).children()}
+        ranks[1].send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    (tmp_path / "torchrun.err").write_text(err)
+    assert launcher.returncode == 1, err[-6000:]
+    ours = [line for line in err.splitlines() if line.startswith("rltrain.train: ")]
+    assert len(ours) == 1, err[-6000:]
+    found = re.fullmatch(
+        r"rltrain\.train: stopped by SIGTERM after step (\d); its checkpoint is (\S+); "
+        r"resume with: the same torchrun command",
+        ours[0],
+    )
+    assert found, ours
+    step = int(found[1])
+    assert 1 <= step < STEPS and found[2] == str(run_dir / "checkpoints" / f"step_{step}")
+    assert "rltrain[rank 1]: WARNING: SIGTERM received" in err
+    # the one traceback is torchrun's own report of ranks that exited non-zero
+    assert err.count("Traceback") == 1 and "ChildFailedError" in err.split("Traceback")[1], err[-6000:]
+    assert re.search(r"exitcode\s*: 75", err), err[-3000:]
+    assert sorted(metrics_of(run_dir)) == list(range(step + 1))
+    lines, all_well = verify_path(run_dir)
+    assert all_well, lines
