@@ -387,21 +387,21 @@ class CriticWorker(_MegatronRankBase):
 
 def build_engine(config: RLConfig, model_dir: str):
     """The vLLM engine of ``config.rollout`` for ``model_dir``: ``AsyncRolloutEngine`` where
-    ``rollout.uses_async_engine()``, else the offline ``RolloutEngine`` (context length from the
-    data if unset)."""
+    ``rollout.uses_async_engine()`` (with ``rollout.partial_rollout``), else the offline
+    ``RolloutEngine`` (context length from the data if unset)."""
     from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings
 
-    engine_class = RolloutEngine
+    settings = EngineSettings.from_rollout_config(config.rollout)
+    max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
+    settings = replace(settings, max_model_len=max_len, dtype=config.model.dtype)
     if config.rollout.uses_async_engine():
         from rltrain.rollout.async_engine import AsyncRolloutEngine
 
-        engine_class = AsyncRolloutEngine
-    settings = EngineSettings.from_rollout_config(config.rollout)
-    max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
-    return engine_class(
-        model_dir, settings=replace(settings, max_model_len=max_len, dtype=config.model.dtype)
-    )
+        return AsyncRolloutEngine(
+            model_dir, settings=settings, partial_rollout=config.rollout.partial_rollout
+        )
+    return RolloutEngine(model_dir, settings=settings)
 
 
 class RolloutWorker:
