@@ -9,7 +9,9 @@ choice is a function of (seed, step), so a run resumed from a checkpoint repeats
 uninterrupted one: sampling uses seed ``rollout.seed + step``, mini-batch shuffling
 ``trainer.seed + step``; the data position and the KL controller are checkpointed. A resume takes
 the newest checkpoint that verifies against its manifest and loads into every role, saying in one
-line why it passed over any newer one (:mod:`rltrain.orchestrator.checkpoints`).
+line why it passed over any newer one (:mod:`rltrain.orchestrator.checkpoints`). A stop signal
+(:mod:`~rltrain.orchestrator.preemption`) ends the loop after the step in progress, saved; a restart
+after a lost worker (:mod:`~rltrain.orchestrator.recovery`) resumes a new trainer with ``start``.
 """
 
 from __future__ import annotations

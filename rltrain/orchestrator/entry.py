@@ -271,7 +271,7 @@ def train(config: RLConfig) -> int:
     with StopSignals().installed() as stop:
         try:
             workers = RunWorkers(config, setup, gpu=gpu)
-            return run_driver(config, setup, workers.start(), stop=stop, restart_roles=workers.restart)
+            return run_driver(config, setup, workers.start, stop=stop, restart_roles=workers.restart)
         finally:
             if workers is not None:
                 workers.release()
@@ -290,7 +290,8 @@ def run_driver(
     stop=None,
     restart_roles=None,
 ) -> int:
-    """Run the PPO loop over ``roles``; only ``is_logger`` writes metrics and shows progress.
+    """Run the PPO loop over ``roles`` (or those a call of ``roles`` starts); only ``is_logger``
+    writes metrics and shows progress.
 
     ``use_reward_workers``: score in Ray CPU tasks when ``reward.num_workers`` > 0 (the Ray mode);
     the torchrun mode has no Ray and scores in the driver. ``stop``: the run's
@@ -304,9 +305,16 @@ def run_driver(
     from rltrain.logging.tracker import MetricsLogger
     from rltrain.orchestrator.checkpoints import RunCheckpoints
     from rltrain.orchestrator.driver import PPOTrainer
-    from rltrain.orchestrator.recovery import RestartMetrics, fit_with_restarts
+    from rltrain.orchestrator.recovery import RestartMetrics, WorkerLost, fit_with_restarts
     from rltrain.rewards import RewardManager
 
+    max_restarts = config.trainer.max_restarts if restart_roles is not None else 0
+    try:
+        started = roles() if callable(roles) else roles
+    except WorkerLost as err:  # lost while the workers started: a restart's business too
+        if not max_restarts:
+            raise
+        started = err
     backends = config.trainer.logger if is_logger else ()
     term = terminal()
     tracker = MetricsLogger(
@@ -343,7 +351,6 @@ def run_driver(
         setup.data.train.load_state_dict(data_start)  # a run without checkpoint starts over
         return trainer_over(restart_roles())
 
-    max_restarts = config.trainer.max_restarts if restart_roles is not None else 0
     try:
         show_bar = is_logger and term.err.isatty()
         with (
@@ -351,7 +358,7 @@ def run_driver(
             StepProgress(setup.total_steps, disable=not show_bar, file=term.err) as progress,
         ):
             last = fit_with_restarts(
-                trainer_over(roles),
+                started if isinstance(started, WorkerLost) else trainer_over(started),
                 restart=restart,
                 max_restarts=max_restarts,
                 restart_metrics=sink,

@@ -1,7 +1,8 @@
 """Automatic recovery: a worker that died or stopped answering restarts the run's workers, and the
 run continues from its last good checkpoint (``trainer.max_restarts`` times at most).
 
-Contract of :func:`fit_with_restarts`: it fits the first trainer; when that raises a
+Contract of :func:`fit_with_restarts`: it fits the first trainer; when that (or the first start of
+the workers) raises a
 :class:`WorkerLost` (a worker process that died, :class:`~rltrain.orchestrator.worker_group.WorkerDied`,
 or did not answer within its ``trainer.timeouts`` bound, ``WorkerTimeout``) and restarts are left, it
 says so in one line naming the role, the rank, the method and the cause, asks ``restart`` for a new
@@ -76,7 +77,7 @@ def describe(err: WorkerLost) -> str:
 
 
 def fit_with_restarts(
-    first: PPOTrainer,
+    first: PPOTrainer | WorkerLost,
     *,
     restart: Callable[[], PPOTrainer],
     max_restarts: int,
@@ -84,11 +85,28 @@ def fit_with_restarts(
     progress: Progress | None = None,
 ) -> int:
     """Fit ``first``; after each :class:`WorkerLost`, ``restart()`` and go on (see the module doc).
-    ``restart_metrics`` must be the sink the trainers log to. Returns the last step."""
-    trainer, restarts, failed_at = first, 0, None
+
+    ``first``: the trainer over the roles as first started, or the failure that stopped their start
+    (the first failure). ``restart_metrics`` must be the sink the trainers log to. Returns the last
+    step."""
+    trainer, failure = (None, first) if isinstance(first, WorkerLost) else (first, None)
+    restarts, failed_at = 0, 0.0
     while True:
+        if failure is not None:
+            if restarts >= max_restarts:
+                raise failure
+            restarts += 1
+            failed_at = time.monotonic()
+            log.warning(
+                "%s: restarting every worker group and resuming from the last good checkpoint "
+                "(restart %d of %d, trainer.max_restarts)",
+                describe(failure),
+                restarts,
+                max_restarts,
+            )
+            logging.getLogger().info("the failure in full:", exc_info=failure)  # the run's log file only
         try:
-            if failed_at is None:
+            if failure is None:
                 step = trainer.start()
             else:
                 trainer = restart()
@@ -102,21 +120,10 @@ def fit_with_restarts(
                     "restart %d of %d: %s, %.1f s after the failure", restarts, max_restarts, resumed, seconds
                 )
                 _rewind(progress, step)
-                failed_at = None
+                failure = None
             return trainer.train_from(step, progress=progress)
         except WorkerLost as err:
-            if restarts >= max_restarts:
-                raise
-            restarts += 1
-            failed_at = time.monotonic()
-            log.warning(
-                "%s: restarting every worker group and resuming from the last good checkpoint "
-                "(restart %d of %d, trainer.max_restarts)",
-                describe(err),
-                restarts,
-                max_restarts,
-            )
-            logging.getLogger().info("the failure in full:", exc_info=err)  # the run's log file only
+            failure = err
 
 
 def _rewind(progress: Progress | None, step: int) -> None:

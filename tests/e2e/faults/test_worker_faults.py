@@ -76,7 +76,7 @@ def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
     said = [r.getMessage() for r in caplog.records if r.name == "rltrain.orchestrator.recovery"]
     assert len(said) == 4, said
     assert re.fullmatch(
-        r"actor_rollout_ref rank 0 \((generate|sync_weights)\): the worker process died \(\w+Error\): "
+        r"actor_rollout_ref rank 0 \((rank_info|sync_weights|generate)\): the worker process died \(\w+Error\): "
         r"restarting every worker group and resuming from the last good checkpoint "
         r"\(restart 1 of 2, trainer\.max_restarts\)",
         said[0],

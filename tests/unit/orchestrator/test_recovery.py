@@ -166,6 +166,25 @@ def test_before_any_checkpoint_the_run_starts_again_from_step_0(tmp_path, caplog
     assert warnings_of(caplog)[1].startswith("restart 1 of 1: no checkpoint yet: started again from step 0, ")
 
 
+def test_a_worker_lost_while_the_workers_start_is_recovered_too(tmp_path, caplog):
+    want = uninterrupted(tmp_path, "trainer.save_freq=2")
+    config = config_in(tmp_path / "recovered", "trainer.save_freq=2", "trainer.max_restarts=1")
+
+    def start_dies():
+        raise WorkerDied("critic", 0, "rank_info", RuntimeError("gone"))
+
+    setup = entry.RunSetup(model_dir="", tokenizer=None, data=FakeData(), total_steps=4)
+    caplog.set_level(logging.INFO)
+    restarted = lambda: Roles(policy=FakePolicy(), critic=None)  # noqa: E731
+    assert entry.run_driver(config, setup, start_dies, restart_roles=restarted) == 4
+    same_metrics(records(config), want)
+    assert warnings_of(caplog)[0].startswith(
+        "critic rank 0 (rank_info): the worker process died (RuntimeError)"
+    )
+    with pytest.raises(WorkerDied):  # without restarts it stops the run as it came
+        entry.run_driver(config_in(tmp_path / "stopped"), setup, start_dies, restart_roles=restarted)
+
+
 def test_restarts_are_counted_against_max_restarts(tmp_path):
     want = uninterrupted(tmp_path, "trainer.save_freq=1")
     config = config_in(tmp_path / "twice", "trainer.save_freq=1", "trainer.max_restarts=2")
