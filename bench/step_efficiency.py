@@ -23,6 +23,9 @@ One run, four measurements, in this order:
    (2·2·L·d·s²/2 forward per sequence of length s, ×3 with backward); achieved FLOP/s and its ratio
    to the limit. Update stages count ``ppo_epochs`` passes. Generation: the trainer's response
    tokens/s against the engine alone.
+5. With ``--profile SECONDS``: where the time goes. A second run of the recipe is sampled with
+   py-spy process by process (``worker_profile.py``): active seconds and the top categories of
+   each (model forward/backward, optimizer, vLLM, rltrain's own files, Megatron bookkeeping, Ray).
 Overhead is the step time not explained by model compute at the limit, generation at the engine's
 own rate or the weight copy (its bytes at this machine's memcpy bandwidth), as a share of the step.
 The goals of the issue are printed against the table; the load average is printed with it, and a
@@ -224,11 +227,20 @@ def main() -> int:
     parser.add_argument("--recipe", default="recipes/quickstart_cpu.yaml")
     parser.add_argument("--steps", type=int, default=6, help="training steps (the first is not averaged)")
     parser.add_argument("--engine-repeats", type=int, default=3)
+    parser.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        help="seconds of py-spy profile of a second run, after its first --profile-after steps (0: none)",
+    )
+    parser.add_argument("--profile-after", type=int, default=2, help="steps the profiled run takes first")
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is warm-up)")
+    if args.profile < 0 or args.profile_after < 1:
+        parser.error("--profile must be >= 0 seconds and --profile-after >= 1 step")
     from rltrain.config import load_config
     from rltrain.logging.plot import read_metrics
     from rltrain.models.source import resolve_model_dir
@@ -257,6 +269,19 @@ def main() -> int:
     )  # fmt: skip
     load = os.getloadavg()
     lines.append(f"load average (1, 5, 15 min) at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}")
+    if args.profile:
+        from worker_profile import profile_recipe
+
+        lines.append("")
+        lines.append(
+            "where the step's time goes (a second run of the recipe, profiled; the table above is unprofiled):"
+        )
+        with tempfile.TemporaryDirectory(prefix="bench_profile_") as tmp:
+            _, profile = profile_recipe(
+                recipe=args.recipe, steps=args.steps, overrides=args.overrides, run_root=Path(tmp),
+                skip_steps=args.profile_after, duration=args.profile,
+            )  # fmt: skip
+        lines += profile
     if load[0] > (os.cpu_count() or 1):
         lines.append(
             f"WARNING: load {load[0]:.1f} is above the {os.cpu_count()} cores: rerun on an idle machine"

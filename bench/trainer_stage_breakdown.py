@@ -31,18 +31,24 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_recipe(*, recipe: str, steps: int, overrides: list[str], run_root: Path) -> tuple[list[str], Path]:
-    """Train ``recipe`` for ``steps`` steps under ``run_root``; returns the command and run directory."""
-    from rltrain.config import load_config
-
-    forced = [
+def forced_overrides(overrides: list[str], *, steps: int, run_root: Path) -> list[str]:
+    """``overrides`` plus what a timed run needs: ``steps`` steps under ``run_root``, no checkpoints,
+    no validation."""
+    return [
+        *overrides,
         f"trainer.total_training_steps={steps}",
         "trainer.save_freq=0",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",
         f"trainer.default_local_dir={run_root}",
     ]
-    all_overrides = [*overrides, *forced]
+
+
+def run_recipe(*, recipe: str, steps: int, overrides: list[str], run_root: Path) -> tuple[list[str], Path]:
+    """Train ``recipe`` for ``steps`` steps under ``run_root``; returns the command and run directory."""
+    from rltrain.config import load_config
+
+    all_overrides = forced_overrides(overrides, steps=steps, run_root=run_root)
     run_dir = load_config(recipe, all_overrides).run_dir()
     command = [sys.executable, "-m", "rltrain.cli", "train", recipe, *all_overrides]
     print("command:", shlex.join(command), flush=True)

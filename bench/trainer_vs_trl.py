@@ -1,17 +1,23 @@
 """Time per PPO step: rltrain against Hugging Face TRL's PPO trainer, same model, prompts and sizes, CPU.
 
     pip install "trl==1.12.0"    # benchmark-only dependency; 1.12.0 is the last TRL with a PPO trainer
-    python bench/trainer_vs_trl.py [--steps 5] [key=value ...]
+    python bench/trainer_vs_trl.py [--recipe R] [--steps 6] [--rounds 2] [key=value ...]
 
-Both sides run on the quickstart recipe (``recipes/quickstart_cpu.yaml`` plus any overrides):
+Both sides run one recipe (default ``recipes/quickstart_cpu.yaml``; also
+``recipes/smollm2_135m_arith_cpu.yaml rollout.n=4`` for SmolLM2-135M), plus any overrides. The
+trainers are interleaved run by run: each of ``--rounds`` rounds runs rltrain, then TRL at one
+thread, then TRL at the machine's core count, so a drift in the machine's speed hits all of them.
+Before each run the script waits (up to ``--settle-s``) for the 1-minute load average to fall to
+the core count and records it; if it stayed above before any run, the ratios are not reported.
+Each trainer's time per step is the median over every step of its runs but each run's first.
 
 - rltrain: the recipe through ``rltrain train`` in a subprocess (see ``trainer_stage_breakdown.py``),
-  ``--steps`` steps; time per step is the mean ``timing_s/step`` of the steps after the first.
+  ``--steps`` steps; a step's time is its ``timing_s/step``.
   Megatron actor/critic/reference, vLLM rollout, rule reward, Ray workers (Ray gives each worker
   ``OMP_NUM_THREADS=1`` for its CPU share of 0.5, so torch runs one thread per worker).
-- TRL: ``trl.experimental.ppo.PPOTrainer`` in this process, ``--steps`` steps; time per step is the
-  mean wall time between consecutive ``on_step_end`` callbacks after the first step. It gets the
-  same policy (the recipe's tiny llama after its supervised warm-up, from
+- TRL: ``trl.experimental.ppo.PPOTrainer`` in this process, ``--steps`` steps; a step's time is the
+  wall time between consecutive ``on_step_end`` callbacks. It gets the
+  same policy (the recipe's model: the tiny llama after its supervised warm-up, or SmolLM2; from
   ``resolve_model_dir``), a copy as reference, the same chat-templated arithmetic prompts, each
   repeated ``rollout.n`` times so that a step sees ``train_batch_size * n`` sequences, the same
   response length, temperature, mini-batches, micro-batch size, PPO epochs, clip ratio, KL
@@ -25,7 +31,8 @@ Both sides run on the quickstart recipe (``recipes/quickstart_cpu.yaml`` plus an
 Differences that stay: TRL generates with ``transformers.generate`` (no vLLM), updates policy and
 value in one backward pass, scores with a reward-model forward, and with one micro-batch per
 mini-batch its gradient accumulation makes one optimizer step per PPO step where rltrain makes one
-per mini-batch. Printed: both times and the ratio TRL / rltrain, measured in this run.
+per mini-batch. Printed: every run's step times, the medians and the ratio TRL / rltrain, measured
+in this run.
 """
 
 from __future__ import annotations
@@ -45,16 +52,15 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 RECIPE = "recipes/quickstart_cpu.yaml"
 
 
-def time_rltrain(*, steps: int, overrides: list[str], run_root: Path) -> tuple[float, list[float]]:
-    """Mean ``timing_s/step`` after the first step, and every step's time."""
+def time_rltrain(*, recipe: str, steps: int, overrides: list[str], run_root: Path) -> list[float]:
+    """Every step's ``timing_s/step`` of one ``rltrain train`` run of ``recipe``."""
     from trainer_stage_breakdown import run_recipe
 
     from rltrain.logging import metrics as mk
     from rltrain.logging.plot import read_metrics
 
-    _, run_dir = run_recipe(recipe=RECIPE, steps=steps, overrides=overrides, run_root=run_root)
-    per_step = [r[mk.TIMING_STEP] for r in read_metrics(run_dir) if mk.TIMING_STEP in r]
-    return statistics.fmean(per_step[1:]), per_step
+    _, run_dir = run_recipe(recipe=recipe, steps=steps, overrides=overrides, run_root=run_root)
+    return [r[mk.TIMING_STEP] for r in read_metrics(run_dir) if mk.TIMING_STEP in r]
 
 
 def step_clock():
@@ -162,55 +168,97 @@ def time_trl(*, config, model_dir: Path, steps: int, threads: int, out_dir: Path
     return clock.seconds
 
 
+def settled_load(*, cores: int, settle_s: float) -> float:
+    """The 1-minute load average, after waiting up to ``settle_s`` for it to fall to ``cores``."""
+    deadline = time.monotonic() + settle_s
+    while os.getloadavg()[0] > cores and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--recipe", default=RECIPE, help=f"recipe both trainers run (default {RECIPE})")
     parser.add_argument(
-        "--steps", type=int, default=5, help="PPO steps per trainer (the first is not averaged)"
+        "--steps", type=int, default=6, help="PPO steps per run (the first of each run is not counted)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds of runs; each round runs every trainer once, in turn"
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=90.0,
+        help="wait up to this long before a run for the load to settle",
     )
     parser.add_argument("--out", help="also write the result to this file")
-    parser.add_argument("overrides", nargs="*", help="overrides of the quickstart recipe")
+    parser.add_argument("overrides", nargs="*", help="overrides of the recipe")
     args = parser.parse_args()
     if args.steps < 2:
-        parser.error("--steps must be at least 2 (the first step is warm-up)")
+        parser.error("--steps must be at least 2 (the first step of each run is warm-up)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     import trl
 
     from rltrain.config import load_config
     from rltrain.models.source import resolve_model_dir
 
-    config = load_config(RECIPE, args.overrides)
+    cores = os.cpu_count() or 1
+    config = load_config(args.recipe, args.overrides)
     model_dir = resolve_model_dir(config.model, data=config.data)
+    trainers = ["rltrain", *(f"TRL PPO, {t} thread(s)" for t in sorted({1, cores}))]
+    steps: dict[str, list[float]] = {name: [] for name in trainers}
+    runs: list[tuple[int, str, float, list[float]]] = []  # (round, trainer, load before, step times)
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
-        rl_mean, rl_steps = time_rltrain(steps=args.steps, overrides=args.overrides, run_root=Path(tmp))
-        trl_runs = {}
-        for threads in sorted({1, os.cpu_count() or 1}):
-            trl_runs[threads] = time_trl(
-                config=config,
-                model_dir=model_dir,
-                steps=args.steps,
-                threads=threads,
-                out_dir=Path(tmp) / f"trl_{threads}",
-            )
+        for round_ in range(args.rounds):
+            for name in trainers:
+                load = settled_load(cores=cores, settle_s=args.settle_s)
+                out = Path(tmp) / f"r{round_}_{len(runs)}"
+                if name == "rltrain":
+                    per_step = time_rltrain(
+                        recipe=args.recipe, steps=args.steps, overrides=args.overrides, run_root=out
+                    )
+                else:
+                    threads = int(name.split(", ")[1].split()[0])
+                    per_step = time_trl(
+                        config=config, model_dir=model_dir, steps=args.steps, threads=threads, out_dir=out
+                    )
+                runs.append((round_, name, load, per_step))
+                steps[name].extend(per_step[1:])
+                print(f"round {round_ + 1}, {name}: {_fmt(per_step)} (load before {load:.1f})", flush=True)
 
+    loads = [load for _, _, load, _ in runs]
+    busy = [f"{name} in round {r + 1} ({load:.1f})" for r, name, load, _ in runs if load > cores]
+    rl_median = statistics.median(steps["rltrain"])
     sizes = trl_sizes(config)
     lines = [
-        f"recipe: {RECIPE} {' '.join(args.overrides)}".rstrip(),
+        f"recipe: {args.recipe} {' '.join(args.overrides)}".rstrip(),
         f"model: {model_dir}",
-        f"trl {trl.__version__}; steps per trainer: {args.steps} (mean over the steps after the first)",
+        f"trl {trl.__version__}; {args.rounds} round(s), each running rltrain, then TRL at each thread count, "
+        f"{args.steps} steps a run; medians over every step but each run's first",
         f"sequences per step: {config.data.train_batch_size} prompts x n={config.rollout.n}; "
         f"response_length {config.rollout.response_length}; TRL PPOConfig sizes: {sizes}",
-        f"rltrain  timing_s/step per step: {_fmt(rl_steps)}",
     ]
-    for threads, seconds in trl_runs.items():
-        lines.append(f"TRL ({threads} thread{'s' if threads > 1 else ''}) s/step per step: {_fmt(seconds)}")
-    lines.append(f"{'trainer':<24}{'s/step':>9}{'TRL / rltrain':>16}")
-    lines.append(f"{'rltrain':<24}{rl_mean:>9.3f}{'':>16}")
-    for threads, seconds in trl_runs.items():
-        mean = statistics.fmean(seconds[1:])
-        lines.append(f"{f'TRL PPO, {threads} thread(s)':<24}{mean:>9.3f}{mean / rl_mean:>15.2f}x")
-    lines.append("load average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
+    lines += [
+        f"round {r + 1}, {name} s/step: {_fmt(s)} (1-min load before: {load:.1f})"
+        for r, name, load, s in runs
+    ]
+    lines.append(f"{'trainer':<24}{'median s/step':>14}{'steps':>7}{'TRL / rltrain':>16}")
+    for name in trainers:
+        median = statistics.median(steps[name])
+        ratio = "" if name == "rltrain" or busy else f"{median / rl_median:.2f}x"
+        lines.append(f"{name:<24}{median:>14.3f}{len(steps[name]):>7}{ratio:>16}")
+    if busy:
+        lines.append(
+            f"no ratio reported: the load average exceeded the {cores} cores before {', '.join(busy)}"
+        )
+    lines.append(
+        f"1-min load average before the runs: min {min(loads):.1f}, max {max(loads):.1f}; (1, 5, 15 min) "
+        "at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    )
     text = "\n".join(lines)
     print("\n" + text)
     if args.out:
