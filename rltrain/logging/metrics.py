@@ -24,6 +24,16 @@ group               keys (all per training step)
 ``rollout/``        ``logprob_abs_diff_mean``, ``logprob_abs_diff_max`` |trainer - rollout|
                     logprob gap per response token, ``importance_ratio_mean`` (written by
                     :func:`rltrain.rollout.mismatch.logprob_mismatch`; DESIGN.md principle 6)
+``rollout_corr/``   with ``algorithm.rollout_correction`` set, over the valid response tokens of
+                    each optimizer step's whole mini-batch (all data-parallel ranks), averaged over
+                    the update's steps: ``kl`` (mean log μ - log π_old: rollout vs trainer),
+                    ``k3_kl`` (mean r - 1 - log r, r = π_old/μ), ``chi2_token`` (mean r² - 1);
+                    ``rollout_is_{mean,max,min}`` and ``rollout_is_eff_sample_size`` ((Σw)²/(N Σw²))
+                    of the IS weights w (r itself without ``rollout_is``),
+                    ``rollout_is_ratio_fraction_high`` (truncated tokens; with ``rollout_is``);
+                    ``rollout_rs_masked_fraction`` (tokens the rejection dropped),
+                    ``rollout_rs_seq_masked_fraction`` (sequences with a dropped token)
+                    (:meth:`rltrain.algo.rollout_correction.CorrectionStats.metrics`)
 ``weight_sync/``    ``seconds``, ``gbytes``, ``num_tensors``, ``checksum_mismatches`` (trainer side);
                     ``receive_seconds``, ``buckets`` (engines on other devices)
 ``val/``            ``accuracy``, ``score/mean`` on the held-out prompts (when evaluated)
@@ -84,6 +94,17 @@ CRITIC_ADVANTAGES_MEAN = "critic/advantages/mean"
 CRITIC_RETURNS_MEAN = "critic/returns/mean"
 ROLLOUT_LOGPROB_DIFF_MEAN = "rollout/logprob_abs_diff_mean"
 ROLLOUT_LOGPROB_DIFF_MAX = "rollout/logprob_abs_diff_max"
+ROLLOUT_CORR_KL = "rollout_corr/kl"
+ROLLOUT_CORR_K3_KL = "rollout_corr/k3_kl"
+ROLLOUT_CORR_CHI2_TOKEN = "rollout_corr/chi2_token"
+ROLLOUT_CORR_IS_MEAN = "rollout_corr/rollout_is_mean"
+ROLLOUT_CORR_IS_MAX = "rollout_corr/rollout_is_max"
+ROLLOUT_CORR_IS_MIN = "rollout_corr/rollout_is_min"
+ROLLOUT_CORR_IS_ESS = "rollout_corr/rollout_is_eff_sample_size"
+ROLLOUT_CORR_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
+ROLLOUT_CORR_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
+ROLLOUT_CORR_RS_SEQ_MASKED_FRACTION = "rollout_corr/rollout_rs_seq_masked_fraction"
+"""verl's ``rollout_corr/*`` names (``..._IS_FRACTION_HIGH`` only with ``rollout_is``)."""
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 PERF_NUM_TOKENS = "perf/num_tokens"
 DATA_EPOCH = "data/epoch"
