@@ -14,9 +14,9 @@ seconds; the rest of the window it waited (on Ray, on another role, on a lock).
 Each sample is put in the first category its stack matches, in this order: the vLLM engine
 (generation), the optimizer step, autograd's backward, the model's forward (Megatron's
 transformer/model/tensor-parallel modules, transformers' models, rltrain's packed attention),
-rltrain's own code (by the innermost rltrain file: batch building, losses, advantages, weight
-sync, ...), Megatron's schedule and DDP bookkeeping, Ray's (de)serialization, the rest of Ray, then
-by the innermost file's package. The report gives, per process, active seconds, the share of the
+rltrain's own code (by the innermost rltrain file and function: batch building, log-probs from the
+logits, losses, advantages, weight sync, ...), Megatron's schedule and DDP bookkeeping, Ray's
+(de)serialization, the rest of Ray (by its innermost function), then torch or the innermost file. The report gives, per process, active seconds, the share of the
 window and the top categories.
 """
 
@@ -63,14 +63,17 @@ def classify(frames: list[str]) -> str:
     for name, prefixes in CATEGORIES:
         if any(path.startswith(prefixes) for path in files):
             return name
-    for path in reversed(files):
+    for frame, path in zip(reversed(frames), reversed(files), strict=True):
         if path.startswith("rltrain/"):
-            return f"{path}"
+            return f"{path}:{frame.partition(' (')[0]}"
     if any(path.startswith("megatron/core/") for path in files):
         return "Megatron schedule/DDP bookkeeping"
-    if any(path.startswith("ray/") for path in files):
-        serial = any(key in path for path in files for key in ("serializ", "pickle"))
-        return "Ray (de)serialization" if serial else "Ray runtime"
+    ray = [(frame, path) for frame, path in zip(frames, files, strict=True) if path.startswith("ray/")]
+    if ray:
+        if any(key in path for path in files for key in ("serializ", "pickle")):
+            return "Ray (de)serialization"
+        frame, path = ray[-1]
+        return f"Ray runtime ({path.rsplit('/', 1)[-1]}:{frame.partition(' (')[0]})"
     if files and files[-1].startswith("torch/"):
         return "torch (other)"
     return f"other: {files[-1] if files else '?'}"
