@@ -2,7 +2,7 @@
 short ``trainer.timeouts``) broken on purpose (a killed or stopped worker, SIGTERM of the driver, a
 full filesystem), each compared with one uninterrupted run of the same settings (``reference``).
 
-Runs started in this process (``entry.train``) use a local Ray shared by the tier (``fault_ray``);
+Runs started in this process (``entry.train``) use the local Ray of the e2e tests (``local_ray``);
 a driver in a subprocess gets its address in ``RAY_ADDRESS`` or starts a private one. The folder is
 put on ``sys.path`` so that ``fault_runs`` imports by name (the repository runs pytest with
 ``--import-mode=importlib``).
@@ -23,24 +23,12 @@ from rltrain.config import load_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def fault_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="session")
 def fault_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fault_models")
 
 
 @pytest.fixture(scope="session")
-def reference(fault_ray, fault_cache, tmp_path_factory) -> Reference:
+def reference(local_ray, fault_cache, tmp_path_factory) -> Reference:
     """The uninterrupted run."""
     from rltrain.orchestrator.entry import train
 

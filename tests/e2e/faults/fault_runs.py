@@ -2,6 +2,7 @@
 that breaks a run while the test's thread drives it."""
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -27,10 +28,11 @@ def fault_overrides(run_root: Path, cache: Path, *extra: str) -> list[str]:
         "trainer.save_freq=1",
         "trainer.test_freq=0",
         "trainer.logger=[jsonl]",
-        # a stopped worker is found within these (each call of the tiny model takes about a second)
-        "trainer.timeouts.compute_s=15",
-        "trainer.timeouts.update_s=15",
-        "trainer.timeouts.checkpoint_s=15",
+        # a stopped worker is found within these (each call of the tiny model takes about a second,
+        # a few on a loaded machine)
+        "trainer.timeouts.compute_s=20",
+        "trainer.timeouts.update_s=20",
+        "trainer.timeouts.checkpoint_s=60",
         *extra,
     ]
 
@@ -56,6 +58,24 @@ def wait_for(condition: Callable[[], bool], *, timeout_s: float, what: str) -> N
     while not condition():
         assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
         time.sleep(0.05)
+
+
+def run_signalled(
+    cmd: list[str], *, env: dict[str, str], run_dir: Path, send: Callable[[subprocess.Popen], None]
+) -> tuple[int, str]:
+    """Run ``cmd``; once ``run_dir`` has logged step 1, ``send(process)`` (a signal, to it or to one of
+    its children). Its exit code and what it wrote to stderr (stdout is dropped)."""
+    process = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: 1 in metrics_of(run_dir), timeout_s=600, what="step 1")
+        send(process)
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, err
 
 
 class Saboteur(threading.Thread):

@@ -1,9 +1,19 @@
-"""Preemption for real: ``rltrain train`` (its own private Ray, whose SIGTERM handler it replaces)
-gets SIGTERM after its first step, and SIGUSR1 a moment later (a second signal during the step or its
-save); it saves the step although ``trainer.save_freq=0`` never would, exits 75 with one line naming
-the checkpoint and the command to resume with, and that command continues to the metrics of the
-uninterrupted run."""
+"""Preemption and a full disk for real, in the chain a preempted job may meet.
 
+``rltrain train`` (its own private Ray, whose SIGTERM handler it replaces) gets SIGTERM after its
+first step, and SIGUSR1 a moment later (a second signal during the step or its save): it saves the
+step although ``trainer.save_freq=0`` never would, and exits 75 with one line naming the checkpoint
+and the command to resume with (its own). The run's ``checkpoints/`` is a tmpfs (mounted by the test:
+root needed) with room for three checkpoints, two of them taken by other data: the resumed run's next
+save hits ENOSPC inside the actor's Megatron writer, and the run stops with one line naming the path,
+the writer's error, the free space (less than the last checkpoint takes) and that ``latest`` still
+names the preemption's checkpoint, leaving no partial directory. Once the other data is gone, the run
+resumes from there to the metrics of the uninterrupted run.
+
+Under torchrun a signal to one rank stops every rank after the same step.
+"""
+
+import math
 import os
 import re
 import shlex
@@ -13,58 +23,92 @@ import sys
 import time
 
 import pytest
-from fault_runs import RECIPE, ROOT, STEPS, assert_same_metrics, fault_overrides, metrics_of, wait_for
+from fault_runs import RECIPE, STEPS, assert_same_metrics, fault_overrides, metrics_of, run_signalled
 
 from rltrain.config import load_config
 from rltrain.orchestrator.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+PAGE = 4096
 
-def test_sigterm_saves_exits_75_and_the_printed_command_resumes(fault_ray, fault_cache, reference, tmp_path):
+
+def tmpfs_bytes(directory) -> int:
+    """What ``directory``'s files take on a tmpfs (whole pages)."""
+    return sum(math.ceil(p.stat().st_size / PAGE) * PAGE for p in directory.rglob("*") if p.is_file())
+
+
+def test_sigterm_saves_and_exits_75_then_a_full_disk_stops_the_resumed_save_then_it_resumes(
+    local_ray, fault_cache, reference, tmp_path, capsys
+):
+    from rltrain.orchestrator.entry import train
+    from rltrain.train import run_and_report
+
     overrides = fault_overrides(tmp_path, fault_cache, "trainer.save_freq=0")
     run_dir = load_config(RECIPE, overrides).run_dir()
-    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
-    cli = [sys.executable, "-m", "rltrain.cli"]
-    driver = subprocess.Popen(
-        [*cli, "train", str(RECIPE), *overrides],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    ckpt = run_dir / "checkpoints"
+    ckpt.mkdir(parents=True)
+    one = tmpfs_bytes(reference.run_dir / "checkpoints" / "step_1")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={math.ceil(3.5 * one / 1024)}k", "tmpfs", str(ckpt)],
+        capture_output=True,
         text=True,
     )
+    assert mounted.returncode == 0, f"this test mounts a tmpfs (needs root): {mounted.stderr}"
     try:
-        wait_for(lambda: 1 in metrics_of(run_dir), timeout_s=600, what="step 1")
-        driver.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        driver.send_signal(signal.SIGUSR1)
-        out, err = driver.communicate(timeout=300)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-    assert driver.returncode == PREEMPTED_EXIT_CODE, err[-6000:]
-    assert "Traceback" not in out + err
-    last = err.strip().splitlines()[-1]
-    found = re.fullmatch(
-        r"rltrain train: stopped by SIGTERM after step (\d); its checkpoint is (\S+); resume with: (.+)", last
-    )
-    assert found, err[-3000:]
-    step, checkpoint, command = int(found[1]), found[2], shlex.split(found[3])
-    ckpt = run_dir / "checkpoints"
-    assert 1 <= step < STEPS and checkpoint == str(ckpt / f"step_{step}")
-    assert (ckpt / "latest").read_text().strip() == f"step_{step}"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", f"step_{step}"]  # no partial save
-    assert "rltrain: WARNING: SIGTERM received: saving a checkpoint at this step's end, then stopping" in err
-    assert command == ["rltrain", "train", str(RECIPE), *overrides]
+        other_data = ckpt / "other-data.bin"
+        other_data.write_bytes(b"\0" * (2 * one))
 
-    shared_ray = {**env, "RAY_ADDRESS": fault_ray.get_runtime_context().gcs_address}
-    resumed = subprocess.run(
-        [*cli, *command[1:]], env=shared_ray, cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stderr[-6000:]
-    assert f"resumed from {ckpt / f'step_{step}'} (step {step})" in (run_dir / "rltrain.log").read_text()
-    assert_same_metrics(metrics_of(run_dir), reference.metrics, range(1, STEPS + 1))
+        def sigterm_then_sigusr1(driver: subprocess.Popen) -> None:
+            driver.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            driver.send_signal(signal.SIGUSR1)
+
+        code, err = run_signalled(
+            [sys.executable, "-m", "rltrain.cli", "train", str(RECIPE), *overrides],
+            env={**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"},
+            run_dir=run_dir,
+            send=sigterm_then_sigusr1,
+        )
+        assert code == PREEMPTED_EXIT_CODE, err[-6000:]
+        assert "Traceback" not in err
+        found = re.fullmatch(
+            r"rltrain train: stopped by SIGTERM after step (\d); its checkpoint is (\S+); resume with: (.+)",
+            err.strip().splitlines()[-1],
+        )
+        assert found, err[-3000:]
+        step, command = int(found[1]), shlex.split(found[3])
+        assert 1 <= step < STEPS and found[2] == str(ckpt / f"step_{step}")
+        assert (ckpt / "latest").read_text().strip() == f"step_{step}"
+        assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "other-data.bin", f"step_{step}"]
+        assert (
+            "rltrain: WARNING: SIGTERM received: saving a checkpoint at this step's end, then stopping" in err
+        )
+        assert command == ["rltrain", "train", str(RECIPE), *overrides]
+
+        # the resume, saving every step: its first save does not fit
+        resumed = load_config(RECIPE, [*command[3:], "trainer.save_freq=1"])
+        assert run_and_report("rltrain train", resumed, resume_command="unused") == 1
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        failed = f"step_{step + 1}"
+        assert line.startswith(
+            f"rltrain train: checkpoint {failed} could not be saved in {ckpt / ('.tmp-' + failed)}: "
+        )
+        # torch's writer reports the short write of a full disk as an "unexpected pos" in the file
+        assert "No space left on device" in line or "unexpected pos" in line, line
+        assert re.search(
+            rf"\(\d+\.\d [KM]iB free there, less than step_{step} takes \(\d+\.\d MiB\)\); ", line
+        )
+        assert line.endswith(f"; {ckpt / 'latest'} still names step_{step}"), line
+        assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "other-data.bin", f"step_{step}"]
+        print(f"the full disk's line: {line}")
+
+        other_data.unlink()
+        assert train(resumed) == STEPS
+        assert (ckpt / "latest").read_text().strip() == f"step_{STEPS}"
+        assert_same_metrics(metrics_of(run_dir), reference.metrics, range(1, STEPS + 1))
+    finally:
+        subprocess.run(["umount", str(ckpt)], check=False)
 
 
 def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_step(fault_cache, tmp_path):
@@ -88,24 +132,18 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_ste
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1"]
-    launcher = subprocess.Popen(
-        [*torchrun, "--nproc_per_node", "2", "-m", "rltrain.train", str(RECIPE), *overrides],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_for(lambda: 1 in metrics_of(run_dir), timeout_s=600, what="step 1")
+
+    def sigterm_to_rank_1(launcher: subprocess.Popen) -> None:
         ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(launcher.pid).children()}
         ranks[1].send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    (tmp_path / "torchrun.err").write_text(err)
-    assert launcher.returncode == 1, err[-6000:]
+
+    code, err = run_signalled(
+        [*torchrun, "--nproc_per_node", "2", "-m", "rltrain.train", str(RECIPE), *overrides],
+        env=env,
+        run_dir=run_dir,
+        send=sigterm_to_rank_1,
+    )
+    assert code == 1, err[-6000:]
     ours = [line for line in err.splitlines() if line.startswith("rltrain.train: ")]
     assert len(ours) == 1, err[-6000:]
     found = re.fullmatch(

@@ -1,34 +1,14 @@
-"""A local Ray instance shared by the orchestrator tests (started once, 2 CPUs).
+"""Console checks of the orchestrator tests (the shared local Ray, ``local_ray`` and ``ray_env``, is
+in tests/e2e/conftest.py).
 
-Subprocesses that should join it get its address in ``RAY_ADDRESS`` (``ray_env``), so they never
-pick up some other cluster through ``address="auto"``. ``assert_console_is_rltrain_only`` checks what
-a run printed: only rltrain's own lines, while the run's log files hold the libraries' output.
+``assert_console_is_rltrain_only`` checks what a run printed: only rltrain's own lines, while the
+run's log files hold the libraries' output.
 """
 
-import os
 import re
 from pathlib import Path
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture
-def ray_env(local_ray):
-    address = local_ray.get_runtime_context().gcs_address
-    return {**os.environ, "RAY_ADDRESS": address, "PYTHONUNBUFFERED": "1"}
-
 
 # A console line of rltrain's own: a status or log line ("rltrain: ...", "rltrain[rank 1]: ..."),
 # a step line, or a warning/error of an rltrain logger that Ray forwarded from a worker.
