@@ -129,9 +129,11 @@ def test_sigusr1_saves_and_the_job_requeues_itself_and_resumes(slurm, tmp_path):
         )
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
         wait_until(lambda: "rltrain: requeueing job" in out.read_text(), timeout_s=300, what="requeue")
-        # a requeued job waits two minutes before it may start again; the test need not
+        # a requeued job waits two minutes before it may start again; the test waits 5 s: a start in
+        # the second of the requeue is refused ("Killing non-startable batch JobId=N: Job credential
+        # revoked": slurmd compares the new credential's time with the revocation's, in seconds)
         wait_until(lambda: job_state(job_id) == "PENDING", timeout_s=60, what="pending requeued job")
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], check=True)
         wait_until(
             lambda: job_state(job_id) in ("COMPLETED", "FAILED", "GONE"), timeout_s=900, what="job end"
         )

@@ -126,7 +126,7 @@ def test_a_stopped_worker_is_named_within_the_timeout(placement):
         with pytest.raises(WorkerTimeout) as info:
             group.wait("nap", calls)
         waited = time.monotonic() - start
-        assert 3.0 <= waited < 4.5, waited
+        assert 2.95 <= waited < 4.5, waited  # ray.wait may return a fraction of a millisecond early
         err = info.value
         assert isinstance(err, WorkerError) and isinstance(err, RunStopped) and isinstance(err, WorkerLost)
         assert (err.role, err.ranks, err.method) == ("critic", [1], "nap")
