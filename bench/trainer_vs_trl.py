@@ -209,7 +209,8 @@ def main() -> int:
     cores = os.cpu_count() or 1
     config = load_config(args.recipe, args.overrides)
     model_dir = resolve_model_dir(config.model, data=config.data)
-    trainers = ["rltrain", *(f"TRL PPO, {t} thread(s)" for t in sorted({1, cores}))]
+    threads_of = {f"TRL PPO, {t} thread(s)": t for t in sorted({1, cores})}  # trainer -> TRL threads
+    trainers = ["rltrain", *threads_of]
     steps: dict[str, list[float]] = {name: [] for name in trainers}
     runs: list[tuple[int, str, float, list[float]]] = []  # (round, trainer, load before, step times)
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
@@ -222,9 +223,12 @@ def main() -> int:
                         recipe=args.recipe, steps=args.steps, overrides=args.overrides, run_root=out
                     )
                 else:
-                    threads = int(name.split(", ")[1].split()[0])
                     per_step = time_trl(
-                        config=config, model_dir=model_dir, steps=args.steps, threads=threads, out_dir=out
+                        config=config,
+                        model_dir=model_dir,
+                        steps=args.steps,
+                        threads=threads_of[name],
+                        out_dir=out,
                     )
                 runs.append((round_, name, load, per_step))
                 steps[name].extend(per_step[1:])

@@ -231,9 +231,6 @@ PolicyLossFn = Callable[[PolicyLossInputs, PolicyLossParams, LossAgg], PolicyLos
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
-_MAX_LOG_RATIO = 20.0
-"""Log-ratios are clamped to ±this before ``exp`` so a diverged token cannot overflow."""
-
 
 def compute_policy_loss(
     name: str, inputs: PolicyLossInputs, *, params: PolicyLossParams, agg: LossAgg
@@ -289,7 +286,9 @@ def vanilla_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg:
     Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
     """
     advantages, mask = inputs.advantages, inputs.response_mask
-    log_ratio = (inputs.logprobs - inputs.old_logprobs).clamp(min=-_MAX_LOG_RATIO, max=_MAX_LOG_RATIO)
+    log_ratio = (inputs.logprobs - inputs.old_logprobs).clamp(
+        min=-rollout_correction.MAX_LOG_RATIO, max=rollout_correction.MAX_LOG_RATIO
+    )
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - params.low, 1.0 + params.high)

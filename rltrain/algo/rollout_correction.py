@@ -39,7 +39,8 @@ import torch
 from rltrain.algo.masked import masked_mean, masked_sum
 
 MAX_LOG_RATIO = 20.0
-"""Log-ratios are clamped to at most this before ``exp`` (exp(20) ≈ 4.9e8), as in verl and TIS."""
+"""Log-ratios are clamped to at most this before ``exp`` (exp(20) ≈ 4.9e8), as in verl and TIS; the
+policy loss clamps its ratio to ±this too, so that a diverged token cannot overflow."""
 
 IS_LEVELS = ("token", "sequence")
 """Values of ``rollout_is``."""

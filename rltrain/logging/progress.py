@@ -53,6 +53,11 @@ class StepProgress:
             self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
 
+    def rewind(self, step: int) -> None:
+        """Show ``step`` steps done again (a run that recovered resumes from an earlier step)."""
+        self.bar.n = step
+        self.bar.refresh()
+
     def close(self) -> None:
         self.bar.close()
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rltrain.orchestrator.driver import PPOTrainer, Progress
+    from rltrain.orchestrator.driver import MetricsSink, PPOTrainer, Progress
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,6 @@ class WorkerLost(RuntimeError):
     rank: int
     method: str
     cause: str
-
-
-class MetricsSink(Protocol):
-    def log(self, metrics: Mapping[str, float], *, step: int) -> None: ...
 
 
 class RestartMetrics:
@@ -127,8 +123,7 @@ def fit_with_restarts(
 
 
 def _rewind(progress: Progress | None, step: int) -> None:
-    """Put a progress bar that counts steps (``StepProgress``) back at ``step``."""
-    bar = getattr(progress, "bar", None)
-    if bar is not None:
-        bar.n = step
-        bar.refresh()
+    """Put a progress display that can go back (``StepProgress.rewind``) at ``step``."""
+    rewind = getattr(progress, "rewind", None)
+    if rewind is not None:
+        rewind(step)

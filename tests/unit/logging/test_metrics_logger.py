@@ -113,3 +113,15 @@ def test_progress_bar_counts_steps_with_eta_and_reward() -> None:
     assert "reward=0.500" in text and "acc=0.250" in text
     with pytest.raises(ValueError, match=r"initial_step must lie in \[0, total_steps=5\], got 6"):
         StepProgress(5, initial_step=6, disable=True)
+
+
+def test_progress_bar_rewinds_to_the_step_a_recovered_run_resumes_from() -> None:
+    out = io.StringIO()
+    with StepProgress(5, file=out) as progress:
+        for _ in range(4):
+            progress.update()
+        progress.rewind(2)
+        assert progress.step == 2
+        progress.update()
+        assert progress.step == 3
+    assert "3/5" in out.getvalue().split("\r")[-1]  # the bar shows the count from the rewound step
