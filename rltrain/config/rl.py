@@ -161,6 +161,12 @@ class RLConfig:
             problems.append(
                 f"rollout.max_model_len={max_len} < data.max_prompt_length + rollout.response_length = {longest}"
             )
+        if self.trainer.pipeline != "sync" and self.rollout.mode != "separate":
+            problems.append(
+                f"trainer.pipeline={self.trainer.pipeline} generates while the actor trains: it needs "
+                "engines on devices of their own (rollout.mode=separate and rollout.num_devices), "
+                f"got rollout.mode={self.rollout.mode}"
+            )
         if (
             self.trainer.total_training_steps is not None
             and self.critic.warmup_steps >= self.trainer.total_training_steps

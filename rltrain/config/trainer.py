@@ -149,6 +149,20 @@ class TrainerConfig:
     the first such failure, naming the role and rank. Ray mode only (under torchrun, torchrun's own
     ``--max-restarts`` restarts every rank and ``resume_mode: auto`` continues from the checkpoint)."""
 
+    pipeline: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    """How generation and training overlap (:mod:`rltrain.orchestrator.pipeline`). ``sync``: each
+    step generates its batch with the weights of the step before, then trains. ``one_step_off``:
+    the engines generate batch k+1 while the trainer trains on batch k (samples one policy version
+    old; deterministic). ``fully_async``: the engines run up to ``max_staleness`` batches ahead and
+    take new weights whenever they are between batches, so no side waits for the other while the
+    bound allows (which version a batch gets depends on timing). Both need engines on devices of
+    their own (``rollout.mode: separate``) and the Ray mode."""
+
+    max_staleness: NonNegativeInt = 1
+    """``pipeline: fully_async``: how many policy versions a sample may lag the weights it trains
+    (a batch generated with the weights after step v trains at step t with staleness t-1-v); 0 is
+    the ``sync`` schedule on separate engines. ``one_step_off`` is 1."""
+
     max_consecutive_skipped_steps: PositiveInt = 3
     """Stop the run, naming the role and the first non-finite value, once a role has skipped this many
     optimizer steps in a row for a non-finite loss or gradient (one skipped now and then is tolerated:
@@ -171,6 +185,11 @@ class TrainerConfig:
             problems.append(f"{prefix}.resume_mode=resume_path needs {prefix}.resume_from_path")
         if self.checkpoint.max_ckpt_to_keep is not None and self.checkpoint.max_ckpt_to_keep < 1:
             problems.append(f"{prefix}.checkpoint.max_ckpt_to_keep must be >= 1 or null")
+        if self.pipeline == "one_step_off" and self.max_staleness != 1:
+            problems.append(
+                f"{prefix}.pipeline=one_step_off trains on samples exactly one version old; "
+                f"{prefix}.max_staleness={self.max_staleness} is for {prefix}.pipeline=fully_async"
+            )
         if self.checkpoint.discard_existing and self.resume_mode != "disable":
             problems.append(
                 f"{prefix}.checkpoint.discard_existing=true needs {prefix}.resume_mode=disable "

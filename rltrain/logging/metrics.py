@@ -105,6 +105,17 @@ ROLLOUT_CORR_IS_FRACTION_HIGH = "rollout_corr/rollout_is_ratio_fraction_high"
 ROLLOUT_CORR_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
 ROLLOUT_CORR_RS_SEQ_MASKED_FRACTION = "rollout_corr/rollout_rs_seq_masked_fraction"
 """verl's ``rollout_corr/*`` names (``..._IS_FRACTION_HIGH`` only with ``rollout_is``)."""
+ASYNC_STALENESS_MEAN = "async/staleness_mean"
+ASYNC_STALENESS_MAX = "async/staleness_max"
+ASYNC_ENGINE_VERSION = "async/engine_version"
+ASYNC_BATCHES_AHEAD = "async/batches_ahead"
+ASYNC_TRAINER_WAIT_S = "async/trainer_wait_s"
+ASYNC_ENGINE_BUSY_S = "async/engine_busy_s"
+ASYNC_WEIGHT_SYNCS = "async/weight_syncs"
+"""``trainer.pipeline`` one_step_off / fully_async (:mod:`rltrain.orchestrator.pipeline`): the
+trained batch's staleness (policy versions it lags), the engines' version and batches queued on them
+after the step, seconds the trainer waited for batches or idle engines, seconds the engines generated
+(their own clocks) and weight sends since the step before."""
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 PERF_NUM_TOKENS = "perf/num_tokens"
 DATA_EPOCH = "data/epoch"

@@ -39,6 +39,7 @@ from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.timer import StageTimer
 from rltrain.orchestrator.batch import StepBatch, build_step_batch
 from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
+from rltrain.orchestrator.pipeline import build_source, read_state, write_state
 from rltrain.orchestrator.preemption import StopSignals
 from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.roles import CriticRole, PolicyRole
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from rltrain.data.loader import PromptBatch
     from rltrain.orchestrator.entry import RunData
     from rltrain.rewards import RewardOutput
+    from rltrain.rollout.types import RolloutOutput
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,15 @@ class PPOTrainer:
             config.run_dir() / "checkpoints", keep=config.trainer.checkpoint.max_ckpt_to_keep
         )
         self.timer = StageTimer()
+        self.source = build_source(
+            config,
+            roles.policy,
+            total_steps=total_steps,
+            next_prompts=lambda: self.data.train.next_batch(),
+            engine_prompts=lambda p: self.engine_prompts(p.prompt_ids, p.ground_truths, p.data_sources),
+            sampling=self.sampling,
+        )
+        """Each step's rollout (``trainer.pipeline``: :mod:`rltrain.orchestrator.pipeline`)."""
 
     # ---------------------------------------------------------------------------------------- loop
     def fit(self, *, progress: Progress | None = None) -> int:
@@ -129,9 +140,10 @@ class PPOTrainer:
         """Resume (``recovering``: from the run's last good checkpoint whatever ``resume_mode`` says)
         and put the actor's weights into the engines; the step to continue after."""
         step = self.resume(recovering=recovering)
-        self.roles.policy.sync_weights()
+        self.source.start(step)
         if self.config.trainer.val_before_train and step == 0:
             self.tracker.log(self.validate(), step=0)
+        self.source.refill()
         return step
 
     def train_from(self, step: int, *, progress: Progress | None = None) -> int:
@@ -156,6 +168,7 @@ class PPOTrainer:
                 if not saved:
                     self.save(step)
                 return step
+            self.source.refill()
         return step
 
     def _stop_requested(self) -> bool:
@@ -165,11 +178,10 @@ class PPOTrainer:
         cfg, timer, policy, critic = self.config, self.timer, self.roles.policy, self.roles.critic
         timer.reset()
         with timer.stage("step"):
-            prompts = self.data.train.next_batch()
-            with timer.stage("generate"):
-                batch = self.rollout(
-                    prompts, SamplingConfig.from_rollout_config(cfg.rollout, seed=cfg.rollout.seed + step)
-                )
+            with timer.stage("generate"):  # asynchronous pipelines: the wait for the batch
+                rollout = self.source.take(step)
+                prompts = rollout.prompts
+                batch = self.step_batch(rollout.output, prompts, self.sampling(step))
             with timer.stage("reward"):
                 metrics = self.score(batch)
             with timer.stage("old_logprob"):
@@ -189,8 +201,11 @@ class PPOTrainer:
                 with timer.stage("update_actor"):
                     metrics |= _mean_over_steps(policy.update(self.mini_batches(batch, step)))
                 with timer.stage("weight_sync"):
-                    metrics |= policy.sync_weights()
+                    metrics |= self.source.after_update(step, updated=True)
+            else:
+                self.source.after_update(step, updated=False)
         metrics |= self.step_metrics(batch, entropy=entropy, prompts=prompts)
+        metrics |= self.source.metrics(rollout, step)
         return (
             metrics
             | timer.metrics()
@@ -200,10 +215,12 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------- stages
-    def rollout(self, prompts: PromptBatch, sampling: SamplingConfig) -> StepBatch:
-        output = self.roles.policy.generate(
-            self.engine_prompts(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources), sampling
-        )
+    def sampling(self, step: int) -> SamplingConfig:
+        """The sampling settings of ``step``'s rollout (seed ``rollout.seed + step``)."""
+        return SamplingConfig.from_rollout_config(self.config.rollout, seed=self.config.rollout.seed + step)
+
+    def step_batch(self, output: RolloutOutput, prompts: PromptBatch, sampling: SamplingConfig) -> StepBatch:
+        """The step's batch from the engines' ``output`` for ``prompts``."""
         batch = build_step_batch(
             prompt_ids=output.prompt_ids,
             response_ids=output.response_ids,
@@ -323,6 +340,7 @@ class PPOTrainer:
         """Greedy (``rollout.val_kwargs``) accuracy on the held-out prompts."""
         if self.data.val is None:
             return {}
+        self.source.ensure_current()
         val, cfg = self.data.val, self.config.rollout
         sampling = SamplingConfig(
             temperature=cfg.val_kwargs.temperature,
@@ -361,6 +379,7 @@ class PPOTrainer:
             self.roles.policy.save(str(path), step)
             if self.roles.critic is not None:
                 self.roles.critic.save(str(path), step)
+            write_state(self.source, path)  # asynchronous pipelines: the batches not trained yet
 
         state = {"step": step, "data": self.data.train.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
         self.checkpoints.save(step, write_roles=write_roles, state=state)
@@ -404,6 +423,7 @@ class PPOTrainer:
                 )
         self.data.train.load_state_dict(state["data"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        read_state(self.source, path)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
 

@@ -38,7 +38,11 @@ class EngineGroup(Group, Protocol):
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> list: ...
 
+    def submit_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list: ...
+
     def wait(self, method: str, refs: list) -> list[Any]: ...
+
+    def ready(self, refs: list) -> bool: ...
 
 
 class _DataParallelRole:
@@ -111,12 +115,19 @@ class PolicyRole(_DataParallelRole):
         engines = (
             list(range(self.separate.world_size)) if self.separate else list(self.placement.engine_ranks)
         )
-        shares = _split_even(prompts, len(engines))
-        args = [((), sampling)] * group.world_size
-        for share, rank in zip(shares, engines):
-            args[rank] = (share, sampling)
-        outputs = [o for o in group.call_each("generate", args) if o is not None]
+        answers = group.call_each("generate", _engine_args(prompts, sampling, engines, group))
+        outputs = [o for o in answers if o is not None]
         return RolloutOutput.concat(outputs, n=sampling.n)
+
+    def start_generate(self, prompts: list, sampling: SamplingConfig) -> PendingRollout:
+        """:meth:`generate` on the separate engines without waiting (``trainer.pipeline``)."""
+        if self.separate is None:
+            raise ValueError("generating while the actor trains needs rollout.mode=separate")
+        engines = list(range(self.separate.world_size))
+        refs = self.separate.submit_each(
+            "generate_timed", _engine_args(prompts, sampling, engines, self.separate)
+        )
+        return PendingRollout(self.separate, refs, n=sampling.n)
 
     def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self._dispatch("compute_log_prob", batch)
@@ -149,6 +160,31 @@ class CriticRole(_DataParallelRole):
 
     def update(self, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
         return self._update("update_critic", mini_batches)
+
+
+class PendingRollout:
+    """A rollout running on the separate engines: :meth:`done` polls, :meth:`result` waits
+    (``trainer.timeouts.generate_s``, naming the engines that did not answer)."""
+
+    def __init__(self, group: EngineGroup, refs: list, *, n: int) -> None:
+        self.group, self.refs, self.n = group, refs, n
+
+    def done(self) -> bool:
+        return self.group.ready(self.refs)
+
+    def result(self) -> tuple[RolloutOutput, float]:
+        """The merged output and the longest time an engine spent generating it."""
+        answers = [a for a in self.group.wait("generate_timed", self.refs) if a[0] is not None]
+        seconds = max((a[1] for a in answers), default=0.0)
+        return RolloutOutput.concat([a[0] for a in answers], n=self.n), seconds
+
+
+def _engine_args(prompts: list, sampling: SamplingConfig, engines: list[int], group: Group) -> list[tuple]:
+    """Per-rank ``(prompts, sampling)``: contiguous shares on ``engines``, none on the other ranks."""
+    args = [((), sampling)] * group.world_size
+    for share, rank in zip(_split_even(prompts, len(engines)), engines):
+        args[rank] = (share, sampling)
+    return args
 
 
 def _split_even(items: list, parts: int) -> list[list]:

@@ -76,6 +76,7 @@ TIMEOUT_KEYS: dict[str, str] = {
     "address": "init_s",
     "connect_weight_sync": "init_s",
     "generate": "generate_s",
+    "generate_timed": "generate_s",
     "compute_log_prob": "compute_s",
     "compute_ref_log_prob": "compute_s",
     "compute_values": "compute_s",
@@ -223,8 +224,22 @@ class RayWorkerGroup:
         """Start ``method`` on every rank without waiting; finish with :meth:`wait`."""
         return [h.run.remote(method, args, kwargs) for h in self.hosts]
 
+    def submit_each(self, method: str, per_rank_args: list[tuple], **kwargs: Any) -> list:
+        """:meth:`call_each` without waiting; finish with :meth:`wait`."""
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(
+                f"{self.role}.{method}: {len(per_rank_args)} argument sets for {self.world_size} ranks"
+            )
+        return [h.run.remote(method, a, kwargs) for h, a in zip(self.hosts, per_rank_args)]
+
     def wait(self, method: str, refs: list) -> list[Any]:
         return self._gather(method, refs)
+
+    @staticmethod
+    def ready(refs: list) -> bool:
+        """Whether every call of ``refs`` has finished (does not wait)."""
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
 
     def free_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port there (a rendezvous for a group of our own)."""

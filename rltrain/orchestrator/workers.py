@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -435,6 +436,13 @@ class RolloutWorker:
 
     def generate(self, prompts: list[list[int]], sampling) -> Any:
         return _run_engine(self.engine, self.config, prompts, sampling) if prompts else None
+
+    def generate_timed(self, prompts: list[list[int]], sampling) -> tuple[Any, float]:
+        """:meth:`generate` and the seconds it took on this engine (``trainer.pipeline``'s engine
+        busy time; measured here, so no clocks of two machines are compared)."""
+        started = time.perf_counter()
+        output = self.generate(prompts, sampling)
+        return output, time.perf_counter() - started
 
     def rank_info(self) -> dict[str, int]:
         return {"rank": self.rank}

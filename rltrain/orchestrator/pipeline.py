@@ -1,0 +1,295 @@
+"""Where a step's rollout comes from (``trainer.pipeline``): generated at the step (``sync``), or on
+the separate engines while the trainer trains on an earlier batch (``one_step_off``, ``fully_async``).
+
+Versions: the weights after step v are policy version v (0: the weights the run started with). A
+batch carries the version its engines held when they generated it; trained at step t, whose weights
+are version t-1, its staleness is t-1-v. ``sync`` trains every batch at staleness 0.
+
+The asynchronous schedule, with the bound s (``trainer.max_staleness``; ``one_step_off`` is s = 1):
+
+- The batch of step j is submitted to the engines once they hold version j-1-s or newer, so no
+  batch is ever trained staler than s; batches are submitted in step order and queue on the engines
+  (an engine runs one call at a time), drawing their prompts from the data loader as they go.
+- The engines take new weights only between batches: whenever none is in flight and they lag the
+  actor, the actor's weights are sent (after the step's update, and again right after the trainer
+  took its batch, when the engines may just have finished). Validation first waits for the batches in
+  flight and brings the engines to the actor's version: it always scores the trained weights.
+- s = 0 submits each batch after the weight sync of the step before, the ``sync`` schedule. s = 1 is
+  deterministic: the batch of step j+1 is always generated with version j-1, whichever side is
+  faster. With s > 1 the version a batch gets depends on when the engines fall idle.
+
+Checkpoints: batches generated but not trained are saved with the step's checkpoint
+(``pipeline.json``: the save waits for those in flight) and trained after a resume exactly as they
+would have been, so a resumed ``one_step_off`` run repeats the metrics of an uninterrupted one.
+
+Every wait is bounded: a batch by ``trainer.timeouts.generate_s`` naming the engines that did not
+answer (:class:`~rltrain.orchestrator.worker_group.WorkerTimeout`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rltrain.data.loader import PromptBatch, PromptExample
+from rltrain.logging import metrics as mk
+from rltrain.rollout.types import RolloutOutput, SamplingConfig
+
+if TYPE_CHECKING:
+    from rltrain.orchestrator.roles import PendingRollout, PolicyRole
+
+PIPELINE_FILE = "pipeline.json"
+"""The untrained batches of an asynchronous run, in its step checkpoints."""
+
+
+@dataclass
+class Rollout:
+    """One step's prompts and what the engines generated for them."""
+
+    step: int
+    prompts: PromptBatch
+    output: RolloutOutput
+    version: int
+    """Policy version of the weights that generated it."""
+
+
+class Source:
+    """Gives each step its rollout and keeps the engines' weights current (``sync``)."""
+
+    def __init__(
+        self,
+        policy: PolicyRole,
+        *,
+        next_prompts: Callable[[], PromptBatch],
+        engine_prompts: Callable[[PromptBatch], list],
+        sampling: Callable[[int], SamplingConfig],
+    ) -> None:
+        """``next_prompts``: the data loader's next batch; ``engine_prompts``: what the engines are
+        handed for it; ``sampling``: the sampling settings of a step (its seed)."""
+        self.policy = policy
+        self.next_prompts, self.engine_prompts, self.sampling = next_prompts, engine_prompts, sampling
+        self.restored: deque[Rollout] = deque()
+        """Untrained batches of the checkpoint resumed from, trained first."""
+        self.actor_version = 0
+
+    def start(self, step: int) -> dict[str, float]:
+        """Put the actor's weights (those after ``step``) into the engines."""
+        self.actor_version = step
+        return self.policy.sync_weights()
+
+    def take(self, step: int) -> Rollout:
+        if self.restored:
+            return self._restored(step)
+        prompts = self.next_prompts()
+        output = self.policy.generate(self.engine_prompts(prompts), self.sampling(step))
+        return Rollout(step, prompts, output, version=step - 1)
+
+    def _restored(self, step: int) -> Rollout:
+        rollout = self.restored.popleft()
+        if rollout.step != step:
+            raise RuntimeError(
+                f"{PIPELINE_FILE}: the checkpoint's next batch is step {rollout.step}, not {step}"
+            )
+        return rollout
+
+    def after_update(self, step: int, *, updated: bool) -> dict[str, float]:
+        """The step's update is done (``updated``: the actor's weights changed)."""
+        self.actor_version = step
+        return self.policy.sync_weights() if updated else {}
+
+    def ensure_current(self) -> dict[str, float]:
+        """The engines hold the actor's weights (before a validation)."""
+        return {}
+
+    def refill(self) -> None:
+        """Start what the schedule allows (after the step's validation and checkpoint)."""
+
+    def metrics(self, rollout: Rollout, step: int) -> dict[str, float]:
+        return {}
+
+    def state(self) -> list[dict] | None:
+        """The untrained batches a checkpoint must keep; None: nothing to save."""
+        return [_encode(r) for r in self.restored] or None
+
+    def load_state(self, batches: list[dict]) -> None:
+        self.restored = deque(_decode(b) for b in batches)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    prompts: PromptBatch
+    version: int
+    pending: PendingRollout | None
+    output: RolloutOutput | None = None
+    engine_seconds: float = 0.0
+
+
+class AsyncSource(Source):
+    """``one_step_off`` and ``fully_async``: the schedule of the module doc."""
+
+    def __init__(self, policy: PolicyRole, *, max_staleness: int, total_steps: int, **kwargs) -> None:
+        super().__init__(policy, **kwargs)
+        self.max_staleness, self.total_steps = max_staleness, total_steps
+        self.queue: deque[_InFlight] = deque()
+        self.next_step = 1
+        self.engine_version = 0
+        self.trainer_wait_s = 0.0
+        self.engine_busy_s = 0.0
+        self.weight_syncs = 0
+        self.sync_metrics: dict[str, float] = {}
+        """The ``weight_sync/*`` metrics of the sends since the last report (the larger value of each
+        when there were two): a send happens where the engines fall idle, in the step or its take."""
+
+    def start(self, step: int) -> dict[str, float]:
+        metrics = super().start(step)
+        self.engine_version = step
+        self.next_step = step + 1 + len(self.restored)
+        self.queue = deque(_InFlight(r.step, r.prompts, r.version, None, r.output) for r in self.restored)
+        self.restored = deque()
+        return metrics
+
+    # --------------------------------------------------------------------------------- schedule
+    def take(self, step: int) -> Rollout:
+        if not self.queue:
+            self._sync(wait=True)
+            self.refill()
+        head = self.queue[0]
+        if head.step != step:
+            raise RuntimeError(f"the pipeline's next batch is step {head.step}, not {step}")
+        self._finish(head)
+        self.queue.popleft()
+        self._sync(wait=False)
+        self.refill()
+        return Rollout(step, head.prompts, head.output, head.version)
+
+    def after_update(self, step: int, *, updated: bool) -> dict[str, float]:
+        behind = self.engine_version < self.actor_version
+        self.actor_version = step
+        if not updated and not behind:
+            self.engine_version = step  # the weights did not change: the engines hold version step
+            return {}
+        self._sync(wait=False)
+        return {}  # reported by :meth:`metrics`, wherever the send happened
+
+    def ensure_current(self) -> dict[str, float]:
+        self._sync(wait=True)
+        return {}
+
+    def refill(self) -> None:
+        while (
+            self.next_step <= self.total_steps
+            and self.next_step - 1 - self.engine_version <= self.max_staleness
+        ):
+            step = self.next_step
+            prompts = self.next_prompts()
+            pending = self.policy.start_generate(self.engine_prompts(prompts), self.sampling(step))
+            self.queue.append(_InFlight(step, prompts, self.engine_version, pending))
+            self.next_step += 1
+
+    def _sync(self, *, wait: bool) -> None:
+        """Send the actor's weights when the engines lag it and have no batch in flight (``wait``:
+        wait for the batches in flight first)."""
+        if self.engine_version >= self.actor_version:
+            return
+        in_flight = [b for b in self.queue if b.output is None]
+        if not wait and not all(b.pending.done() for b in in_flight):
+            return
+        for batch in in_flight:
+            self._finish(batch)
+        self.engine_version = self.actor_version
+        self.weight_syncs += 1
+        for key, value in self.policy.sync_weights().items():
+            self.sync_metrics[key] = max(self.sync_metrics.get(key, value), value)
+
+    def _finish(self, batch: _InFlight) -> None:
+        if batch.output is not None:
+            return
+        started = time.perf_counter()
+        batch.output, batch.engine_seconds = batch.pending.result()
+        self.trainer_wait_s += time.perf_counter() - started
+        self.engine_busy_s += batch.engine_seconds
+        batch.pending = None
+
+    # ---------------------------------------------------------------------------------- reports
+    def metrics(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """The step's schedule: the batch's staleness, the engines' version and queue, how long the
+        trainer waited for batches or for the engines before a weight send, and how long the
+        engines generated (as they measured it) since the last step's report."""
+        staleness = float(step - 1 - rollout.version)
+        if staleness > self.max_staleness:
+            raise RuntimeError(
+                f"step {step} trains a batch of policy version {rollout.version}: staleness {staleness:g} "
+                f"exceeds trainer.max_staleness={self.max_staleness}"
+            )
+        out = {
+            mk.ASYNC_STALENESS_MEAN: staleness,
+            mk.ASYNC_STALENESS_MAX: staleness,
+            mk.ASYNC_ENGINE_VERSION: float(self.engine_version),
+            mk.ASYNC_BATCHES_AHEAD: float(len(self.queue)),
+            mk.ASYNC_TRAINER_WAIT_S: self.trainer_wait_s,
+            mk.ASYNC_ENGINE_BUSY_S: self.engine_busy_s,
+            mk.ASYNC_WEIGHT_SYNCS: float(self.weight_syncs),
+        }
+        out |= self.sync_metrics
+        self.trainer_wait_s = self.engine_busy_s = 0.0
+        self.weight_syncs, self.sync_metrics = 0, {}
+        return out
+
+    def state(self) -> list[dict] | None:
+        for batch in self.queue:
+            self._finish(batch)
+        return [_encode(Rollout(b.step, b.prompts, b.output, b.version)) for b in self.queue]
+
+
+def build_source(config, policy: PolicyRole, *, total_steps: int, **kwargs) -> Source:
+    """The source of ``config.trainer.pipeline``."""
+    trainer = config.trainer
+    if trainer.pipeline == "sync":
+        return Source(policy, **kwargs)
+    staleness = 1 if trainer.pipeline == "one_step_off" else trainer.max_staleness
+    return AsyncSource(policy, max_staleness=staleness, total_steps=total_steps, **kwargs)
+
+
+# ------------------------------------------------------------------------------------- checkpoint
+def write_state(source: Source, directory: Path) -> None:
+    """``pipeline.json`` in a checkpoint being written, when the source has batches to keep."""
+    batches = source.state()
+    if batches is not None:
+        (directory / PIPELINE_FILE).write_text(json.dumps({"batches": batches}) + "\n")
+
+
+def read_state(source: Source, directory: Path) -> None:
+    """Restore the untrained batches of the checkpoint at ``directory`` (none without the file)."""
+    path = directory / PIPELINE_FILE
+    source.load_state(json.loads(path.read_text())["batches"] if path.exists() else [])
+
+
+def _encode(rollout: Rollout) -> dict:
+    prompts = rollout.prompts
+    return {
+        "step": rollout.step,
+        "version": rollout.version,
+        "prompts": {
+            "examples": [asdict(ex) for ex in prompts.examples],
+            "epoch": prompts.epoch,
+            "position": prompts.position,
+        },
+        "output": asdict(rollout.output),
+    }
+
+
+def _decode(raw: dict) -> Rollout:
+    p = raw["prompts"]
+    prompts = PromptBatch(
+        [PromptExample(**ex) for ex in p["examples"]], epoch=p["epoch"], position=p["position"]
+    )
+    out = dict(raw["output"])
+    if out.get("turn_rewards") is not None:
+        out["turn_rewards"] = [[(int(pos), float(r)) for pos, r in row] for row in out["turn_rewards"]]
+    return Rollout(raw["step"], prompts, RolloutOutput(**out), raw["version"])

