@@ -172,3 +172,20 @@ def test_parallel_switches_name_the_size_they_need(tmp_path):
         "critic.parallel.virtual_pipeline_model_parallel_size=2 needs "
         "critic.parallel.pipeline_model_parallel_size >= 2 (got 1)"
     ]
+
+
+def test_an_overlapping_pipeline_needs_engines_of_their_own_and_one_step_off_its_bound(tmp_path):
+    assert problems(tmp_path, ["trainer.pipeline=one_step_off"]) == [
+        "override 'trainer.pipeline=one_step_off': trainer.pipeline=one_step_off generates while the actor "
+        "trains: it needs engines on devices of their own (rollout.mode=separate and rollout.num_devices), "
+        "got rollout.mode=colocated"
+    ]
+    separate = ["rollout.mode=separate", "rollout.num_devices=1"]
+    assert problems(tmp_path, [*separate, "trainer.pipeline=one_step_off", "trainer.max_staleness=2"]) == [
+        "override 'trainer.pipeline=one_step_off', override 'trainer.max_staleness=2': "
+        "trainer.pipeline=one_step_off trains on samples exactly one version old; "
+        "trainer.max_staleness=2 is for trainer.pipeline=fully_async"
+    ]
+    path = write(tmp_path, "r.yaml", MINIMAL)
+    config = load_config(path, [*separate, "trainer.pipeline=fully_async", "trainer.max_staleness=3"])
+    assert (config.trainer.pipeline, config.trainer.max_staleness) == ("fully_async", 3)
