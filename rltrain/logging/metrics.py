@@ -111,11 +111,13 @@ ASYNC_ENGINE_VERSION = "async/engine_version"
 ASYNC_BATCHES_AHEAD = "async/batches_ahead"
 ASYNC_TRAINER_WAIT_S = "async/trainer_wait_s"
 ASYNC_ENGINE_BUSY_S = "async/engine_busy_s"
+ASYNC_ENGINE_IDLE_S = "async/engine_idle_s"
 ASYNC_WEIGHT_SYNCS = "async/weight_syncs"
 """``trainer.pipeline`` one_step_off / fully_async (:mod:`rltrain.orchestrator.pipeline`): the
 trained batch's staleness (policy versions it lags), the engines' version and batches queued on them
-after the step, seconds the trainer waited for batches or idle engines, seconds the engines generated
-(their own clocks) and weight sends since the step before."""
+after the step, seconds the trainer waited for batches or idle engines (its idle time), seconds the
+engines generated (their own clocks) and did not generate (the step's time less that), and weight
+sends since the step before."""
 PERF_TOKENS_PER_S = "perf/tokens_per_s"
 PERF_NUM_TOKENS = "perf/num_tokens"
 DATA_EPOCH = "data/epoch"

@@ -205,7 +205,7 @@ class PPOTrainer:
             else:
                 self.source.after_update(step, updated=False)
         metrics |= self.step_metrics(batch, entropy=entropy, prompts=prompts)
-        metrics |= self.source.metrics(rollout, step)
+        metrics |= self.source.metrics(rollout, step, step_seconds=timer.seconds["step"])
         return (
             metrics
             | timer.metrics()

@@ -109,7 +109,8 @@ class Source:
     def refill(self) -> None:
         """Start what the schedule allows (after the step's validation and checkpoint)."""
 
-    def metrics(self, rollout: Rollout, step: int) -> dict[str, float]:
+    def metrics(self, rollout: Rollout, step: int, *, step_seconds: float | None = None) -> dict[str, float]:
+        """The step's report on the schedule (``step_seconds``: the step's wall time)."""
         return {}
 
     def state(self) -> list[dict] | None:
@@ -217,10 +218,12 @@ class AsyncSource(Source):
         batch.pending = None
 
     # ---------------------------------------------------------------------------------- reports
-    def metrics(self, rollout: Rollout, step: int) -> dict[str, float]:
+    def metrics(self, rollout: Rollout, step: int, *, step_seconds: float | None = None) -> dict[str, float]:
         """The step's schedule: the batch's staleness, the engines' version and queue, how long the
-        trainer waited for batches or for the engines before a weight send, and how long the
-        engines generated (as they measured it) since the last step's report."""
+        trainer waited for batches or for the engines before a weight send, how long the engines
+        generated (as they measured it, batches finished since the last report) and, given the
+        step's wall time, how long they did not (per step on average over a run; one step's
+        figure may count a batch that ran mostly during the step before)."""
         staleness = float(step - 1 - rollout.version)
         if staleness > self.max_staleness:
             raise RuntimeError(
@@ -236,6 +239,8 @@ class AsyncSource(Source):
             mk.ASYNC_ENGINE_BUSY_S: self.engine_busy_s,
             mk.ASYNC_WEIGHT_SYNCS: float(self.weight_syncs),
         }
+        if step_seconds is not None:
+            out[mk.ASYNC_ENGINE_IDLE_S] = max(0.0, step_seconds - self.engine_busy_s)
         out |= self.sync_metrics
         self.trainer_wait_s = self.engine_busy_s = 0.0
         self.weight_syncs, self.sync_metrics = 0, {}

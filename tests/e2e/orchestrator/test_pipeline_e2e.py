@@ -123,3 +123,35 @@ def test_one_step_off_resumes_the_batch_it_generated_ahead(local_ray, tmp_path, 
     _assert_same(resumed, want, range(saved + 1, STEPS + 1), also_skip=("weight_sync/",))
     for step in range(saved + 1, STEPS + 1):
         assert resumed[step]["async/staleness_max"] == 1.0
+
+
+REWARD_STEPS = 30
+
+
+def _reward_curve(run_root, cache, *extra) -> tuple[list[float], dict[int, dict]]:
+    from rltrain.orchestrator.entry import train
+
+    config = _config(
+        run_root, cache, f"trainer.total_training_steps={REWARD_STEPS}", "trainer.test_freq=0", *extra
+    )
+    assert train(config) == REWARD_STEPS
+    records = {r["step"]: r for r in read_metrics(config.run_dir())}
+    return [records[s]["reward/score/mean"] for s in range(1, REWARD_STEPS + 1)], records
+
+
+def test_fully_async_reward_rises_like_the_sync_run(local_ray, tmp_path, pipeline_cache):
+    """The same number of samples (30 steps × 16 prompts × 8) through sync and through fully_async
+    with staleness up to 2: the reward of the last ten steps rises over the first ten in both, and
+    the asynchronous run ends near the synchronous one."""
+    sync, _ = _reward_curve(tmp_path / "sync", pipeline_cache)
+    fully, records = _reward_curve(
+        tmp_path / "fully", pipeline_cache, "trainer.pipeline=fully_async", "trainer.max_staleness=2"
+    )
+    first, last = slice(0, 10), slice(-10, None)
+    curves = f"sync {[round(x, 3) for x in sync]}\nfully_async {[round(x, 3) for x in fully]}"
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean(sync[last]) > mean(sync[first]) + 0.03, curves
+    assert mean(fully[last]) > mean(fully[first]) + 0.03, curves
+    assert abs(mean(fully[last]) - mean(sync[last])) < 0.08, curves
+    staleness = [records[s]["async/staleness_max"] for s in range(1, REWARD_STEPS + 1)]
+    assert max(staleness) <= 2 and sum(staleness) > 0, staleness

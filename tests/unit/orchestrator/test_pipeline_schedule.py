@@ -90,11 +90,12 @@ def _run(source: Source, engines, *, train_s: float, steps: range, updated=lambd
     """The driver's loop over ``steps``: take, train for ``train_s``, update, report, refill."""
     versions, reports = [], []
     for step in steps:
+        began = engines.now
         rollout = source.take(step)
         assert rollout.step == step and rollout.prompts.position == step - 1, "batches in data order"
         engines.now += train_s
         source.after_update(step, updated=updated(step))
-        reports.append(source.metrics(rollout, step))
+        reports.append(source.metrics(rollout, step, step_seconds=engines.now - began))
         versions.append(rollout.version)
         source.refill()
     return versions, reports
@@ -145,6 +146,9 @@ def test_a_slow_engine_under_staleness_two():
     # the last step also sends its weights: no batch is left to generate, the engines are idle
     assert [r["async/weight_syncs"] for r in reports] == [0, 0, 1, 0, 1, 0, 1, 0, 2]
     assert engines.now == pytest.approx(9 * 2.0 + 1.0), "generation-bound: the engines never idle"
+    assert [r["async/engine_idle_s"] for r in reports[3:]] == [0.0] * 6
+    # the trainer waits 1 s of each 2 s step for its batch (its wait is real time here: ~0)
+    assert all(r["async/trainer_wait_s"] < 0.5 for r in reports)
 
 
 def test_a_slow_trainer_under_staleness_two():
@@ -158,6 +162,9 @@ def test_a_slow_trainer_under_staleness_two():
     assert versions == [0, 0, 0, 1, 2, 3, 4, 5]
     assert [r["async/staleness_max"] for r in reports] == [0, 1, 2, 2, 2, 2, 2, 2]
     assert engines.now == pytest.approx(1.0 + 8 * 3.0), "training-bound: the trainer waits once"
+    # a batch of 1 s per 3 s step: the engines idle 2 s of each, and all of the last two steps (the
+    # batch of step 8 was generated during step 6)
+    assert [r["async/engine_idle_s"] for r in reports[4:]] == [2.0, 2.0, 3.0, 3.0]
 
 
 def test_a_step_without_actor_update_does_not_age_the_engines():
