@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Install (Debian's slurm-wlm) and start a one-node Slurm cluster on this machine for the tests:
 # munged, slurmctld and slurmd on localhost, one partition holding this node. Idempotent: when
-# `sinfo` already answers, it does nothing. Needs root (apt-get, /etc/slurm, /run).
+# the node already answers (its state in `sinfo -o %T` is idle, mixed, allocated or completing:
+# not `idle*`, down, drained or draining), it does nothing; else it ends only once the node does,
+# and names the state it saw when it gives up. Needs root (apt-get, /etc/slurm, /run).
 set -euo pipefail
-if command -v sinfo >/dev/null 2>&1 && timeout 10 sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc'; then
+HOST=$(hostname -s)
+node_state() { timeout 10 sinfo -h -n "$HOST" -o %T 2>/dev/null | head -n 1; }
+responsive() { [[ "$1" =~ ^(idle|mixed|allocated|completing)$ ]]; }
+if command -v sinfo >/dev/null 2>&1 && responsive "$(node_state)"; then
   exit 0
 fi
 if ! command -v slurmctld >/dev/null 2>&1; then
@@ -11,7 +16,6 @@ if ! command -v slurmctld >/dev/null 2>&1; then
   apt-get update -qq
   apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
 fi
-HOST=$(hostname -s)
 CPUS=$(nproc)
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge /etc/munge
@@ -49,13 +53,20 @@ chmod 0400 /etc/munge/munge.key
 pgrep -x munged >/dev/null || runuser -u munge -- /usr/sbin/munged 2>/dev/null || /usr/sbin/munged --force
 pgrep -x slurmctld >/dev/null || slurmctld
 pgrep -x slurmd >/dev/null || slurmd
+# A node that answers again leaves `down` by itself (ReturnToService=2); a drained one (e.g. after
+# "Kill task failed") only by a resume. A trailing `*` means slurmd does not answer (yet).
+STATE=""
 for _ in $(seq 60); do
-  if timeout 5 sinfo -h -o %T 2>/dev/null | grep -qE 'idle|mix|alloc'; then
-    scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true
+  STATE=$(node_state)
+  if responsive "$STATE"; then
     exit 0
   fi
+  case "$STATE" in
+    drain*|down|fail*) scontrol update nodename="$HOST" state=resume >/dev/null 2>&1 || true ;;
+  esac
   sleep 1
 done
-echo "local Slurm did not come up; logs:" >&2
+echo "local Slurm did not come up: node $HOST is '${STATE:-(no answer from sinfo)}' after 60 s" \
+  "(wanted idle, mixed, allocated or completing); reason: $(timeout 10 sinfo -h -n "$HOST" -o %E 2>&1); logs:" >&2
 tail -n 20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2 || true
 exit 1
