@@ -23,7 +23,7 @@ RECIPE = ROOT / "recipes" / "calculator_multiturn_cpu.yaml"
 NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "agent/tool_seconds", "agent/tool_latency_s")
 
 
-def _config(run_root: Path, cache: Path, interaction: Path, steps: int):
+def _config(run_root: Path, cache: Path, interaction: Path, steps: int, *extra: str):
     return load_config(
         RECIPE,
         [
@@ -43,6 +43,7 @@ def _config(run_root: Path, cache: Path, interaction: Path, steps: int):
             "trainer.save_freq=2",
             "trainer.test_freq=2",
             "trainer.logger=[jsonl]",
+            *extra,
         ],
     )
 
@@ -83,3 +84,32 @@ def test_multi_turn_run_trains_on_the_engines_tokens_and_resumes_to_the_same_met
         assert got == want, {
             k: (want.get(k), got.get(k)) for k in want.keys() | got.keys() if want.get(k) != got.get(k)
         }
+
+
+def test_multi_turn_trajectories_through_the_one_step_off_pipeline(local_ray, tmp_path):
+    """The agent loop runs on an engine of its own while the trainer trains on the step before: each
+    batch after the first is one version old, its trajectories multi-turn as in the sync run."""
+    from rltrain.orchestrator.entry import train
+
+    interaction = tmp_path / "feedback.yaml"
+    interaction.write_text(
+        "interaction:\n  - name: feedback\n    class_name: feedback\n    config: {wrong_reward: -0.1}\n"
+    )
+    overrides = [
+        "rollout.mode=separate",
+        "rollout.num_devices=1",
+        "trainer.pipeline=one_step_off",
+        "trainer.save_freq=0",
+    ]
+    config = _config(tmp_path / "runs", tmp_path / "models", interaction, 3, *overrides)
+    assert train(config) == 3
+    records = {r["step"]: r for r in read_metrics(config.run_dir())}
+    assert [records[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        r = records[step]
+        assert r["agent/turns"] > 1.2 and r["agent/tool_tokens"] > 1, (step, r["agent/turns"])
+        assert r["agent/model_tokens"] + r["agent/tool_tokens"] == pytest.approx(r["response/length/mean"])
+    # step 1 trains on the weights that generated it; step 2's batch came from the weights before
+    # step 1's update, so the trainer's log-probs of those tokens differ from the engine's
+    assert records[1]["rollout/logprob_abs_diff_max"] < 1e-3
+    assert records[2]["rollout/logprob_abs_diff_max"] > 1e-3
