@@ -1,7 +1,8 @@
 """A local Ray instance shared by the e2e tests (started once, 2 CPUs).
 
 Subprocesses that should join it get its address in ``RAY_ADDRESS`` (``ray_env``), so they never
-pick up some other cluster through ``address="auto"``.
+pick up some other cluster through ``address="auto"``. ``worker_groups`` records every Ray worker
+group a test's in-process run starts (their roles and process ids, for the fault tests).
 """
 
 import os
@@ -25,3 +26,18 @@ def local_ray():
 def ray_env(local_ray):
     address = local_ray.get_runtime_context().gcs_address
     return {**os.environ, "RAY_ADDRESS": address, "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def worker_groups(monkeypatch):
+    from rltrain.orchestrator import worker_group
+
+    groups = []
+    original_init = worker_group.RayWorkerGroup.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        groups.append(self)
+
+    monkeypatch.setattr(worker_group.RayWorkerGroup, "__init__", recording_init)
+    return groups

@@ -30,19 +30,11 @@ def alive(pid: int) -> bool:
 
 
 def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
-    local_ray, fault_cache, reference, tmp_path, monkeypatch, caplog
+    local_ray, fault_cache, reference, tmp_path, worker_groups, caplog
 ):
-    from rltrain.orchestrator import worker_group
     from rltrain.orchestrator.entry import train
 
-    groups = []
-    original_init = worker_group.RayWorkerGroup.__init__
-
-    def recording_init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        groups.append(self)
-
-    monkeypatch.setattr(worker_group.RayWorkerGroup, "__init__", recording_init)
+    groups = worker_groups
     config = load_config(RECIPE, fault_overrides(tmp_path, fault_cache, "trainer.max_restarts=2"))
     run_dir, latest = config.run_dir(), config.run_dir() / "checkpoints" / "latest"
     stopped = []

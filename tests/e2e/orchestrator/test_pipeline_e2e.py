@@ -59,6 +59,23 @@ def _run(run_root, cache, *extra) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(config.run_dir())}
 
 
+def _after_step_one(run_dir: Path, act) -> threading.Thread:
+    """A thread that runs ``act()`` once the run in ``run_dir`` has logged step 1 (within 600 s)."""
+    metrics = run_dir / "metrics.jsonl"
+
+    def watch() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if metrics.exists() and any(json.loads(x)["step"] == 1 for x in metrics.read_text().splitlines()):
+                act()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return watcher
+
+
 def _assert_same(got: dict[int, dict], want: dict[int, dict], steps, *, also_skip: tuple = ()) -> None:
     skip = (*NONDETERMINISTIC, *also_skip)
     for step in steps:
@@ -95,18 +112,8 @@ def test_one_step_off_resumes_the_batch_it_generated_ahead(local_ray, tmp_path, 
     assert abs(want[STEPS]["actor/kl"]) > 1e-6
 
     config = _config(tmp_path / "stopped", pipeline_cache, "trainer.pipeline=one_step_off")
-    metrics = config.run_dir() / "metrics.jsonl"
-
-    def stop_after_step_one() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if metrics.exists() and any(json.loads(x)["step"] == 1 for x in metrics.read_text().splitlines()):
-                os.kill(os.getpid(), signal.SIGTERM)  # the run's StopSignals: save after the step, stop
-                return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=stop_after_step_one, daemon=True)
-    watcher.start()
+    # the run's StopSignals: save after the step, then stop
+    watcher = _after_step_one(config.run_dir(), lambda: os.kill(os.getpid(), signal.SIGTERM))
     with pytest.raises(Preempted) as stopped:
         train(config)
     watcher.join(timeout=5)
@@ -164,21 +171,12 @@ def test_fully_async_reward_rises_like_the_sync_run(local_ray, tmp_path, pipelin
     assert max(staleness) <= 2 and sum(staleness) > 0, staleness
 
 
-def test_a_dead_engine_ends_a_one_step_off_run_naming_it(local_ray, tmp_path, pipeline_cache, monkeypatch):
+def test_a_dead_engine_ends_a_one_step_off_run_naming_it(local_ray, tmp_path, pipeline_cache, worker_groups):
     """The engine process is SIGKILLed once step 1 is logged (it is generating or has generated the
     batch of step 3): the run stops at its next wait for the engine, naming the role and rank."""
-    from rltrain.orchestrator import worker_group
     from rltrain.orchestrator.entry import train
     from rltrain.orchestrator.worker_group import WorkerError
 
-    groups = []
-    original_init = worker_group.RayWorkerGroup.__init__
-
-    def recording_init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        groups.append(self)
-
-    monkeypatch.setattr(worker_group.RayWorkerGroup, "__init__", recording_init)
     config = _config(
         tmp_path,
         pipeline_cache,
@@ -187,21 +185,14 @@ def test_a_dead_engine_ends_a_one_step_off_run_naming_it(local_ray, tmp_path, pi
         "trainer.timeouts.weight_sync_s=60",
         "trainer.timeouts.generate_s=60",
     )
-    metrics = config.run_dir() / "metrics.jsonl"
     killed = []
 
-    def kill_engine_after_step_one() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if metrics.exists() and any(json.loads(x)["step"] == 1 for x in metrics.read_text().splitlines()):
-                (engines,) = [g for g in groups if g.role == "rollout"]
-                os.kill(engines.pids[0], signal.SIGKILL)
-                killed.append(time.monotonic())
-                return
-            time.sleep(0.05)
+    def kill_the_engine() -> None:
+        (engines,) = [g for g in worker_groups if g.role == "rollout"]
+        os.kill(engines.pids[0], signal.SIGKILL)
+        killed.append(time.monotonic())
 
-    watcher = threading.Thread(target=kill_engine_after_step_one, daemon=True)
-    watcher.start()
+    watcher = _after_step_one(config.run_dir(), kill_the_engine)
     with pytest.raises(WorkerError) as failed:
         train(config)
     watcher.join(timeout=5)
