@@ -102,9 +102,8 @@ class Source:
         self.actor_version = step
         return self.policy.sync_weights() if updated else {}
 
-    def ensure_current(self) -> dict[str, float]:
+    def ensure_current(self) -> None:
         """The engines hold the actor's weights (before a validation)."""
-        return {}
 
     def refill(self) -> None:
         """Start what the schedule allows (after the step's validation and checkpoint)."""
@@ -175,12 +174,11 @@ class AsyncSource(Source):
         if not updated and not behind:
             self.engine_version = step  # the weights did not change: the engines hold version step
             return {}
-        self._sync(wait=False)
-        return {}  # reported by :meth:`metrics`, wherever the send happened
-
-    def ensure_current(self) -> dict[str, float]:
-        self._sync(wait=True)
+        self._sync(wait=False)  # its weight_sync/* metrics: see :meth:`metrics`
         return {}
+
+    def ensure_current(self) -> None:
+        self._sync(wait=True)  # its weight_sync/* metrics go with the next step's report
 
     def refill(self) -> None:
         while (
