@@ -237,5 +237,13 @@ def test_waits_are_bounded_and_name_what_they_waited_for(engine, uninterrupted):
     with pytest.raises(OSError, match="transport lost"), engine.weight_update(version=next(VERSIONS)):
         raise OSError("transport lost")
     aborted = flat(doomed.results(timeout_s=30))
-    assert {s.finish_reason for s in aborted} == {"abort"} and engine.policy_version == version
+    assert engine.policy_version == version
+    # a sample that reached its end before the error stays whole (how many did depends on timing);
+    # every other one is aborted with a prefix of what it would have sampled
+    for got, whole in zip(aborted, flat(uninterrupted), strict=True):
+        if got.finish_reason == "abort":
+            assert got.token_ids == whole.token_ids[: len(got.token_ids)]
+        else:
+            assert (got.token_ids, got.finish_reason) == (whole.token_ids, whole.finish_reason)
+    assert sum(s.finish_reason == "abort" for s in aborted) > 0
     assert_same_samples(engine.start_batch(PROMPTS, SAMPLED).results(timeout_s=120), uninterrupted)
