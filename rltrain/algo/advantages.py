@@ -4,30 +4,33 @@ Contract: ``compute_advantages(name, inputs, gamma=..., lam=...)`` looks the est
 ``ADV_ESTIMATORS`` and runs it without gradient on the whole batch (group statistics and batch
 whitening need every sample, so this runs where the full batch is, not per micro-batch). Every
 estimator returns advantages and returns of shape ``[batch, response_len]`` that are exactly zero on
-masked positions. Names and semantics follow verl's ``adv_estimator`` values.
+masked positions. Names and semantics follow verl's ``adv_estimator`` values. An estimator that
+needs an input the caller left out (``values``, ``group_ids``, ``reward_baselines``) fails with one
+line naming the estimator and the missing ``AdvantageInputs`` field.
 
-Estimators:
+Estimators of this module (per-token returns; the group estimators ``grpo``, ``rloo``,
+``reinforce_plus_plus_baseline``, ``opo``, ``gpg`` and ``grpo_passk`` are in
+:mod:`rltrain.algo.advantages_group`, which this module imports so that every name is registered):
 
 - ``gae`` (Schulman et al. 2016): reverse recursion ``δ_t = r_t + γ V_{t+1} - V_t``,
   ``A_t = δ_t + γλ A_{t+1}`` over valid tokens only (a masked token is skipped: it neither
   discounts nor contributes, its value is never read); returns = raw advantages + values; the
   advantages are then whitened over all valid tokens of the batch.
-- ``grpo`` (Shao et al. 2024): outcome score = sum of the token rewards of a sequence;
-  ``(score - group mean) / (group std + epsilon)`` with the unbiased std, or ``score - group mean``
-  when ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO, Liu et al. 2025). As in verl a group of one
-  sample has mean 0 and std 1, so its advantage is its score (divided by ``1 + epsilon``).
-- ``rloo`` (Ahmadian et al. 2024): score minus the mean score of the other samples of its group,
-  computed as ``(score - group mean) * n / (n - 1)``; a group of one keeps its raw score (verl).
 - ``reinforce_plus_plus`` (Hu 2025): discounted reward-to-go over valid tokens, whitened over the
   batch; returns are the un-whitened reward-to-go.
-- ``reinforce_plus_plus_baseline``: score minus group mean (0 for a group of one), broadcast over
-  the valid tokens, whitened over the batch.
+- ``remax`` (Li et al. 2023, arXiv:2310.10505): undiscounted reward-to-go over valid tokens minus
+  ``reward_baselines``, the reward of the greedy response to the same prompt, on every valid token:
+  ``A_t = Σ_{s≥t, valid} r_s - b``; returns are the reward-to-go. Not whitened; γ is not used
+  (verl's ``compute_remax_outcome_advantage`` ignores it too). The caller generates the greedy
+  baseline; the estimator needs no group ids and works for any ``rollout.n``.
 
 Departures from verl: (1) rewards on masked positions are ignored (verl sums them into the outcome
 score); (2) ``reinforce_plus_plus`` skips masked tokens like GAE does, where verl resets the running
 return to 0 at a masked token, which, for interior masks such as tool-output tokens of a multi-turn
 rollout, cuts the credit of earlier turns; with tail padding only both agree; (3) ``gae`` returns are
-zero on masked positions (verl leaves ``advantage + value`` there).
+zero on masked positions (verl leaves ``advantage + value`` there); (4) ``remax`` advantages are zero
+on interior masked positions, where verl leaves the reward-to-go (its baseline term is masked, its
+reward-to-go is not); with tail padding only both agree.
 """
 
 from __future__ import annotations
@@ -57,7 +60,11 @@ class AdvantageInputs:
 
     group_ids: torch.Tensor | None = None
     """``[batch]`` integer: responses to the same prompt share an id; required by ``grpo``,
-    ``rloo`` and ``reinforce_plus_plus_baseline``."""
+    ``rloo``, ``reinforce_plus_plus_baseline``, ``opo``, ``gpg`` and ``grpo_passk``."""
+
+    reward_baselines: torch.Tensor | None = None
+    """``[batch]`` float: reward of the greedy (``do_sample=False``) response to each sample's prompt,
+    repeated for the ``n`` samples of that prompt; required by ``remax`` only."""
 
 
 @dataclass
@@ -83,10 +90,11 @@ class AdvantageParams:
     """GAE λ (``gae``)."""
 
     norm_adv_by_std_in_grpo: bool = True
-    """Divide by the group std in ``grpo`` (False gives Dr. GRPO's mean-only baseline)."""
+    """Divide by the group std in ``grpo`` (False gives Dr. GRPO's mean-only baseline) and in
+    ``grpo_passk``."""
 
     epsilon: float = 1e-6
-    """Added to the group std in ``grpo``."""
+    """Added to the group std in ``grpo`` and ``grpo_passk``."""
 
 
 AdvantageEstimator = Callable[[AdvantageInputs, AdvantageParams], AdvantageOutput]
@@ -143,40 +151,29 @@ def _check_shapes(inputs: AdvantageInputs) -> None:
             )
         if inputs.group_ids.is_floating_point():
             raise ValueError(f"group_ids must be an integer tensor, got {inputs.group_ids.dtype}")
+    baselines = inputs.reward_baselines
+    if baselines is not None:
+        if baselines.shape != rewards.shape[:1]:
+            raise ValueError(
+                f"reward_baselines must be [batch]={rewards.shape[0]}, got {tuple(baselines.shape)}"
+            )
+        if not baselines.is_floating_point():
+            raise ValueError(f"reward_baselines must be a float tensor, got {baselines.dtype}")
 
 
-def _require(tensor: torch.Tensor | None, field: str, estimator: str) -> torch.Tensor:
+def require_input(tensor: torch.Tensor | None, field: str, estimator: str) -> torch.Tensor:
+    """``tensor``, or a one-line error naming the estimator and the missing ``AdvantageInputs`` field."""
     if tensor is None:
         raise ValueError(f"advantage estimator {estimator!r} needs AdvantageInputs.{field}, which is None")
     return tensor
 
 
-def _outcome_scores(inputs: AdvantageInputs) -> torch.Tensor:
+def outcome_scores(inputs: AdvantageInputs) -> torch.Tensor:
     """``[batch]``: sum of each response's token rewards over its valid tokens."""
     return masked_sum(inputs.token_level_rewards, inputs.response_mask, dim=-1)
 
 
-def _group_mean_std_size(
-    scores: torch.Tensor, group_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample statistics of its group, each ``[batch]``.
-
-    Mean and unbiased std of the scores in the sample's group and the group size; a group of one
-    gets mean 0 and std 1 (verl's convention).
-    """
-    unique_ids, group_index = torch.unique(group_ids, return_inverse=True)
-    num_groups = unique_ids.numel()
-    sizes = torch.bincount(group_index, minlength=num_groups).to(scores.dtype)
-    means = scores.new_zeros(num_groups).index_add_(0, group_index, scores) / sizes
-    squared = (scores - means[group_index]) ** 2
-    variances = scores.new_zeros(num_groups).index_add_(0, group_index, squared) / (sizes - 1).clamp(min=1)
-    single = sizes == 1
-    means = torch.where(single, torch.zeros_like(means), means)
-    stds = torch.where(single, torch.ones_like(variances), variances.sqrt())
-    return means[group_index], stds[group_index], sizes[group_index]
-
-
-def _per_token(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def per_token(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Broadcast ``[batch]`` over the valid tokens of ``[batch, response_len]``, zero elsewhere."""
     return per_sequence.unsqueeze(-1) * response_mask.to(per_sequence.dtype)
 
@@ -188,7 +185,7 @@ def gae(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     Shapes: rewards, values, mask ``[batch, response_len]`` -> advantages, returns
     ``[batch, response_len]``.
     """
-    values = _require(inputs.values, "values", "gae")
+    values = require_input(inputs.values, "values", "gae")
     rewards = inputs.token_level_rewards
     valid = inputs.response_mask.bool()
     raw_advantages = torch.zeros_like(rewards)
@@ -205,39 +202,6 @@ def gae(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     returns = torch.where(valid, raw_advantages + values, torch.zeros_like(rewards))
     advantages = masked_whiten(raw_advantages * mask, mask) * mask
     return AdvantageOutput(advantages=advantages, returns=returns)
-
-
-@ADV_ESTIMATORS.register("grpo")
-def grpo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """Group-normalized outcome advantage (GRPO, or Dr. GRPO without the std).
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = _require(inputs.group_ids, "group_ids", "grpo")
-    scores = _outcome_scores(inputs)
-    means, stds, _ = _group_mean_std_size(scores, group_ids)
-    centered = scores - means
-    if params.norm_adv_by_std_in_grpo:
-        centered = centered / (stds + params.epsilon)
-    advantages = _per_token(centered, inputs.response_mask)
-    return AdvantageOutput(advantages=advantages, returns=advantages)
-
-
-@ADV_ESTIMATORS.register("rloo")
-def rloo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """REINFORCE leave-one-out: score minus the mean of the other scores of the group.
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = _require(inputs.group_ids, "group_ids", "rloo")
-    scores = _outcome_scores(inputs)
-    means, _, sizes = _group_mean_std_size(scores, group_ids)
-    # For a group of one, means is 0 and the factor 1: the raw score is kept (verl).
-    factor = torch.where(sizes > 1, sizes / (sizes - 1).clamp(min=1), torch.ones_like(sizes))
-    advantages = _per_token((scores - means) * factor, inputs.response_mask)
-    return AdvantageOutput(advantages=advantages, returns=advantages)
 
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus")
@@ -259,17 +223,24 @@ def reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParams) -> Adv
     return AdvantageOutput(advantages=advantages, returns=returns)
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """Score minus group mean, broadcast over valid tokens, whitened over the batch.
+@ADV_ESTIMATORS.register("remax")
+def remax(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
+    """ReMax: reward-to-go over valid tokens minus the greedy response's reward.
 
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
+    Shapes: rewards, mask ``[batch, response_len]``, reward baselines ``[batch]`` -> advantages,
+    returns ``[batch, response_len]``.
     """
-    group_ids = _require(inputs.group_ids, "group_ids", "reinforce_plus_plus_baseline")
-    scores = _outcome_scores(inputs)
-    means, _, _ = _group_mean_std_size(scores, group_ids)
-    mask = inputs.response_mask.to(scores.dtype)
-    centered = _per_token(scores - means, mask)
-    advantages = masked_whiten(centered, mask) * mask
-    return AdvantageOutput(advantages=advantages, returns=advantages)
+    baselines = require_input(inputs.reward_baselines, "reward_baselines", "remax")
+    rewards = inputs.token_level_rewards
+    valid = inputs.response_mask.bool()
+    # torch.where, not mask arithmetic: padding may hold non-finite values.
+    kept = torch.where(valid, rewards, torch.zeros_like(rewards))
+    reward_to_go = kept.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    zeros = torch.zeros_like(rewards)
+    returns = torch.where(valid, reward_to_go, zeros)
+    advantages = torch.where(valid, reward_to_go - baselines.to(rewards.dtype).unsqueeze(-1), zeros)
+    return AdvantageOutput(advantages=advantages, returns=returns)
+
+
+# The group estimators register themselves into ADV_ESTIMATORS, defined above.
+from rltrain.algo import advantages_group  # noqa: E402, F401

@@ -242,3 +242,72 @@ def test_shape_mismatch_and_unknown_estimator():
         compute_advantages("reinforce_plus_plus", bad, gamma=1.0, lam=1.0)
     with pytest.raises(KeyError, match="did you mean 'grpo'"):
         compute_advantages("grpoo", _group_inputs(), gamma=1.0, lam=1.0)
+
+
+# ReMax: one row with an interior gap, a full row, an empty row and a tail-padded row.
+REMAX_MASK = [[1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]]
+REMAX_REWARDS = [
+    [0.5, GARBAGE, -1.0, 2.0, GARBAGE],
+    [0.1, 0.2, 0.3, 0.4, -1.0],
+    [GARBAGE] * 5,
+    [0.0, 0.0, 1.0, GARBAGE, GARBAGE],
+]
+REMAX_BASELINES = [0.5, -0.5, 3.0, 0.25]  # reward of each prompt's greedy response
+
+
+def _remax(rewards: torch.Tensor | None = None, gamma: float = 1.0):
+    inputs = AdvantageInputs(
+        token_level_rewards=_tensor(REMAX_REWARDS) if rewards is None else rewards,
+        response_mask=_mask(REMAX_MASK),
+        reward_baselines=torch.tensor(REMAX_BASELINES, dtype=torch.float64),
+    )
+    return compute_advantages("remax", inputs, gamma=gamma, lam=1.0)
+
+
+def test_remax_is_reward_to_go_minus_the_greedy_reward():
+    out = _remax()
+    # row 0 over its valid positions 0, 2, 3: 2; -1 + 2 = 1; 0.5 + 1 = 1.5 (position 1 skipped)
+    # row 1: -1; 0.4 - 1 = -0.6; 0.3 - 0.6 = -0.3; 0.2 - 0.3 = -0.1; 0.1 - 0.1 = 0
+    # row 2 is empty; row 3: 1, 1, 1
+    returns = [[1.5, 0, 1.0, 2.0, 0], [0.0, -0.1, -0.3, -0.6, -1.0], [0.0] * 5, [1.0, 1.0, 1.0, 0, 0]]
+    advantages = [
+        [1.5 - 0.5, 0, 1.0 - 0.5, 2.0 - 0.5, 0],
+        [0.0 + 0.5, -0.1 + 0.5, -0.3 + 0.5, -0.6 + 0.5, -1.0 + 0.5],
+        [0.0] * 5,
+        [0.75, 0.75, 0.75, 0, 0],
+    ]
+    assert out.returns.tolist() == [pytest.approx(row, abs=1e-12) for row in returns]
+    assert out.advantages.tolist() == [pytest.approx(row, abs=1e-12) for row in advantages]
+
+
+def test_remax_ignores_gamma_and_non_finite_padding():
+    rewards = _tensor(REMAX_REWARDS)
+    rewards[~_mask(REMAX_MASK).bool()] = float("inf")
+    reference = _remax()
+    out = _remax(rewards, gamma=0.5)
+    assert torch.equal(out.advantages, reference.advantages)
+    assert torch.equal(out.returns, reference.returns)
+
+
+def test_remax_needs_baselines_of_one_per_sample():
+    no_baselines = AdvantageInputs(
+        token_level_rewards=_tensor(REMAX_REWARDS), response_mask=_mask(REMAX_MASK)
+    )
+    with pytest.raises(
+        ValueError, match=r"^advantage estimator 'remax' needs AdvantageInputs.reward_baselines"
+    ):
+        compute_advantages("remax", no_baselines, gamma=1.0, lam=1.0)
+    wrong = AdvantageInputs(
+        token_level_rewards=_tensor(REMAX_REWARDS),
+        response_mask=_mask(REMAX_MASK),
+        reward_baselines=torch.zeros(3, dtype=torch.float64),
+    )
+    with pytest.raises(ValueError, match=r"reward_baselines must be \[batch\]=4, got \(3,\)"):
+        compute_advantages("remax", wrong, gamma=1.0, lam=1.0)
+    integer = AdvantageInputs(
+        token_level_rewards=_tensor(REMAX_REWARDS),
+        response_mask=_mask(REMAX_MASK),
+        reward_baselines=torch.zeros(4, dtype=torch.int64),
+    )
+    with pytest.raises(ValueError, match="reward_baselines must be a float tensor"):
+        compute_advantages("remax", integer, gamma=1.0, lam=1.0)

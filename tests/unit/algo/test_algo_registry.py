@@ -68,9 +68,13 @@ def test_duplicate_registration_is_an_error():
 def test_algorithm_registries_hold_verl_names():
     assert ADV_ESTIMATORS.names() == (
         "gae",
+        "gpg",
         "grpo",
+        "grpo_passk",
+        "opo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
+        "remax",
         "rloo",
     )
     assert KL_ESTIMATORS.names() == ("abs", "kl", "low_var_kl", "mse")
