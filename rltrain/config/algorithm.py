@@ -89,10 +89,21 @@ def tis_alias_problems(
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
-        "gae"
-    )
-    """Registered advantage estimator (see rltrain/algo/advantages.py)."""
+    adv_estimator: Literal[
+        "gae",
+        "grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "opo",
+        "gpg",
+        "grpo_passk",
+    ] = "gae"
+    """Registered advantage estimator (formulas in rltrain/algo/advantages.py and advantages_group.py).
+    Only ``gae`` reads values (a critic); ``grpo``, ``rloo``, ``reinforce_plus_plus_baseline``, ``opo``,
+    ``gpg`` and ``grpo_passk`` compare the ``rollout.n`` samples of a prompt (n >= 2); ``remax``
+    subtracts the reward of a greedy response the rollout generates for each prompt."""
 
     gamma: float = 1.0
     """Discount factor."""

@@ -25,7 +25,7 @@ from rltrain.config.trainer import ClusterConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
 
 
 @dataclass
