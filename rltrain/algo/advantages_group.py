@@ -4,9 +4,10 @@ Contract: the estimators of :mod:`rltrain.algo.advantages` (same ``AdvantageInpu
 ``AdvantageOutput``, same registry, zero on masked positions) that need ``group_ids``: responses to
 one prompt share an id. The outcome score ``s_i`` of a response is the sum of its token rewards over
 its valid tokens; every estimator here turns the scores into one value per response, put on each of
-its valid tokens, and returns it as both advantages and returns (verl). "Group of one" below is a
-prompt with a single response in the batch; the config asks for ``rollout.n >= 2``, so it arises
-only where a caller drops samples.
+its valid tokens, and returns it as both advantages and returns (verl). Shapes, for every estimator
+here: rewards and mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
+``[batch, response_len]``. "Group of one" below is a prompt with a single response in the batch;
+the config asks for ``rollout.n >= 2``, so it arises only where a caller drops samples.
 
 - ``grpo`` (Shao et al. 2024): ``(s - group mean) / (group std + epsilon)`` with the unbiased std,
   or ``s - group mean`` when ``norm_adv_by_std_in_grpo=False`` (Dr. GRPO, Liu et al. 2025). As in
@@ -82,20 +83,21 @@ def _group_mean_std_size(
     return means[group_index], stds[group_index], sizes[group_index]
 
 
+def _groups_and_scores(inputs: AdvantageInputs, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group ids ``[batch]`` (required) and outcome scores ``[batch]``."""
+    return require_input(inputs.group_ids, "group_ids", estimator), outcome_scores(inputs)
+
+
 def _outcome(per_sequence: torch.Tensor, inputs: AdvantageInputs) -> AdvantageOutput:
+    """``[batch]`` on the valid tokens of ``[batch, response_len]``, as both advantages and returns."""
     advantages = per_token(per_sequence, inputs.response_mask)
     return AdvantageOutput(advantages=advantages, returns=advantages)
 
 
 @ADV_ESTIMATORS.register("grpo")
 def grpo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """Group-normalized outcome advantage (GRPO, or Dr. GRPO without the std).
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = require_input(inputs.group_ids, "group_ids", "grpo")
-    scores = outcome_scores(inputs)
+    """Group-normalized outcome advantage (GRPO, or Dr. GRPO without the std)."""
+    group_ids, scores = _groups_and_scores(inputs, "grpo")
     means, stds, _ = _group_mean_std_size(scores, group_ids)
     centered = scores - means
     if params.norm_adv_by_std_in_grpo:
@@ -105,13 +107,8 @@ def grpo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
 
 @ADV_ESTIMATORS.register("rloo")
 def rloo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """REINFORCE leave-one-out: score minus the mean of the other scores of the group.
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = require_input(inputs.group_ids, "group_ids", "rloo")
-    scores = outcome_scores(inputs)
+    """REINFORCE leave-one-out: score minus the mean of the other scores of the group."""
+    group_ids, scores = _groups_and_scores(inputs, "rloo")
     means, _, sizes = _group_mean_std_size(scores, group_ids)
     # For a group of one, means is 0 and the factor 1: the raw score is kept (verl).
     factor = torch.where(sizes > 1, sizes / (sizes - 1).clamp(min=1), torch.ones_like(sizes))
@@ -120,13 +117,8 @@ def rloo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """Score minus group mean, broadcast over valid tokens, whitened over the batch.
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = require_input(inputs.group_ids, "group_ids", "reinforce_plus_plus_baseline")
-    scores = outcome_scores(inputs)
+    """Score minus group mean, broadcast over valid tokens, whitened over the batch."""
+    group_ids, scores = _groups_and_scores(inputs, "reinforce_plus_plus_baseline")
     means, _, _ = _group_mean_std_size(scores, group_ids)
     mask = inputs.response_mask.to(scores.dtype)
     centered = per_token(scores - means, mask)
@@ -136,13 +128,8 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParam
 
 @ADV_ESTIMATORS.register("opo")
 def opo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """Score minus the length-weighted mean score of its group (OPO's optimal baseline).
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = require_input(inputs.group_ids, "group_ids", "opo")
-    scores = outcome_scores(inputs)
+    """Score minus the length-weighted mean score of its group (OPO's optimal baseline)."""
+    group_ids, scores = _groups_and_scores(inputs, "opo")
     lengths = inputs.response_mask.to(scores.dtype).sum(dim=-1)
     unique_ids, group_index = _group_index(group_ids)
     num_groups = unique_ids.numel()
@@ -156,13 +143,8 @@ def opo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
 
 @ADV_ESTIMATORS.register("gpg")
 def gpg(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """GPG: group-centred score scaled by batch size over the number of nonzero scores.
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = require_input(inputs.group_ids, "group_ids", "gpg")
-    scores = outcome_scores(inputs)
+    """GPG: group-centred score scaled by batch size over the number of nonzero scores."""
+    group_ids, scores = _groups_and_scores(inputs, "gpg")
     means, _, _ = _group_mean_std_size(scores, group_ids)
     num_nonzero = torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
     alpha = scores.numel() / num_nonzero
@@ -171,13 +153,8 @@ def gpg(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
 
 @ADV_ESTIMATORS.register("grpo_passk")
 def grpo_passk(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
-    """Pass@k: the best response of each group gets best minus second-best score, the others 0.
-
-    Shapes: rewards, mask ``[batch, response_len]``, group ids ``[batch]`` -> advantages = returns
-    ``[batch, response_len]``.
-    """
-    group_ids = require_input(inputs.group_ids, "group_ids", "grpo_passk")
-    scores = outcome_scores(inputs)
+    """Pass@k: the best response of each group gets best minus second-best score, the others 0."""
+    group_ids, scores = _groups_and_scores(inputs, "grpo_passk")
     unique_ids, group_index = _group_index(group_ids)
     sizes = torch.bincount(group_index, minlength=unique_ids.numel())
     if bool((sizes < 2).any()):
