@@ -12,6 +12,15 @@ are registered in ``KL_ESTIMATORS`` under verl's names (``algorithm.kl_penalty``
   low variance. As in verl the log-ratio is clamped to ±20 before ``exp`` and the result to
   [-10, 10].
 
+``k1``, ``k2`` and ``k3`` are verl's other names of ``kl``, ``mse`` and ``low_var_kl``. A name with a
+trailing ``+`` (``k1+``, ``k3+``, ``low_var_kl+``, ...; every name above has one) is the
+straight-through variant: its value is that of the estimator named without the ``+``, its gradient
+w.r.t. ``logprobs`` is that of k2, ``logp - ref_logp``. k1 and k3 estimate the KL's value without
+bias but their gradients do not estimate the KL's gradient; k2's does (verl PR 2953). ``k2+`` and
+``mse+`` equal k2. As a reward penalty (no gradient) a ``+`` name is its base estimator. verl's
+``kl_penalty`` before August 2026 looked the base estimator up by the name with the ``+`` and
+raised ``NotImplementedError``; this follows its documented meaning (and later verl).
+
 Controllers hold β (``kl_ctrl.type``): ``fixed`` keeps it, ``adaptive`` follows Ziegler et al. 2019
 (``proportional_error = clip(kl / target - 1, ±0.2)``, ``β *= 1 + proportional_error · n_steps /
 horizon``). Their state is plain Python floats so it goes into a checkpoint as is.
@@ -64,13 +73,39 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return (torch.exp(log_ratio) - log_ratio - 1).clamp(min=-10.0, max=10.0)
 
 
+KL_ESTIMATORS.register("k1")(kl_k1)
+KL_ESTIMATORS.register("k2")(kl_k2)
+KL_ESTIMATORS.register("k3")(kl_k3)
+
+
+def straight_through(estimator: KLEstimator) -> KLEstimator:
+    """The ``+`` variant of ``estimator``: its value, the gradient of k2 (``logprobs - ref_logprobs``)."""
+
+    def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+        value = estimator(logprobs, ref_logprobs)
+        k2 = kl_k2(logprobs, ref_logprobs)
+        return k2 - k2.detach() + value.detach()
+
+    estimate.__doc__ = f"Value of ``{estimator.__name__}``, gradient of k2; shapes ``[batch, response_len]``."
+    return estimate
+
+
+def _register_straight_through_variants() -> None:
+    for name in KL_ESTIMATORS.names():
+        KL_ESTIMATORS.register(f"{name}+")(straight_through(KL_ESTIMATORS.get(name)))
+
+
+_register_straight_through_variants()
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate of kind ``kind`` (a name in ``KL_ESTIMATORS``).
 
     Args:
         logprobs: ``[batch, response_len]`` log π(token) of the policy.
         ref_logprobs: ``[batch, response_len]`` log π_ref(token) of the reference.
-        kind: ``"kl"``, ``"abs"``, ``"mse"`` or ``"low_var_kl"``.
+        kind: a name in ``KL_ESTIMATORS``: ``"kl"``/``"k1"``, ``"abs"``, ``"mse"``/``"k2"``,
+            ``"low_var_kl"``/``"k3"``, each also with a trailing ``+`` (straight-through).
 
     Returns:
         ``[batch, response_len]``, not masked.

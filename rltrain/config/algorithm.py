@@ -10,7 +10,12 @@ from rltrain.config.fields import NonNegativeFloat, PositiveFloat, PositiveInt
 if TYPE_CHECKING:
     from rltrain.algo.rollout_correction import RolloutCorrectionSpec
 
-KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+KLEstimator = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+    "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+",
+]  # fmt: skip
+"""rltrain/algo/kl.py: k1/k2/k3 are verl's names of kl/mse/low_var_kl; ``+``: value of the estimator,
+gradient of k2 (straight-through)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from rltrain.algo.kl import (
     build_kl_controller,
     kl_penalty,
 )
+from rltrain.algo.losses import LossAgg, compute_kl_loss
 
 LOGPROBS = torch.tensor([[-1.0, -2.0, -0.25]], dtype=torch.float64)
 REF_LOGPROBS = torch.tensor([[-1.5, -0.5, -0.25]], dtype=torch.float64)
@@ -162,3 +163,70 @@ def test_apply_kl_in_reward_rejects_empty_response():
             kl_coef=0.1,
             kind="kl",
         )
+
+
+FORMULAS = {
+    "kl": lambda lp, ref: lp - ref,
+    "abs": lambda lp, ref: abs(lp - ref),
+    "mse": lambda lp, ref: 0.5 * (lp - ref) ** 2,
+    "low_var_kl": _k3,
+}
+VERL_NAMES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+
+
+@pytest.mark.parametrize(("name", "estimator"), VERL_NAMES.items())
+def test_verl_k_names_are_the_estimators(name, estimator):
+    expected = [FORMULAS[estimator](lp, ref) for lp, ref in POINTS]
+    assert kl_penalty(LOGPROBS, REF_LOGPROBS, name).tolist() == [pytest.approx(expected, abs=1e-15)]
+
+
+@pytest.mark.parametrize("base", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_straight_through_has_the_value_of_its_estimator_and_the_gradient_of_k2(base):
+    logprobs = LOGPROBS.clone().requires_grad_()
+    value = kl_penalty(logprobs, REF_LOGPROBS, f"{base}+")
+    formula = FORMULAS[VERL_NAMES.get(base, base)]
+    assert value.tolist() == [pytest.approx([formula(lp, ref) for lp, ref in POINTS], abs=1e-15)]
+    value.sum().backward()
+    # d/dlogp 0.5 (logp - ref)^2 = logp - ref at the three points
+    assert logprobs.grad.tolist() == [[0.5, -1.5, 0.0]]
+
+
+def test_without_the_plus_k1_and_k3_have_their_own_gradients():
+    logprobs = LOGPROBS.clone().requires_grad_()
+    kl_penalty(logprobs, REF_LOGPROBS, "k3").sum().backward()
+    # d/dlogp (e^(ref - logp) - (ref - logp) - 1) = 1 - e^(ref - logp)
+    expected = [1 - math.exp(ref - lp) for lp, ref in POINTS]
+    assert logprobs.grad.tolist() == [pytest.approx(expected, abs=1e-15)]
+    logprobs.grad = None
+    kl_penalty(logprobs, REF_LOGPROBS, "k1").sum().backward()
+    assert logprobs.grad.tolist() == [[1.0, 1.0, 1.0]]
+
+
+def test_straight_through_kl_loss_over_a_mask_with_a_gap_and_an_empty_row():
+    logprobs = torch.tensor(
+        [[-1.0, 5.0, -0.5], [7.0, 7.0, 7.0], [-2.0, -0.25, 3.0]], dtype=torch.float64, requires_grad=True
+    )
+    ref = torch.tensor([[-1.5, 0.0, -0.5], [0.0, 0.0, 0.0], [-1.0, -0.75, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 0]])
+    loss = compute_kl_loss(logprobs, ref, mask, kind="k3+", agg=LossAgg())
+    # k3 of the four valid tokens (logp, ref): (-1, -1.5), (-0.5, -0.5), (-2, -1), (-0.25, -0.75)
+    k3 = [math.exp(-0.5) + 0.5 - 1, 0.0, math.exp(1.0) - 1.0 - 1, math.exp(-0.5) + 0.5 - 1]
+    assert loss.item() == pytest.approx(sum(k3) / 4, rel=1e-12)
+    loss.backward()
+    # k2's gradient (logp - ref) / 4 on the valid tokens, nothing elsewhere
+    assert logprobs.grad.tolist() == [[0.125, 0.0, 0.0], [0.0, 0.0, 0.0], [-0.25, 0.125, 0.0]]
+
+
+def test_plus_names_put_their_estimators_value_into_the_reward():
+    scores = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], dtype=torch.float64)
+    ref = torch.tensor([[-1.5, -0.5], [-0.5, -0.3]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    common = {"scores": scores, "logprobs": logprobs, "ref_logprobs": ref, "response_mask": mask}
+    plus, plus_metrics = apply_kl_in_reward(**common, kl_coef=0.1, kind="k3+")
+    k3 = [_k3(-1.0, -1.5), _k3(-2.0, -0.5), 0.0]
+    assert plus.tolist() == [
+        pytest.approx([-0.1 * k3[0], 1.0 - 0.1 * k3[1]], abs=1e-15),
+        pytest.approx([0.0, 0.0], abs=1e-15),
+    ]
+    assert plus_metrics.kl_seq_sum == pytest.approx((k3[0] + k3[1]) / 2, rel=1e-12)
