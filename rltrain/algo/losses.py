@@ -11,6 +11,8 @@ multiplies by the data-parallel size (verl's ``* dp_size``); this module stays c
 Modes (``m`` the mask, ``L`` the loss matrix, ``N_tok``/``N_seq`` the token / sequence counts):
 
 - ``token-mean``: ``Σ_{i,t} m L / N_tok``.
+- ``token-sum``: ``Σ_{i,t} m L``, divided by nothing (verl PR 7197; verl's ``* dp_size`` is the
+  caller's, as for every mode).
 - ``seq-mean-token-sum``: ``Σ_i (Σ_t m L) / N_seq``.
 - ``seq-mean-token-mean``: ``Σ_i (Σ_t m L / Σ_t m) / N_seq``.
 - ``seq-mean-token-sum-norm`` (Dr. GRPO): ``Σ_i (Σ_t m L / C) / N_seq`` with ``C =
@@ -20,7 +22,9 @@ Modes (``m`` the mask, ``L`` the loss matrix, ``N_tok``/``N_seq`` the token / se
 Sequences with no valid token are not counted in the local ``N_seq``. This follows current verl;
 older verl omitted the ``/ N_seq`` in ``seq-mean-token-sum-norm``.
 
-Policy losses are registered in ``POLICY_LOSSES`` (verl's ``policy_loss.loss_mode``); ``vanilla`` is
+Policy losses are registered in ``POLICY_LOSSES`` (verl's ``policy_loss.loss_mode``; the losses other
+than ``vanilla`` live in :mod:`rltrain.algo.policy_losses`, registered when ``rltrain.algo`` is
+imported); ``vanilla`` is
 PPO's clipped surrogate (Schulman et al. 2017) with asymmetric clip ranges (DAPO's
 ``clip_ratio_low/high``), dual-clip for negative advantages (Ye et al. 2020, ``clip_ratio_c``) and an
 optional truncated importance-sampling correction (TIS, Yao et al. 2025) for the gap between the
@@ -51,8 +55,8 @@ class LossAgg:
     """How a per-token loss becomes a scalar: the mode and the global denominators."""
 
     mode: str = "token-mean"
-    """A name in ``AGG_MODES``: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` or
-    ``seq-mean-token-sum-norm``."""
+    """A name in ``AGG_MODES``: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm``."""
 
     global_num_tokens: float | torch.Tensor | None = None
     """Valid tokens in the whole mini-batch (all micro-batches, all ranks); ``token-mean`` and the
@@ -78,6 +82,11 @@ class LossAgg:
     def token_mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Mean over valid tokens with this aggregation's token denominator (for metrics)."""
         return masked_mean(values, mask, denominator=self.global_num_tokens)
+
+    def seq_mean(self, seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Mean of ``[batch]`` per-sequence values over the rows of ``mask`` ``[batch, response_len]``
+        that have a valid token, with this aggregation's sequence denominator."""
+        return _seq_mean(seq_values, mask, self)
 
 
 def agg_loss(
@@ -113,6 +122,12 @@ def agg_loss(
 def _token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
     """``[batch, response_len]`` -> 0-dim: sum over valid tokens / token count."""
     return masked_mean(loss_mat, mask, denominator=agg.global_num_tokens)
+
+
+@AGG_MODES.register("token-sum")
+def _token_sum(loss_mat: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
+    """``[batch, response_len]`` -> 0-dim: sum over valid tokens (no denominator)."""
+    return masked_sum(loss_mat, mask)
 
 
 def _seq_mean(seq_losses: torch.Tensor, mask: torch.Tensor, agg: LossAgg) -> torch.Tensor:
@@ -189,11 +204,30 @@ class PolicyLossParams:
     """Truncated importance sampling: with ``rollout_logprobs`` each token's loss is weighted by
     ``min(exp(old_logprobs - rollout_logprobs), tis_cap)``; ``None`` disables it."""
 
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of the micro-batch's valid tokens (at least one) that are cut."""
+
+    clip_cov_lb: float = 1.0
+    """clip_cov: candidates have a covariance in ``(clip_cov_lb, clip_cov_ub)``."""
+
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the candidates' covariance."""
+
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of the micro-batch's valid tokens (at least one) that get the KL penalty."""
+
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of ``|logprobs - old_logprobs|`` on the selected tokens."""
+
     def __post_init__(self) -> None:
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {self.clip_ratio_c}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if self.clip_cov_ratio <= 0 or self.kl_cov_ratio <= 0:
+            raise ValueError(
+                f"clip_cov_ratio and kl_cov_ratio must be > 0, got {self.clip_cov_ratio}, {self.kl_cov_ratio}"
+            )
 
     @property
     def low(self) -> float:
@@ -214,14 +248,15 @@ class PolicyLossOutput:
     """0-dim, differentiable w.r.t. ``logprobs``."""
 
     clipfrac: torch.Tensor
-    """Fraction of valid tokens where the clipped surrogate was active (verl ``pg_clipfrac``)."""
+    """Fraction of valid tokens where the clipped surrogate was active (verl ``pg_clipfrac``; each
+    loss of :mod:`rltrain.algo.policy_losses` says what it counts)."""
 
     clipfrac_lower: torch.Tensor
     """Fraction of valid tokens where the dual clip was active (negative advantage, verl
-    ``pg_clipfrac_lower``)."""
+    ``pg_clipfrac_lower``); 0 for losses without a lower-side event."""
 
     ppo_kl: torch.Tensor
-    """Mean of ``old_logprobs - logprobs`` over valid tokens (clamped log-ratio)."""
+    """Mean of ``old_logprobs - logprobs`` over valid tokens (vanilla, cispo: clamped log-ratio)."""
 
     tis_weight_mean: torch.Tensor | None = None
     """Mean TIS (or rollout-correction IS) weight over valid tokens; ``None`` when no weight is applied."""
@@ -264,7 +299,7 @@ def tis_weight(inputs: PolicyLossInputs, params: PolicyLossParams) -> torch.Tens
     )
 
 
-def _loss_weight(inputs: PolicyLossInputs, params: PolicyLossParams) -> torch.Tensor | None:
+def loss_weight(inputs: PolicyLossInputs, params: PolicyLossParams) -> torch.Tensor | None:
     """The per-token weight of the loss: TIS (``params.tis_cap``) or ``inputs.rollout_is_weights``."""
     weight = tis_weight(inputs, params)
     if inputs.rollout_is_weights is None:
@@ -297,7 +332,7 @@ def vanilla_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg:
     negative = advantages < 0
     per_token = torch.where(negative, torch.minimum(surrogate, dual_bound), surrogate)
 
-    weight = _loss_weight(inputs, params)
+    weight = loss_weight(inputs, params)
     if weight is not None:
         per_token = per_token * weight
 

@@ -17,7 +17,7 @@ from rltrain.algo.losses import (
     compute_value_loss,
 )
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 # Eight responses of lengths 5, 2, 3, 1, 0 (fully masked), 4, 2, 5 with garbage in the padding.
 LENGTHS = [5, 2, 3, 1, 0, 4, 2, 5]
@@ -35,6 +35,8 @@ def _hand_agg(mode: str, scale: float = T) -> float:
     num_seqs = len(rows)
     if mode == "token-mean":
         return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if mode == "token-sum":
+        return sum(sum(r) for r in rows)
     if mode == "seq-mean-token-sum":
         return sum(sum(r) for r in rows) / num_seqs
     if mode == "seq-mean-token-mean":
@@ -267,3 +269,12 @@ def test_kl_loss_hand_value():
     assert torch.equal(
         kl_penalty(logprobs, ref, "kl")[:, :2], torch.tensor([[0.5, -1.5]], dtype=torch.float64)
     )
+
+
+def test_token_sum_divides_by_nothing():
+    loss_mat = torch.tensor([[1.5, -0.5, 9.0], [9.0, 9.0, 9.0], [2.0, 9.0, 0.25]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1]])
+    loss = agg_loss(loss_mat, mask, "token-sum", global_num_tokens=100, global_num_seqs=100)
+    assert loss.item() == 1.5 - 0.5 + 2.0 + 0.25
+    loss.backward()
+    assert loss_mat.grad.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
