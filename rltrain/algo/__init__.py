@@ -1,5 +1,8 @@
 """Pure tensor math of the RL algorithms: advantages, KL, losses, and the registries that name them.
 
+Importing this package registers every variant (the policy losses of ``policy_losses`` included),
+whichever of its modules a caller names.
+
 Nothing here imports Megatron, Ray or vLLM, and nothing runs a collective: callers pass global
 denominators (``LossAgg``) so results do not depend on how a batch was split.
 """
@@ -37,6 +40,14 @@ from rltrain.algo.losses import (
     compute_value_loss,
 )
 from rltrain.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rltrain.algo.policy_losses import (  # registers gspo, cispo, geo_mean, clip_cov, kl_cov, gpg, reinforce
+    cispo_policy_loss,
+    clip_cov_policy_loss,
+    geo_mean_policy_loss,
+    gspo_policy_loss,
+    kl_cov_policy_loss,
+    policy_gradient_loss,
+)
 from rltrain.algo.registry import Registry, UnknownNameError
 
 __all__ = [
@@ -62,14 +73,20 @@ __all__ = [
     "agg_loss",
     "apply_kl_in_reward",
     "build_kl_controller",
+    "cispo_policy_loss",
+    "clip_cov_policy_loss",
     "compute_advantages",
     "compute_entropy_loss",
     "compute_kl_loss",
     "compute_policy_loss",
     "compute_value_loss",
+    "geo_mean_policy_loss",
+    "gspo_policy_loss",
+    "kl_cov_policy_loss",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "policy_gradient_loss",
 ]

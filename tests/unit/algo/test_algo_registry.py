@@ -77,12 +77,23 @@ def test_algorithm_registries_hold_verl_names():
         "remax",
         "rloo",
     )
-    assert KL_ESTIMATORS.names() == ("abs", "kl", "low_var_kl", "mse")
+    base_kl = ("abs", "k1", "k2", "k3", "kl", "low_var_kl", "mse")
+    assert KL_ESTIMATORS.names() == tuple(sorted(base_kl + tuple(f"{name}+" for name in base_kl)))
     assert KL_CONTROLLERS.names() == ("adaptive", "fixed")
-    assert POLICY_LOSSES.names() == ("vanilla",)
+    assert POLICY_LOSSES.names() == (
+        "cispo",
+        "clip_cov",
+        "geo_mean",
+        "gpg",
+        "gspo",
+        "kl_cov",
+        "reinforce",
+        "vanilla",
+    )
     assert AGG_MODES.names() == (
         "seq-mean-token-mean",
         "seq-mean-token-sum",
         "seq-mean-token-sum-norm",
         "token-mean",
+        "token-sum",
     )

@@ -1,0 +1,305 @@
+"""gspo, cispo, geo_mean, clip_cov, kl_cov, gpg/reinforce against values derived by hand.
+
+Every hand batch has three rows of four tokens: row 0 has a gap (tokens 0, 1, 3 valid), row 1 is
+empty, row 2 holds two tokens. Padding carries garbage (log-prob -7, log-ratio 3, advantage 9) that
+must not leak into a loss, a gradient or a metric.
+"""
+
+import math
+
+import pytest
+import torch
+
+from rltrain.algo import POLICY_LOSSES
+from rltrain.algo.losses import LossAgg, PolicyLossInputs, PolicyLossParams, compute_policy_loss
+
+MASK = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0]])
+VALID = [(0, 0), (0, 1), (0, 3), (2, 0), (2, 1)]
+
+
+def _grid(values: list[float], padding: float) -> torch.Tensor:
+    """``[3, 4]`` with ``values`` at the VALID positions (in order) and ``padding`` elsewhere."""
+    grid = torch.full((3, 4), padding, dtype=torch.float64)
+    for (row, col), value in zip(VALID, values, strict=True):
+        grid[row, col] = value
+    return grid
+
+
+def _inputs(
+    logprobs: list[float], log_ratios: list[float], advantages: list[float], **extra: torch.Tensor
+) -> PolicyLossInputs:
+    logp = _grid(logprobs, -7.0)
+    old = logp - _grid(log_ratios, 3.0)
+    return PolicyLossInputs(
+        old_logprobs=old,
+        logprobs=logp.requires_grad_(),
+        advantages=_grid(advantages, 9.0),
+        response_mask=MASK,
+        **extra,
+    )
+
+
+def _run(name: str, inputs: PolicyLossInputs, agg: LossAgg | None = None, **params: float):
+    out = compute_policy_loss(name, inputs, params=PolicyLossParams(**params), agg=agg or LossAgg())
+    out.loss.backward()
+    return out, inputs.logprobs.grad
+
+
+def _grad_grid(values: list[float]) -> list[list[float]]:
+    return [pytest.approx(row, abs=1e-15) for row in _grid(values, 0.0).tolist()]
+
+
+# -- gspo ------------------------------------------------------------------------------------------
+
+
+def test_gspo_clips_the_sequence_ratio_and_gives_per_token_gradients():
+    # row 0: log-ratios 0.3, -0.1, 0.4 -> s = e^0.2 > 1.2, A = 1: clipped, -1.2 per token
+    # row 2: log-ratios -0.5, 0.3 -> s = e^-0.1, A = -2, -1: unclipped, -A·s per token
+    inputs = _inputs([-1.0, -2.0, -0.5, -0.2, -3.0], [0.3, -0.1, 0.4, -0.5, 0.3], [1, 1, 1, -2, -1])
+    out, grad = _run("gspo", inputs, LossAgg(mode="token-mean"), clip_ratio=0.2)
+    s2 = math.exp(-0.1)
+    # seq-mean-token-mean whatever loss_agg_mode says: (mean(-1.2 ×3) + mean(2 s2, s2)) / 2
+    assert out.loss.item() == pytest.approx((-1.2 + 1.5 * s2) / 2, rel=1e-12)
+    # the clipped row has no gradient; row 2: -A_t · s2 / (2 tokens · 2 sequences)
+    assert grad.tolist() == _grad_grid([0.0, 0.0, 0.0, s2 / 2, s2 / 4])
+    assert out.clipfrac.item() == pytest.approx(3 / 5)
+    assert out.clipfrac_lower.item() == 0.0
+    assert out.ppo_kl.item() == pytest.approx(-(0.3 - 0.1 + 0.4 - 0.5 + 0.3) / 5, rel=1e-12)
+
+
+def test_gspo_with_global_counts_takes_the_mini_batch_sequence_count():
+    inputs = _inputs([-1.0, -2.0, -0.5, -0.2, -3.0], [0.3, -0.1, 0.4, -0.5, 0.3], [1, 1, 1, -2, -1])
+    out, _ = _run("gspo", inputs, LossAgg(global_num_tokens=50, global_num_seqs=4))
+    assert out.loss.item() == pytest.approx((-1.2 + 1.5 * math.exp(-0.1)) / 4, rel=1e-12)
+
+
+# -- cispo -----------------------------------------------------------------------------------------
+
+CISPO_LOGPROBS = [-1.0, -2.0, -0.5, -0.2, -3.0]
+CISPO_LOG_RATIOS = [0.3, -0.3, 0.1, 0.0, -0.5]
+CISPO_ADVANTAGES = [1.0, -1.0, 2.0, 0.5, 0.5]
+
+
+def test_cispo_weights_reinforce_by_the_detached_clipped_ratio():
+    inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES)
+    out, grad = _run("cispo", inputs, clip_ratio=0.2)
+    # weights clip(r, 0.8, 1.2): 1.2 (clipped), 0.8 (clipped), e^0.1, 1, 0.8 (clipped)
+    weights = [1.2, 0.8, math.exp(0.1), 1.0, 0.8]
+    per_token = [-w * a * lp for w, a, lp in zip(weights, CISPO_ADVANTAGES, CISPO_LOGPROBS)]
+    assert per_token == pytest.approx([1.2, -1.6, math.exp(0.1), 0.1, 1.2])
+    assert out.loss.item() == pytest.approx(sum(per_token) / 5, rel=1e-12)
+    # the weight is a constant: d/dlogp = -w·A / 5
+    assert grad.tolist() == _grad_grid([-0.24, 0.16, -2 * math.exp(0.1) / 5, -0.1, -0.08])
+    assert out.clipfrac.item() == pytest.approx(3 / 5)
+    assert out.clipfrac_lower.item() == 0.0
+    assert out.ppo_kl.item() == pytest.approx(-sum(CISPO_LOG_RATIOS) / 5, rel=1e-12)
+
+
+def test_cispo_with_clip_ratio_low_one_has_no_lower_bound_as_in_the_paper():
+    inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES)
+    out, _ = _run("cispo", inputs, clip_ratio=0.2, clip_ratio_low=1.0)
+    weights = [1.2, math.exp(-0.3), math.exp(0.1), 1.0, math.exp(-0.5)]
+    expected = sum(-w * a * lp for w, a, lp in zip(weights, CISPO_ADVANTAGES, CISPO_LOGPROBS)) / 5
+    assert out.loss.item() == pytest.approx(expected, rel=1e-12)
+    assert out.clipfrac.item() == pytest.approx(1 / 5)
+
+
+# -- geo_mean --------------------------------------------------------------------------------------
+
+GMPO_LOG_RATIOS = [0.5, -0.1, 0.2, -0.6, 0.1]
+GMPO_ADVANTAGES = [1.0, 3.0, 2.0, -0.5, -0.5]
+
+
+def test_geo_mean_clips_token_log_ratios_and_averages_sequences():
+    inputs = _inputs([-1.0, -2.0, -0.5, -0.2, -3.0], GMPO_LOG_RATIOS, GMPO_ADVANTAGES)
+    out, grad = _run("geo_mean", inputs, LossAgg(mode="token-sum"), clip_ratio=0.4)
+    # row 0 (A > 0): log-ratios capped above at 0.4 -> 0.4, -0.1, 0.2; ρ = e^(0.5/3); Ā = 2
+    # row 2 (A < 0): capped below at -0.4 -> -0.4, 0.1; ρ = e^-0.15; Ā = -0.5
+    rho0, rho2 = math.exp(0.5 / 3), math.exp(-0.15)
+    assert out.loss.item() == pytest.approx((-2 * rho0 + 0.5 * rho2) / 2, rel=1e-12)
+    # d/dlogp_t = -Ā ρ / (tokens · 2 sequences) where the log-ratio is not clipped
+    assert grad.tolist() == _grad_grid([0.0, -rho0 / 3, -rho0 / 3, 0.0, rho2 / 8])
+    assert out.clipfrac.item() == pytest.approx(1 / 5)  # token (0, 0): A > 0, above 0.4
+    assert out.clipfrac_lower.item() == pytest.approx(1 / 5)  # token (2, 0): A < 0, below -0.4
+    assert out.ppo_kl.item() == pytest.approx(-sum(GMPO_LOG_RATIOS) / 5, rel=1e-12)
+
+
+def test_geo_mean_weights_each_sequence_by_the_geometric_mean_of_its_is_weights():
+    weights = _grid([0.5, 2.0, 1.0, 1.5, 1.5], 0.0)
+    inputs = _inputs(
+        [-1.0, -2.0, -0.5, -0.2, -3.0], GMPO_LOG_RATIOS, GMPO_ADVANTAGES, rollout_is_weights=weights
+    )
+    out, _ = _run("geo_mean", inputs, clip_ratio=0.4)
+    # (0.5 · 2 · 1)^(1/3) = 1 for row 0, 1.5 for row 2
+    expected = (-2 * math.exp(0.5 / 3) + 1.5 * 0.5 * math.exp(-0.15)) / 2
+    assert out.loss.item() == pytest.approx(expected, rel=1e-8)
+    assert out.tis_weight_mean.item() == pytest.approx(6.5 / 5)
+
+
+# -- clip_cov --------------------------------------------------------------------------------------
+
+# advantages 2, 2, 2, -2, -2 (mean 0.4); log-probs -0.5, -0.6, -3, -2, -1.9 (mean -1.6)
+# covariances (A - 0.4)(logp + 1.6): 1.76, 1.6, -2.24, 0.96, 0.72
+COV_LOGPROBS = [-0.5, -0.6, -3.0, -2.0, -1.9]
+COV_ADVANTAGES = [2.0, 2.0, 2.0, -2.0, -2.0]
+
+
+def test_clip_cov_cuts_the_unclipped_token_whose_covariance_lies_in_the_bounds():
+    # token (0, 1) has covariance 1.6 in (1, 5) too, but its ratio e^0.5 is clipped already
+    inputs = _inputs(COV_LOGPROBS, [0.0, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
+    out, grad = _run("clip_cov", inputs, clip_ratio=0.2)
+    # per token: cut 0, clipped -2·1.2, -2, 2, 2; one token cut (max(⌊0.0002·5⌋, 1))
+    assert out.loss.item() == pytest.approx((0 - 2.4 - 2 + 2 + 2) / 5, rel=1e-12)
+    assert grad.tolist() == _grad_grid([0.0, 0.0, -0.4, 0.4, 0.4])
+    assert out.clipfrac.item() == pytest.approx(1 / 5)
+    assert out.clipfrac_lower.item() == 0.0
+    assert out.ppo_kl.item() == pytest.approx(-0.5 / 5, rel=1e-12)
+
+
+def test_clip_cov_without_candidates_is_the_clipped_surrogate():
+    inputs = _inputs(COV_LOGPROBS, [0.0, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
+    out, grad = _run("clip_cov", inputs, clip_ratio=0.2, clip_cov_lb=2.0)
+    assert out.loss.item() == pytest.approx((-2 - 2.4 - 2 + 2 + 2) / 5, rel=1e-12)
+    assert grad.tolist() == _grad_grid([-0.4, 0.0, -0.4, 0.4, 0.4])
+    assert out.clipfrac.item() == 0.0
+
+
+def test_clip_cov_draws_the_cut_tokens_among_the_candidates():
+    # bounds (0.5, 5): candidates (0, 0), (2, 0), (2, 1); ⌊0.4 · 5⌋ = 2 of them are cut
+    cuts = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        inputs = _inputs(COV_LOGPROBS, [0.0, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
+        out, grad = _run("clip_cov", inputs, clip_ratio=0.2, clip_cov_lb=0.5, clip_cov_ratio=0.4)
+        cut = {(r, c) for r, c in VALID if grad[r, c] == 0.0} - {(0, 1)}  # (0, 1) is clipped
+        assert len(cut) == 2 and cut <= {(0, 0), (2, 0), (2, 1)}
+        (kept,) = {(0, 0), (2, 0), (2, 1)} - cut
+        assert out.loss.item() == pytest.approx((-2.4 - 2 + {(0, 0): -2, (2, 0): 2, (2, 1): 2}[kept]) / 5)
+        assert out.clipfrac.item() == pytest.approx(2 / 5)
+        cuts.add(frozenset(cut))
+    assert len(cuts) > 1  # the draw is random (seeded)
+
+
+# -- kl_cov ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kl_cov_ratio", "num_penalized"), [(0.0002, 1), (0.4, 2)])
+def test_kl_cov_penalizes_the_tokens_of_largest_covariance(kl_cov_ratio, num_penalized):
+    inputs = _inputs(COV_LOGPROBS, [-0.2, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
+    out, grad = _run("kl_cov", inputs, clip_ratio=0.2, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=0.1)
+    # no clipping: -A·r everywhere; + 0.1·|lr| on (0, 0) (covariance 1.76), then (0, 1) (1.6)
+    per_token = [-2 * math.exp(-0.2) + 0.1 * 0.2, -2 * math.exp(0.5), -2.0, 2.0, 2.0]
+    grads = [(-2 * math.exp(-0.2) - 0.1) / 5, -2 * math.exp(0.5) / 5, -0.4, 0.4, 0.4]
+    if num_penalized == 2:
+        per_token[1] += 0.1 * 0.5
+        grads[1] += 0.1 / 5
+    assert out.loss.item() == pytest.approx(sum(per_token) / 5, rel=1e-12)
+    assert grad.tolist() == _grad_grid(grads)
+    assert out.clipfrac.item() == pytest.approx(num_penalized / 5)
+    assert out.ppo_kl.item() == pytest.approx(-(-0.2 + 0.5) / 5, rel=1e-12)
+
+
+# -- gpg / reinforce -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpg", "reinforce"])
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("token-mean", 1.6 / 5), ("token-sum", 1.6), ("seq-mean-token-mean", ((1 - 2 + 1) / 3 + 1.6 / 2) / 2)],
+)
+def test_policy_gradient_is_minus_advantage_times_logprob(name, mode, expected):
+    # per token -A·logp: 1, -2, 1, 0.1, 1.5
+    inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES)
+    out, grad = _run(name, inputs, LossAgg(mode=mode))
+    assert out.loss.item() == pytest.approx(expected, rel=1e-12)
+    assert out.clipfrac.item() == 0.0 and out.clipfrac_lower.item() == 0.0
+    assert out.ppo_kl.item() == pytest.approx(-sum(CISPO_LOG_RATIOS) / 5, rel=1e-12)
+    if mode == "token-mean":
+        assert grad.tolist() == _grad_grid([-0.2, 0.2, -0.4, -0.1, -0.1])
+
+
+def test_reinforce_is_verl_gpg_under_a_second_name():
+    assert POLICY_LOSSES.get("reinforce") is POLICY_LOSSES.get("gpg")
+
+
+def test_policy_gradient_with_rollout_is_weights():
+    weights = _grid([0.5, 2.0, 1.0, 1.0, 0.5], 0.0)
+    inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES, rollout_is_weights=weights)
+    out, _ = _run("gpg", inputs)
+    assert out.loss.item() == pytest.approx((0.5 - 4 + 1 + 0.1 + 0.75) / 5, rel=1e-12)
+    assert out.tis_weight_mean.item() == pytest.approx(1.0)
+
+
+def test_unknown_policy_loss_names_the_closest():
+    with pytest.raises(KeyError, match="did you mean 'gspo'"):
+        POLICY_LOSSES.get("gpso")
+
+
+# -- split invariance ------------------------------------------------------------------------------
+
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _random_batch() -> PolicyLossInputs:
+    generator = torch.Generator().manual_seed(3)
+    lengths = [5, 0, 3, 1, 4, 0, 2]
+    mask = torch.tensor([[1] * n + [0] * (5 - n) for n in lengths])
+    mask[0, 2] = 0  # a gap
+    old = -torch.rand(7, 5, generator=generator, dtype=torch.float64) * 2 - 0.1
+    logprobs = old + torch.randn(7, 5, generator=generator, dtype=torch.float64) * 0.4
+    advantages = torch.randn(7, 5, generator=generator, dtype=torch.float64)
+    return PolicyLossInputs(old, logprobs.requires_grad_(), advantages, mask)
+
+
+def _loss_and_grad(name: str, inputs: PolicyLossInputs, rows: slice, agg: LossAgg, **params: float):
+    logprobs = inputs.logprobs.detach()[rows].clone().requires_grad_()
+    part = PolicyLossInputs(
+        inputs.old_logprobs[rows], logprobs, inputs.advantages[rows], inputs.response_mask[rows]
+    )
+    out = compute_policy_loss(name, part, params=PolicyLossParams(**params), agg=agg)
+    out.loss.backward()
+    return out, logprobs.grad
+
+
+def _split_vs_full(name: str, mode: str, **params: float):
+    inputs = _random_batch()
+    mask = inputs.response_mask
+    agg = LossAgg(
+        mode=mode,
+        global_num_tokens=int(mask.sum()),
+        global_num_seqs=int((mask.sum(-1) > 0).sum()),
+        loss_scale_factor=7.0,
+    )
+    full, full_grad = _loss_and_grad(name, inputs, slice(0, 7), agg, **params)
+    parts = [
+        _loss_and_grad(name, inputs, rows, agg, **params) for rows in (slice(0, 2), slice(2, 3), slice(3, 7))
+    ]
+    return full, full_grad, parts
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo", "geo_mean", "gpg", "reinforce"])
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batch_losses_with_global_counts_sum_to_the_full_batch(name, mode):
+    full, full_grad, parts = _split_vs_full(name, mode, clip_ratio=0.2, clip_ratio_high=0.28)
+    assert sum(p.loss.item() for p, _ in parts) == pytest.approx(full.loss.item(), abs=1e-12)
+    torch.testing.assert_close(torch.cat([g for _, g in parts]), full_grad, rtol=0, atol=1e-12)
+    for metric in ("clipfrac", "clipfrac_lower", "ppo_kl"):
+        total = sum(getattr(p, metric).item() for p, _ in parts)
+        assert total == pytest.approx(getattr(full, metric).item(), abs=1e-12)
+    assert abs(full.loss.item()) > 1e-3
+
+
+def test_covariance_losses_select_by_micro_batch_as_verl_does():
+    # kl_cov penalizes max(⌊ratio · N⌋, 1) tokens of each micro-batch: one in the full batch, one
+    # in each of the three micro-batches (14 valid tokens in all)
+    full, _, parts = _split_vs_full("kl_cov", "token-mean")
+    assert full.clipfrac.item() == pytest.approx(1 / 14)
+    assert sum(p.clipfrac.item() for p, _ in parts) == pytest.approx(3 / 14)
+    # with nothing to select they are split invariant: no KL weight, no covariance in the bounds
+    for name, params in (
+        ("kl_cov", {"ppo_kl_coef": 0.0}),
+        ("clip_cov", {"clip_cov_lb": 100.0, "clip_cov_ub": 200.0}),
+    ):
+        full, full_grad, parts = _split_vs_full(name, "seq-mean-token-mean", **params)
+        assert sum(p.loss.item() for p, _ in parts) == pytest.approx(full.loss.item(), abs=1e-12)
+        torch.testing.assert_close(torch.cat([g for _, g in parts]), full_grad, rtol=0, atol=1e-12)
