@@ -93,6 +93,28 @@ def tis_alias_problems(
 
 
 @dataclass
+class FilterGroupsConfig:
+    """verl's ``algorithm.filter_groups``: DAPO's dynamic sampling. A group (the ``rollout.n``
+    samples of one prompt) whose ``metric`` is the same for every sample has zero advantage under
+    the group estimators and teaches nothing; such groups are dropped, and more prompts are
+    generated (``data.gen_batch_size`` a round) until ``data.train_batch_size`` groups are kept
+    (rltrain/orchestrator/dynamic_sampling.py). Needs ``trainer.pipeline=sync``."""
+
+    enable: bool = False
+    """Drop the groups whose ``metric`` does not vary and generate more until the batch is full."""
+
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] | None = None
+    """What must vary within a group: ``acc`` (answer correct), ``score`` (the reward), ``seq_reward``
+    (the reward plus an interaction's turn rewards), ``seq_final_reward`` (the same, the KL in the
+    reward is not known yet at filtering time: refused with ``use_kl_in_reward``). Required with
+    ``enable``."""
+
+    max_num_gen_batches: int = 0
+    """Generation rounds (the first included) a step may use before it gives up with an error naming
+    this key; 0 or less: no bound (verl)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal[
         "gae",
@@ -130,6 +152,9 @@ class AlgorithmConfig:
 
     rollout_correction: RolloutCorrectionConfig | None = None
     """Rollout correction (IS weights, rejection, ``rollout_corr/*`` diagnostics); null: off."""
+
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (off by default)."""
 
     def validate(self, prefix: str) -> list[str]:
         problems = []

@@ -65,6 +65,10 @@ class DataConfig:
     train_batch_size: PositiveInt = 256
     """Prompts per PPO step (each is sampled ``rollout.n`` times)."""
 
+    gen_batch_size: PositiveInt | None = None
+    """Prompts drawn and generated per round of dynamic sampling (``algorithm.filter_groups``); at
+    least ``train_batch_size``. Null: ``train_batch_size``. Only with ``filter_groups.enable``."""
+
     val_batch_size: PositiveInt | None = None
     """Prompts per evaluation batch; null evaluates the whole validation set at once."""
 

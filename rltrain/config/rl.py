@@ -104,6 +104,7 @@ class RLConfig:
             )
         problems += self._check_batch_sizes()
         problems += self._check_switches()
+        problems += self._check_dapo()
         problems += tis_alias_problems(self.actor.tis_imp_ratio_cap, self.algorithm.rollout_correction)
         return problems
 
@@ -174,6 +175,48 @@ class RLConfig:
             problems.append(
                 f"critic.warmup_steps={self.critic.warmup_steps} leaves no actor update in "
                 f"trainer.total_training_steps={self.trainer.total_training_steps}"
+            )
+        return problems
+
+    def _check_dapo(self) -> list[str]:
+        """Dynamic sampling (``algorithm.filter_groups``), overlong shaping, ReMax's greedy baselines."""
+        problems = self.reward.overlong_buffer.validate(
+            "reward.overlong_buffer", self.rollout.response_length
+        )
+        if self.algorithm.adv_estimator == "remax" and self.trainer.pipeline != "sync":
+            problems.append(
+                "algorithm.adv_estimator=remax generates its greedy baselines at the step with the trained "
+                f"weights: needs trainer.pipeline=sync, got {self.trainer.pipeline}"
+            )
+        groups, gen = self.algorithm.filter_groups, self.data.gen_batch_size
+        if not groups.enable:
+            if gen is not None and gen != self.data.train_batch_size:
+                problems.append(
+                    f"data.gen_batch_size={gen} has no effect without algorithm.filter_groups.enable=true"
+                )
+            return problems
+        if groups.metric is None:
+            problems.append(
+                "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric "
+                "(acc, score, seq_reward or seq_final_reward)"
+            )
+        if groups.metric == "seq_final_reward" and self.algorithm.use_kl_in_reward:
+            problems.append(
+                "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the KL "
+                "is computed after the groups are filtered; filter on seq_reward"
+            )
+        if self.rollout.n < 2:
+            problems.append(
+                f"algorithm.filter_groups.enable=true compares the samples of a prompt: needs rollout.n >= 2, "
+                f"got {self.rollout.n}"
+            )
+        if gen is not None and gen < self.data.train_batch_size:
+            problems.append(
+                f"data.gen_batch_size={gen} is smaller than data.train_batch_size={self.data.train_batch_size}"
+            )
+        if self.trainer.pipeline != "sync":
+            problems.append(
+                f"algorithm.filter_groups.enable=true needs trainer.pipeline=sync, got {self.trainer.pipeline}"
             )
         return problems
 

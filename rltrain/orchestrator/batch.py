@@ -26,6 +26,7 @@ _PER_SAMPLE_TENSORS = (
     "returns",
     "sampled_mask",
     "turn_rewards",
+    "reward_baselines",
 )
 _PER_SAMPLE_LISTS = ("data_sources", "ground_truths", "finish_reasons")
 
@@ -84,6 +85,10 @@ class StepBatch:
     turn_rewards: torch.Tensor | None = None
     """[batch, response_len] per-turn rewards of an interaction, at the last token of each assistant
     turn (added to the token-level rewards); None without them."""
+
+    reward_baselines: torch.Tensor | None = None
+    """[batch] float: the reward of the greedy response to the sample's prompt (``remax``); None
+    otherwise."""
 
     extra_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics produced while building the batch (e.g. over-long prompt counts)."""

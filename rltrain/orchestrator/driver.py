@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,11 +34,21 @@ from rltrain.algo import (
     masked_mean,
 )
 from rltrain.config import RLConfig
+from rltrain.data.loader import PromptBatch
 from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.timer import StageTimer
 from rltrain.orchestrator.batch import StepBatch, build_step_batch
 from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
+from rltrain.orchestrator.dynamic_sampling import (
+    OVERLONG_FRAC,
+    OVERLONG_PENALTY_MEAN,
+    ScoredRound,
+    fill_batch,
+    group_values,
+    overlong_penalty,
+    round_seed,
+)
 from rltrain.orchestrator.pipeline import build_source, read_state, write_state
 from rltrain.orchestrator.preemption import StopSignals
 from rltrain.orchestrator.recovery import WorkerLost
@@ -48,7 +58,6 @@ from rltrain.rollout.mismatch import logprob_mismatch
 from rltrain.rollout.types import SamplingConfig
 
 if TYPE_CHECKING:
-    from rltrain.data.loader import PromptBatch
     from rltrain.orchestrator.entry import RunData
     from rltrain.rewards import RewardOutput
     from rltrain.rollout.types import RolloutOutput
@@ -183,7 +192,12 @@ class PPOTrainer:
                 prompts = rollout.prompts
                 batch = self.step_batch(rollout.output, prompts, self.sampling(step))
             with timer.stage("reward"):
-                metrics = self.score(batch)
+                metrics, correct = self.score(batch)
+            if cfg.algorithm.filter_groups.enable:  # further rounds count as generate and reward
+                batch, prompts, more = self.fill_batch(step, ScoredRound(prompts, batch, correct))
+                metrics |= more
+            if cfg.algorithm.adv_estimator == "remax":  # as generate and reward too
+                batch.reward_baselines = self.greedy_baselines(prompts, step).repeat_interleave(cfg.rollout.n)
             with timer.stage("old_logprob"):
                 batch.old_logprobs, entropy = policy.compute_log_prob(batch)
             if self.uses_reference():
@@ -245,11 +259,62 @@ class PPOTrainer:
             return prompt_ids
         return [AgentPrompt(ids, gt, ds) for ids, gt, ds in zip(prompt_ids, ground_truths, data_sources)]
 
-    def score(self, batch: StepBatch) -> dict[str, float]:
+    def score(self, batch: StepBatch) -> tuple[dict[str, float], torch.Tensor]:
+        """Set ``batch.scores`` (with overlong shaping when on); the reward metrics and ``[batch]``
+        whether each answer was correct."""
         texts = self.decode(batch)
         result = self.rewards(texts, ground_truths=batch.ground_truths, data_sources=batch.data_sources)
         batch.scores = result.scores.float()
-        return dict(result.metrics)
+        metrics = dict(result.metrics)
+        overlong = self.config.reward.overlong_buffer
+        if overlong.enable:
+            penalty = overlong_penalty(
+                batch.attention_mask[:, -batch.response_len :].sum(-1),
+                response_length=batch.response_len,
+                buffer_len=overlong.len,
+                penalty_factor=overlong.penalty_factor,
+            )
+            batch.scores = batch.scores + penalty
+            if overlong.log:
+                metrics[OVERLONG_FRAC] = float((penalty < 0).float().mean())
+                metrics[OVERLONG_PENALTY_MEAN] = float(penalty.mean())
+        return metrics, result.correct
+
+    def fill_batch(self, step: int, first: ScoredRound) -> tuple[StepBatch, PromptBatch, dict[str, float]]:
+        """Dynamic sampling (:mod:`~rltrain.orchestrator.dynamic_sampling`): more rounds of the data
+        loader's prompts until ``data.train_batch_size`` groups vary."""
+
+        def more(round_: int) -> ScoredRound:
+            sampling = self.sampling(step)
+            sampling = replace(sampling, seed=round_seed(sampling.seed, round_))
+            return self.generate_and_score(self.data.train.next_batch(), sampling)
+
+        return fill_batch(
+            first,
+            more,
+            config=self.config.algorithm.filter_groups,
+            train_batch_size=self.config.data.train_batch_size,
+            n=self.config.rollout.n,
+            pad_token_id=self.tokenizer.pad_token_id,
+            step=step,
+        )
+
+    def greedy_baselines(self, prompts: PromptBatch, step: int) -> torch.Tensor:
+        """``[prompts]``: the reward of each prompt's greedy response (ReMax's baseline), scored and
+        shaped as the samples are, an interaction's turn rewards included."""
+        sampling = replace(self.sampling(step), temperature=0.0, top_p=1.0, top_k=-1, n=1)
+        return group_values(self.generate_and_score(prompts, sampling), "seq_reward")
+
+    def generate_and_score(self, prompts: PromptBatch, sampling: SamplingConfig) -> ScoredRound:
+        """A rollout of ``prompts`` outside the step's own (timed as its generate and reward)."""
+        with self.timer.stage("generate"):
+            output = self.roles.policy.generate(
+                self.engine_prompts(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources), sampling
+            )
+            batch = self.step_batch(output, prompts, sampling)
+        with self.timer.stage("reward"):
+            _, correct = self.score(batch)
+        return ScoredRound(prompts, batch, correct)
 
     def uses_reference(self) -> bool:
         return self.config.algorithm.use_kl_in_reward or self.config.actor.use_kl_loss
@@ -284,6 +349,7 @@ class PPOTrainer:
             response_mask=mask,
             values=batch.values,
             group_ids=batch.group_ids,
+            reward_baselines=batch.reward_baselines,
         )
         out = compute_advantages(
             algo.adv_estimator,

@@ -106,7 +106,8 @@ def build_data(config: RLConfig, tokenizer) -> RunData:
     from rltrain.rewards import RewardManager
 
     RewardManager.from_config(config.reward).check_examples([*train, *(val or [])])
-    loader = PromptLoader(train, data.train_batch_size, seed=data.seed, shuffle=data.shuffle)
+    batch_size = data.gen_batch_size or data.train_batch_size  # dynamic sampling draws gen_batch_size a round
+    loader = PromptLoader(train, batch_size, seed=data.seed, shuffle=data.shuffle)
     return RunData(train=loader, val=val, num_filtered=train.num_filtered + (val.num_filtered if val else 0))
 
 
