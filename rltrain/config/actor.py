@@ -1,15 +1,73 @@
-"""Actor (policy), reference and critic roles: PPO update sizes, losses, parallel layout."""
+"""Actor (policy), reference and critic roles: PPO update sizes, losses, parallel layout.
+
+The policy loss is verl's ``actor.policy_loss`` section (``loss_mode`` names a loss registered in
+rltrain/algo: vanilla in losses.py, the others in policy_losses.py, with their formulas). The plain
+string ``policy_loss: gspo`` (rltrain's older spelling) is short for ``policy_loss: {loss_mode:
+gspo}``; it is a whole value, so set further keys of the section with the section spelling.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from rltrain.config.algorithm import KLEstimator
 from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from rltrain.config.optim import OptimConfig
 from rltrain.config.parallel import ParallelConfig
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+"""rltrain/algo/losses.py (``AGG_MODES``) has the formulas."""
+
+
+@dataclass
+class PolicyLossConfig:
+    """verl's ``actor.policy_loss``: which policy loss, and the settings of the covariance losses.
+
+    The clip ranges (``actor.clip_ratio*``) stay in the actor section, as in verl."""
+
+    loss_mode: str = "vanilla"
+    """Registered policy loss: vanilla, gspo, cispo, geo_mean, clip_cov, kl_cov, gpg, reinforce
+    (rltrain/algo/policy_losses.py)."""
+
+    clip_cov_ratio: PositiveFloat = 0.0002
+    """clip_cov: fraction of the valid tokens (at least one) whose gradient is cut."""
+
+    clip_cov_lb: float = 1.0
+    """clip_cov: a token is a candidate when its covariance lies in (clip_cov_lb, clip_cov_ub)."""
+
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the candidates' covariance (see ``clip_cov_lb``)."""
+
+    kl_cov_ratio: PositiveFloat = 0.0002
+    """kl_cov: fraction of the valid tokens (at least one), those of largest covariance, that get the
+    KL penalty."""
+
+    ppo_kl_coef: NonNegativeFloat = 0.1
+    """kl_cov: weight of ``|log(π/π_old)|`` on the selected tokens."""
+
+    @staticmethod
+    def expand_shorthand(value: Any) -> dict[str, Any] | None:
+        """``policy_loss: gspo`` means ``policy_loss: {loss_mode: gspo}``; None for anything else
+        but a string (the config loader then asks for a mapping)."""
+        return {"loss_mode": value} if isinstance(value, str) else None
+
+    def validate(self, prefix: str) -> list[str]:
+        from rltrain.algo import POLICY_LOSSES  # torch, lazily
+
+        problems = []
+        if self.loss_mode not in POLICY_LOSSES:
+            try:
+                POLICY_LOSSES.get(self.loss_mode)
+            except KeyError as err:  # the registry's message names the choices and the closest one
+                problems.append(f"{prefix}.loss_mode: {err}")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            problems.append(
+                f"{prefix}.clip_cov_lb={self.clip_cov_lb} must be below {prefix}.clip_cov_ub={self.clip_cov_ub}"
+            )
+        return problems
 
 
 @dataclass
@@ -27,22 +85,37 @@ class ActorConfig:
     """Shuffle samples between mini-batches in each epoch."""
 
     clip_ratio: float = 0.2
-    """PPO clip ε; used for both sides unless ``clip_ratio_low``/``clip_ratio_high`` are set."""
+    """PPO clip ε. The lower bound is ``clip_ratio_low`` when that is set (not null), else
+    ``clip_ratio``; the upper bound likewise ``clip_ratio_high``, else ``clip_ratio``. A set
+    ``clip_ratio_low``/``clip_ratio_high`` always wins, whatever ``clip_ratio`` says. (verl's YAML
+    sets both to 0.2, so there changing ``clip_ratio`` alone changes nothing; here they default to
+    null and ``clip_ratio`` sets both sides.) vanilla, gspo, cispo and clip_cov clip the ratio to
+    ``[1 - low, 1 + high]``; geo_mean clips the log-ratio to ``[-low, high]``; gpg, reinforce and
+    kl_cov do not clip."""
 
     clip_ratio_low: float | None = None
-    """Lower clip ε (ratio ≥ 1 − low); null means ``clip_ratio``."""
+    """Lower clip ε (ratio ≥ 1 − low); null means ``clip_ratio`` (see there)."""
 
     clip_ratio_high: float | None = None
-    """Upper clip ε (ratio ≤ 1 + high); null means ``clip_ratio`` (DAPO's clip-higher sets it larger)."""
+    """Upper clip ε (ratio ≤ 1 + high); null means ``clip_ratio`` (see there). DAPO's clip-higher
+    sets it larger than the lower one."""
 
     clip_ratio_c: float = 3.0
     """Dual-clip constant for negative advantages (Ye et al. 2020); must be > 1."""
 
-    policy_loss: str = "vanilla"
-    """Registered policy loss (see rltrain/algo/losses.py)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss (``loss_mode``) and its settings; ``policy_loss: gspo`` is short for
+    ``policy_loss: {loss_mode: gspo}``."""
 
     loss_agg_mode: LossAggMode = "token-mean"
-    """How per-token losses become one number."""
+    """How per-token losses become one number (policy, entropy and KL loss). gspo always uses
+    seq-mean-token-mean and geo_mean its own sequence mean, as in verl."""
+
+    loss_scale_factor: PositiveInt | None = None
+    """The constant ``C`` of ``seq-mean-token-sum-norm`` (Dr. GRPO divides each sequence's token
+    sum by it); null means the padded response length of the mini-batch. Set it (e.g. to
+    ``rollout.response_length``) to keep the normalization constant across steps. Other modes
+    ignore it."""
 
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
@@ -53,8 +126,9 @@ class ActorConfig:
     kl_loss_coef: NonNegativeFloat = 0.001
     """β of the KL loss."""
 
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
-    """KL estimator of the KL loss (k1, |k1|, k2, k3)."""
+    kl_loss_type: KLEstimator = "low_var_kl"
+    """KL estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3), also spelled k1/k2/k3;
+    a trailing ``+`` (``k3+``) keeps that estimator's value with k2's gradient (straight-through)."""
 
     tis_imp_ratio_cap: float | None = None
     """Truncated importance sampling: weight tokens by min(π_old/π_rollout, cap); null disables."""
@@ -88,6 +162,7 @@ class ActorConfig:
 
     def validate(self, prefix: str) -> list[str]:
         problems = [*self.optim.validate(f"{prefix}.optim")]
+        problems += self.policy_loss.validate(f"{prefix}.policy_loss")
         problems += _check_batching(self, prefix)
         if self.clip_ratio_c <= 1.0:
             problems.append(f"{prefix}.clip_ratio_c must be > 1 (dual-clip bound), got {self.clip_ratio_c}")
@@ -134,6 +209,10 @@ class CriticConfig:
 
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token value losses become one number."""
+
+    loss_scale_factor: PositiveInt | None = None
+    """The constant ``C`` of ``seq-mean-token-sum-norm`` for the value loss; null means the padded
+    response length of the mini-batch (verl's critic defaults to the actor's value instead)."""
 
     use_dynamic_bsz: bool = False
     """Fill micro-batches up to ``ppo_max_token_len_per_gpu`` tokens."""

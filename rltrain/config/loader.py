@@ -1,6 +1,9 @@
 """Typing a merged recipe (nested dicts → the config dataclasses) with coercion and strict keys, and
 dumping the resolved config.
 
+A section class may define ``expand_shorthand(value) -> dict | None`` to accept one scalar for
+the whole section (``actor.policy_loss: gspo`` is ``{loss_mode: gspo}``).
+
 Every problem is collected and reported at once, each with where it came from (``file:line`` or the
 override, from :class:`~rltrain.config.recipe.RawConfig`) and the full key path; an unknown key
 names the closest valid one. The dump loads back (:func:`~rltrain.config.recipe.read_recipe`) to an
@@ -36,6 +39,9 @@ def build_dataclass(cls: type[T], raw: RawConfig) -> T:
 
 
 def _to_dataclass(cls: type, data: Any, path: str, raw: RawConfig, problems: list[str], all_paths: list[str]):
+    expand = getattr(cls, "expand_shorthand", None)  # a section that one value may stand for
+    if not isinstance(data, dict) and expand is not None and expand(data) is not None:
+        data = expand(data)
     if not isinstance(data, dict):
         problems.append(f"{raw.where(path)}: {path or 'recipe'}: expected a mapping, got {data!r}")
         return cls()

@@ -6,7 +6,9 @@ Each is a :class:`~rltrain.algo.token_batch.LossFn`: it sees one micro-batch's m
 ``old_logprobs``, ``advantages`` (+ ``ref_logprobs`` with the KL loss, ``rollout_logprobs`` with
 rollout correction), the critic ``values`` and ``returns``. Every term is aggregated with the
 mini-batch's global denominators, so the sum over micro-batches and data-parallel ranks is the
-mini-batch loss; the metrics use the same denominators and add up the same way.
+mini-batch loss (not for the policy losses clip_cov and kl_cov, which pick tokens by statistics of
+the micro-batch: rltrain/algo/policy_losses.py); the metrics use the same denominators and add up
+the same way.
 
 Rollout correction (:func:`actor_correction`: ``algorithm.rollout_correction``, or its older
 spelling ``actor.tis_imp_ratio_cap``) weights the actor's per-token losses and, with rejection,
@@ -63,12 +65,15 @@ class GlobalCounts:
         at least 1 each, so an all-rejected mini-batch has a zero loss rather than 0/0."""
         return replace(self, num_tokens=max(stats.kept_tokens, 1), num_seqs=max(stats.kept_seqs, 1))
 
-    def agg(self, mode: str) -> LossAgg:
+    def agg(self, mode: str, *, loss_scale_factor: int | None = None) -> LossAgg:
+        """Aggregation ``mode`` with these denominators; ``loss_scale_factor`` (the role's
+        ``loss_scale_factor``) is the constant of ``seq-mean-token-sum-norm``, ``None``: the padded
+        response width."""
         return LossAgg(
             mode,
             global_num_tokens=self.num_tokens,
             global_num_seqs=self.num_seqs,
-            loss_scale_factor=self.response_length,
+            loss_scale_factor=self.response_length if loss_scale_factor is None else loss_scale_factor,
         )
 
 
@@ -104,14 +109,21 @@ def actor_correction(actor: ActorConfig, algorithm: AlgorithmConfig) -> ActorCor
 def actor_loss_fn(
     cfg: ActorConfig, counts: GlobalCounts, *, correction: RolloutCorrectionSpec | None = None
 ) -> LossFn:
-    """PPO clipped surrogate (+ dual clip, rollout correction), minus the entropy bonus, plus the
-    KL loss. With a rejecting ``correction``, ``counts`` must be the kept ones (``GlobalCounts.kept``)."""
-    agg = counts.agg(cfg.loss_agg_mode)
+    """The policy loss ``actor.policy_loss.loss_mode`` (vanilla: PPO clipped surrogate + dual clip)
+    with rollout correction, minus the entropy bonus, plus the KL loss. With a rejecting
+    ``correction``, ``counts`` must be the kept ones (``GlobalCounts.kept``)."""
+    agg = counts.agg(cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor)
+    section = cfg.policy_loss
     params = PolicyLossParams(
         clip_ratio=cfg.clip_ratio,
         clip_ratio_low=cfg.clip_ratio_low,
         clip_ratio_high=cfg.clip_ratio_high,
         clip_ratio_c=cfg.clip_ratio_c,
+        clip_cov_ratio=section.clip_cov_ratio,
+        clip_cov_lb=section.clip_cov_lb,
+        clip_cov_ub=section.clip_cov_ub,
+        kl_cov_ratio=section.kl_cov_ratio,
+        ppo_kl_coef=section.ppo_kl_coef,
     )
     # Metrics are token means over the mini-batch whatever the loss aggregation mode.
     token_mean = counts.agg("token-mean")
@@ -134,7 +146,7 @@ def actor_loss_fn(
             rollout_logprobs=micro_batch.rollout_logprobs,
             rollout_is_weights=weights,
         )
-        policy = compute_policy_loss(cfg.policy_loss, inputs, params=params, agg=agg)
+        policy = compute_policy_loss(section.loss_mode, inputs, params=params, agg=agg)
         loss = policy.loss
         metrics = {
             mk.ACTOR_PG_LOSS: policy.loss.detach(),
@@ -160,7 +172,7 @@ def actor_loss_fn(
 
 def critic_loss_fn(cfg: CriticConfig, counts: GlobalCounts) -> LossFn:
     """Clipped value loss around the values the critic predicted before the update."""
-    agg = counts.agg(cfg.loss_agg_mode)
+    agg = counts.agg(cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor)
     token_mean = counts.agg("token-mean")
 
     def loss_fn(output: ModelOutput, micro_batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -189,3 +189,56 @@ def test_an_overlapping_pipeline_needs_engines_of_their_own_and_one_step_off_its
     path = write(tmp_path, "r.yaml", MINIMAL)
     config = load_config(path, [*separate, "trainer.pipeline=fully_async", "trainer.max_staleness=3"])
     assert (config.trainer.pipeline, config.trainer.max_staleness) == ("fully_async", 3)
+
+
+def test_unknown_policy_loss_mode_gets_the_registrys_line_naming_the_key(tmp_path):
+    registered = "cispo, clip_cov, geo_mean, gpg, gspo, kl_cov, reinforce, vanilla"
+    assert problems(tmp_path, ["actor.policy_loss.loss_mode=gpso"]) == [
+        "override 'actor.policy_loss.loss_mode=gpso': actor.policy_loss.loss_mode: unknown policy loss "
+        f"'gpso'; registered: {registered}; did you mean 'gspo'?"
+    ]
+    # the plain-string spelling is the same key
+    assert problems(tmp_path, ["actor.policy_loss=clip-cov"]) == [
+        "actor.policy_loss.loss_mode: unknown policy loss 'clip-cov'; "
+        f"registered: {registered}; did you mean 'clip_cov'?"
+    ]
+
+
+def test_policy_loss_section_values(tmp_path):
+    assert problems(tmp_path, ["actor.policy_loss.clip_cov_lb=5"]) == [
+        "override 'actor.policy_loss.clip_cov_lb=5': "
+        "actor.policy_loss.clip_cov_lb=5.0 must be below actor.policy_loss.clip_cov_ub=5.0"
+    ]
+    assert problems(tmp_path, ["actor.policy_loss.kl_cov_ratio=0"]) == [
+        "override 'actor.policy_loss.kl_cov_ratio=0': actor.policy_loss.kl_cov_ratio must be > 0, got 0.0"
+    ]
+    assert problems(tmp_path, ["actor.policy_loss=[gspo]"]) == [
+        "override 'actor.policy_loss=[gspo]': actor.policy_loss.: expected a mapping, got ['gspo']"
+    ]
+    assert problems(tmp_path, ["actor.policy_loss=gspo", "actor.policy_loss.clip_cov_lb=2"]) == [
+        "override 'actor.policy_loss.clip_cov_lb=2': actor.policy_loss is a value, not a section"
+    ]
+    assert problems(tmp_path, ["actor.loss_scale_factor=0"]) == [
+        "override 'actor.loss_scale_factor=0': actor.loss_scale_factor must be >= 1, got 0"
+    ]
+
+
+def test_kl_estimator_names(tmp_path):
+    path = write(tmp_path, "r.yaml", MINIMAL)
+    config = load_config(path, ["actor.kl_loss_type=k3+", "algorithm.kl_penalty=k1"])
+    assert (config.actor.kl_loss_type, config.algorithm.kl_penalty) == ("k3+", "k1")
+    found = problems(tmp_path, ["actor.kl_loss_type=k4+"])
+    assert len(found) == 1 and found[0].startswith(
+        "override 'actor.kl_loss_type=k4+': actor.kl_loss_type: 'k4+' is not one of ['kl', 'k1', 'abs'"
+    )
+
+
+def test_policy_loss_string_spelling_dumps_as_the_section_and_loads_back(tmp_path):
+    from rltrain.config import dump_yaml
+
+    path = write(tmp_path, "r.yaml", MINIMAL.replace("actor:\n", "actor:\n  policy_loss: geo_mean\n"))
+    config = load_config(path)
+    assert config.actor.policy_loss.loss_mode == "geo_mean"
+    assert "  policy_loss:\n    loss_mode: geo_mean\n    clip_cov_ratio: 0.0002\n" in dump_yaml(config)
+    dumped = write(tmp_path, "dumped.yaml", dump_yaml(config))
+    assert load_config(dumped) == config

@@ -1,9 +1,15 @@
-"""Loss callables: micro-batch sums equal the full mini-batch loss and a hand-computed reference."""
+"""Loss callables: micro-batch sums equal the full mini-batch loss and a hand-computed reference;
+the actor's policy-loss section, aggregation and KL settings from a recipe reach them."""
 
+import math
+
+import pytest
 import torch
 
+from rltrain.algo.losses import PolicyLossParams
 from rltrain.algo.token_batch import ModelOutput, TokenBatch
-from rltrain.config import ActorConfig, CriticConfig
+from rltrain.config import ActorConfig, CriticConfig, load_config
+from rltrain.orchestrator import ppo_losses
 from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
 
 
@@ -86,3 +92,104 @@ def test_tool_tokens_of_a_multi_turn_response_get_exactly_zero_gradient():
     ratio = torch.exp(logprobs.detach() - batch.old_logprobs)[0, [0, 1, 4]]
     expected_pg = float((-batch.advantages[0, [0, 1, 4]] * ratio).mean())
     assert abs(float(metrics["actor/pg_loss"]) - expected_pg) < 1e-6
+
+
+RECIPE = """
+model: {tiny: {}}
+data: {generated: {num_train: 64}, train_batch_size: 8}
+actor: {ppo_mini_batch_size: 4, ppo_micro_batch_size_per_gpu: 2}
+critic: {ppo_micro_batch_size_per_gpu: 2}
+"""
+# a gap in row 0, an empty row 1; padding holds garbage
+LOSS_MASK = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+LOGPROBS = torch.tensor([[-1.0, 5.0, -0.5], [5.0, 5.0, 5.0], [-2.0, -0.25, 5.0]], dtype=torch.float64)
+ADVANTAGES = torch.tensor([[1.0, 9.0, 2.0], [9.0, 9.0, 9.0], [-0.5, 1.0, 9.0]], dtype=torch.float64)
+
+
+def load_actor(tmp_path, overrides: list[str], actor_yaml: str = "") -> ActorConfig:
+    path = tmp_path / "r.yaml"
+    path.write_text(RECIPE.replace("actor: {", "actor: {" + actor_yaml))
+    return load_config(path, overrides).actor
+
+
+def run_actor(cfg: ActorConfig, ref_logprobs: torch.Tensor | None = None):
+    logprobs = LOGPROBS.clone().requires_grad_()
+    batch = micro(LOSS_MASK, old_logprobs=LOGPROBS - 0.1, advantages=ADVANTAGES, ref_logprobs=ref_logprobs)
+    loss, metrics = actor_loss_fn(cfg, GlobalCounts.of(LOSS_MASK))(
+        ModelOutput(logprobs, torch.zeros(3, 3)), batch
+    )
+    loss.backward()
+    return loss, metrics, logprobs.grad
+
+
+@pytest.mark.parametrize(
+    ("overrides", "actor_yaml", "loss_mode"),
+    [
+        ([], "", "vanilla"),
+        ([], "policy_loss: gspo, ", "gspo"),
+        (["actor.policy_loss=cispo"], "", "cispo"),
+        (["actor.policy_loss.loss_mode=geo_mean"], "", "geo_mean"),
+        ([], "policy_loss: {loss_mode: clip_cov, clip_cov_ratio: 0.3, clip_cov_lb: 0.5}, ", "clip_cov"),
+        (["actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=0.5"], "", "kl_cov"),
+        (
+            ["actor.policy_loss.ppo_kl_coef=0.7", "actor.policy_loss.clip_cov_ub=6"],
+            "policy_loss: {loss_mode: gpg}, ",
+            "gpg",
+        ),
+        (["actor.policy_loss=reinforce", "actor.clip_ratio_high=0.28"], "", "reinforce"),
+    ],
+)
+def test_policy_loss_section_reaches_the_actor_loss(tmp_path, monkeypatch, overrides, actor_yaml, loss_mode):
+    seen = []
+    real = ppo_losses.compute_policy_loss
+
+    def spy(name, inputs, *, params, agg):
+        seen.append((name, params))
+        return real(name, inputs, params=params, agg=agg)
+
+    monkeypatch.setattr(ppo_losses, "compute_policy_loss", spy)
+    cfg = load_actor(tmp_path, overrides, actor_yaml)
+    loss, metrics, _ = run_actor(cfg)
+    settings = {
+        "clip_cov": {"clip_cov_ratio": 0.3, "clip_cov_lb": 0.5},
+        "kl_cov": {"kl_cov_ratio": 0.5},
+        "gpg": {"ppo_kl_coef": 0.7, "clip_cov_ub": 6.0},
+        "reinforce": {"clip_ratio_high": 0.28},
+    }.get(loss_mode, {})
+    assert seen == [(loss_mode, PolicyLossParams(**settings))]
+    assert float(metrics["actor/pg_loss"]) == loss.item()
+
+
+def test_gpg_with_token_sum_loss_scale_factor_and_straight_through_kl(tmp_path):
+    ref = LOGPROBS - torch.tensor([[0.5, 0.0, -1.0], [0.0, 0.0, 0.0], [0.25, 0.5, 0.0]], dtype=torch.float64)
+    overrides = ["actor.policy_loss=gpg", "actor.loss_agg_mode=token-sum", "actor.use_kl_loss=true"]
+    cfg = load_actor(tmp_path, [*overrides, "actor.kl_loss_type=k3+", "actor.kl_loss_coef=0.5"])
+    loss, metrics, grad = run_actor(cfg, ref_logprobs=ref)
+    # -A·logp on the valid tokens: 1, 1, -1, 0.25; k3 of logp - ref = 0.5, -1, 0.25, 0.5
+    k3 = [math.exp(-d) + d - 1 for d in (0.5, -1.0, 0.25, 0.5)]
+    assert float(metrics["actor/pg_loss"]) == pytest.approx(1 + 1 - 1 + 0.25, rel=1e-12)
+    assert loss.item() == pytest.approx(1.25 + 0.5 * sum(k3), rel=1e-12)
+    # token-sum: -A + 0.5·(logp - ref), k2's gradient for the KL
+    assert grad.tolist() == [[-0.75, 0.0, -2.5], [0.0, 0.0, 0.0], [0.625, -0.75, 0.0]]
+
+
+@pytest.mark.parametrize(("overrides", "scale"), [([], 3), (["actor.loss_scale_factor=8"], 8)])
+def test_loss_scale_factor_divides_each_sequence_sum_in_seq_mean_token_sum_norm(tmp_path, overrides, scale):
+    cfg = load_actor(
+        tmp_path, ["actor.policy_loss=gpg", "actor.loss_agg_mode=seq-mean-token-sum-norm", *overrides]
+    )
+    loss, _, _ = run_actor(cfg)
+    # sequence sums of -A·logp: 1 + 1 and -1 + 0.25 over the 2 non-empty rows; null: padded width 3
+    assert loss.item() == pytest.approx((2.0 / scale + -0.75 / scale) / 2, rel=1e-12)
+
+
+def test_critic_loss_scale_factor(tmp_path):
+    cfg = CriticConfig(cliprange_value=10.0, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=4)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    values = torch.zeros(2, 2)
+    returns = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    loss, _ = critic_loss_fn(cfg, GlobalCounts.of(mask))(
+        ModelOutput(values=values), micro(mask, values=values, returns=returns)
+    )
+    # 0.5 · mean over 2 sequences of (1 + 4) / 4 and 9 / 4
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (5 / 4 + 9 / 4) / 2))
