@@ -122,19 +122,23 @@ def _weighted(per_token: torch.Tensor, weight: torch.Tensor | None) -> torch.Ten
     return per_token if weight is None else per_token * weight
 
 
+def _surrogates(
+    ratio: torch.Tensor, advantages: torch.Tensor, params: PolicyLossParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's ``-A r`` and ``-A clip(r, 1 - low, 1 + high)``, ``[batch, response_len]`` each."""
+    return -advantages * ratio, -advantages * ratio.clamp(1.0 - params.low, 1.0 + params.high)
+
+
 @POLICY_LOSSES.register("gspo")
 def gspo_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: LossAgg) -> PolicyLossOutput:
     """GSPO: the clipped surrogate of the sequence's geometric-mean ratio, per-token gradients.
 
-    Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
-    """
+    All inputs ``[batch, response_len]``; 0-dim loss and metrics."""
     advantages, mask, logprobs = inputs.advantages, inputs.response_mask, inputs.logprobs
     log_ratio = logprobs - inputs.old_logprobs
     seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).detach().unsqueeze(-1)
     token_log_ratio = (logprobs - logprobs.detach() + seq_log_ratio).clamp(max=GSPO_MAX_LOG_RATIO)
-    ratio = torch.exp(token_log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - params.low, 1.0 + params.high)
+    unclipped, clipped = _surrogates(torch.exp(token_log_ratio), advantages, params)
     weight = loss_weight(inputs, params)
     per_token = _weighted(torch.maximum(unclipped, clipped), weight)
     loss = replace(agg, mode="seq-mean-token-mean")(per_token, mask)
@@ -145,8 +149,7 @@ def gspo_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: Lo
 def cispo_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: LossAgg) -> PolicyLossOutput:
     """CISPO: REINFORCE weighted by the detached, clipped importance ratio.
 
-    Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
-    """
+    All inputs ``[batch, response_len]``; 0-dim loss and metrics."""
     log_ratio = (inputs.logprobs - inputs.old_logprobs).clamp(min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - params.low, 1.0 + params.high)
@@ -162,11 +165,10 @@ def geo_mean_policy_loss(
 ) -> PolicyLossOutput:
     """GMPO: the sequence's geometric-mean ratio (token log-ratios clipped) times its mean advantage.
 
-    Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
-    """
-    advantages, mask = inputs.advantages, inputs.response_mask
+    All inputs ``[batch, response_len]``; 0-dim loss and metrics."""
     log_ratio = inputs.logprobs - inputs.old_logprobs
     clamped = log_ratio.clamp(-params.low, params.high)
+    advantages, mask = inputs.advantages, inputs.response_mask
     sign = torch.sign(advantages)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
     seq_ratio = torch.exp(masked_mean(pessimistic, mask, dim=-1))
@@ -206,13 +208,10 @@ def clip_cov_policy_loss(
 ) -> PolicyLossOutput:
     """Clip-Cov: PPO's clipped surrogate with a random few high-covariance tokens cut from the loss.
 
-    Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
-    """
+    All inputs ``[batch, response_len]``; 0-dim loss and metrics."""
     advantages, mask = inputs.advantages, inputs.response_mask
     log_ratio = inputs.logprobs - inputs.old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - params.low, 1.0 + params.high)
+    unclipped, clipped = _surrogates(torch.exp(log_ratio), advantages, params)
     valid = mask.bool()
     with torch.no_grad():
         cov = token_covariance(inputs)
@@ -223,7 +222,7 @@ def clip_cov_policy_loss(
             positions = positions[torch.randperm(positions.numel())[:num_cut].to(positions.device)]
         cut = _at(positions, mask)
     weight = loss_weight(inputs, params)
-    per_token = _weighted(torch.maximum(unclipped, clipped) * (~cut).to(ratio.dtype), weight)
+    per_token = _weighted(torch.maximum(unclipped, clipped) * (~cut).to(unclipped.dtype), weight)
     loss = agg(per_token, mask)
     return _output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=cut)
 
@@ -232,8 +231,7 @@ def clip_cov_policy_loss(
 def kl_cov_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: LossAgg) -> PolicyLossOutput:
     """KL-Cov: the unclipped IS surrogate plus ``ppo_kl_coef · |lr|`` on the top-covariance tokens.
 
-    Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
-    """
+    All inputs ``[batch, response_len]``; 0-dim loss and metrics."""
     advantages, mask = inputs.advantages, inputs.response_mask
     log_ratio = inputs.logprobs - inputs.old_logprobs
     per_token = -advantages * torch.exp(log_ratio)
@@ -257,8 +255,7 @@ def policy_gradient_loss(
 ) -> PolicyLossOutput:
     """The plain policy gradient ``-A logp`` (verl's ``gpg``; also registered as ``reinforce``).
 
-    Shapes: all inputs ``[batch, response_len]`` -> 0-dim loss and metrics.
-    """
+    All inputs ``[batch, response_len]``; 0-dim loss and metrics."""
     weight = loss_weight(inputs, params)
     per_token = _weighted(-inputs.advantages * inputs.logprobs, weight)
     loss = agg(per_token, inputs.response_mask)
