@@ -140,6 +140,15 @@ class RolloutConfig:
         for key, top_p in (("top_p", self.top_p), ("val_kwargs.top_p", self.val_kwargs.top_p)):
             if not 0 < top_p <= 1:
                 problems.append(f"{prefix}.{key} must lie in (0, 1], got {top_p}")
+        for key, temperature, n in (
+            ("", self.temperature, self.n),
+            ("val_kwargs.", self.val_kwargs.temperature, self.val_kwargs.n),
+        ):
+            if temperature == 0 and n > 1:  # vLLM refuses it at the first request
+                problems.append(
+                    f"{prefix}.{key}temperature=0 is greedy: its samples are all alike and vLLM refuses "
+                    f"{prefix}.{key}n={n} > 1 with it"
+                )
         if self.top_k < -1 or self.top_k == 0:
             problems.append(f"{prefix}.top_k must be >= 1, or -1 to disable, got {self.top_k}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -52,7 +52,8 @@ def _metrics(config) -> dict[int, dict]:
 def test_dapo_fills_every_batch_with_varying_groups_and_resumes_exactly(local_ray, tmp_path, algo_cache):
     from rltrain.orchestrator.entry import train
 
-    config = _config(DAPO, tmp_path, algo_cache, "trainer.save_freq=2")
+    # rounds of train_batch_size prompts: every dropped group calls for another round
+    config = _config(DAPO, tmp_path, algo_cache, "trainer.save_freq=2", "data.gen_batch_size=16")
     assert train(config) == STEPS
     whole = _metrics(config)
     train_size, gen_size = config.data.train_batch_size, config.data.gen_batch_size
@@ -93,13 +94,15 @@ def test_remax_on_greedy_rollouts_has_zero_advantages(local_ray, tmp_path, algo_
         "algorithm.use_kl_in_reward=false",
         "actor.use_kl_loss=true",
         "rollout.temperature=0",
-        "rollout.n=2",
+        "rollout.n=1",  # greedy: vLLM allows one sample
+        "actor.ppo_micro_batch_size_per_gpu=16",
         "trainer.total_training_steps=2",
         "trainer.save_freq=0",
     )
     assert train(config) == 2
     metrics = _metrics(config)
     for step in (1, 2):
+        assert metrics[step]["reward/score/mean"] > 0, "some greedy answers are right: baselines matter"
         assert metrics[step]["critic/advantages/mean"] == 0.0
         assert metrics[step]["actor/pg_loss"] == 0.0
         assert "critic/vf_loss" not in metrics[step]

@@ -82,3 +82,13 @@ def test_overlong_buffer_must_fit_the_response_budget(tmp_path):
     assert _errors(
         tmp_path, [*on, "reward.overlong_buffer.len=16", "reward.overlong_buffer.penalty_factor=-1"]
     ) == ["reward.overlong_buffer.penalty_factor must be >= 0, got -1.0"]
+
+
+def test_greedy_sampling_takes_one_sample(tmp_path):
+    assert _errors(tmp_path, [*GRPO, "rollout.temperature=0"]) == [
+        "rollout.temperature=0 is greedy: its samples are all alike and vLLM refuses rollout.n=4 > 1 with it"
+    ]
+    assert _errors(tmp_path, ["rollout.val_kwargs.n=2"]) == [
+        "rollout.val_kwargs.temperature=0 is greedy: its samples are all alike and vLLM refuses "
+        "rollout.val_kwargs.n=2 > 1 with it"
+    ]
