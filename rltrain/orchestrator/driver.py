@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from rltrain.agent.loop import AgentPrompt
-from rltrain.agent.trajectory import step_metrics as agent_step_metrics
 from rltrain.algo import (
     AdvantageInputs,
     apply_kl_in_reward,
@@ -38,21 +36,16 @@ from rltrain.data.loader import PromptBatch
 from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.timer import StageTimer
-from rltrain.orchestrator.batch import StepBatch, build_step_batch
+from rltrain.orchestrator.batch import StepBatch
 from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
 from rltrain.orchestrator.dynamic_sampling import (
-    OVERLONG_FRAC,
-    OVERLONG_PENALTY_MEAN,
     ScoredRound,
-    fill_batch,
-    group_values,
-    overlong_penalty,
-    round_seed,
 )
 from rltrain.orchestrator.pipeline import build_source, read_state, write_state
 from rltrain.orchestrator.preemption import StopSignals
 from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.roles import CriticRole, PolicyRole
+from rltrain.orchestrator.rollout_side import RolloutSide
 from rltrain.orchestrator.worker_group import WorkerError
 from rltrain.rollout.mismatch import logprob_mismatch
 from rltrain.rollout.types import SamplingConfig
@@ -60,7 +53,6 @@ from rltrain.rollout.types import SamplingConfig
 if TYPE_CHECKING:
     from rltrain.orchestrator.entry import RunData
     from rltrain.rewards import RewardOutput
-    from rltrain.rollout.types import RolloutOutput
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +95,7 @@ class Progress(Protocol):
     def update(self, metrics: Mapping[str, float] | None = None) -> None: ...
 
 
-class PPOTrainer:
+class PPOTrainer(RolloutSide):
     def __init__(
         self,
         config: RLConfig,
@@ -229,93 +221,6 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------- stages
-    def sampling(self, step: int) -> SamplingConfig:
-        """The sampling settings of ``step``'s rollout (seed ``rollout.seed + step``)."""
-        return SamplingConfig.from_rollout_config(self.config.rollout, seed=self.config.rollout.seed + step)
-
-    def step_batch(self, output: RolloutOutput, prompts: PromptBatch, sampling: SamplingConfig) -> StepBatch:
-        """The step's batch from the engines' ``output`` for ``prompts``."""
-        batch = build_step_batch(
-            prompt_ids=output.prompt_ids,
-            response_ids=output.response_ids,
-            response_logprobs=output.response_logprobs,
-            finish_reasons=output.finish_reasons,
-            n=sampling.n,
-            data_sources=prompts.data_sources,
-            ground_truths=prompts.ground_truths,
-            pad_token_id=self.tokenizer.pad_token_id,
-            response_length=sampling.response_length,
-            sampled_masks=output.sampled_masks,
-            turn_rewards=output.turn_rewards,
-        )
-        if output.sample_metrics is not None:
-            batch.extra_metrics |= agent_step_metrics(output.sample_metrics)
-        return batch
-
-    def engine_prompts(self, prompt_ids: list[list[int]], ground_truths: list[str], data_sources: list[str]):
-        """What the engines are handed: token ids, or with ``rollout.multi_turn.enable`` the
-        :class:`~rltrain.agent.loop.AgentPrompt` of each row (its interaction needs the answer)."""
-        if not self.config.rollout.multi_turn.enable:
-            return prompt_ids
-        return [AgentPrompt(ids, gt, ds) for ids, gt, ds in zip(prompt_ids, ground_truths, data_sources)]
-
-    def score(self, batch: StepBatch) -> tuple[dict[str, float], torch.Tensor]:
-        """Set ``batch.scores`` (with overlong shaping when on); the reward metrics and ``[batch]``
-        whether each answer was correct."""
-        texts = self.decode(batch)
-        result = self.rewards(texts, ground_truths=batch.ground_truths, data_sources=batch.data_sources)
-        batch.scores = result.scores.float()
-        metrics = dict(result.metrics)
-        overlong = self.config.reward.overlong_buffer
-        if overlong.enable:
-            penalty = overlong_penalty(
-                batch.attention_mask[:, -batch.response_len :].sum(-1),
-                response_length=batch.response_len,
-                buffer_len=overlong.len,
-                penalty_factor=overlong.penalty_factor,
-            )
-            batch.scores = batch.scores + penalty
-            if overlong.log:
-                metrics[OVERLONG_FRAC] = float((penalty < 0).float().mean())
-                metrics[OVERLONG_PENALTY_MEAN] = float(penalty.mean())
-        return metrics, result.correct
-
-    def fill_batch(self, step: int, first: ScoredRound) -> tuple[StepBatch, PromptBatch, dict[str, float]]:
-        """Dynamic sampling (:mod:`~rltrain.orchestrator.dynamic_sampling`): more rounds of the data
-        loader's prompts until ``data.train_batch_size`` groups vary."""
-
-        def more(round_: int) -> ScoredRound:
-            sampling = self.sampling(step)
-            sampling = replace(sampling, seed=round_seed(sampling.seed, round_))
-            return self.generate_and_score(self.data.train.next_batch(), sampling)
-
-        return fill_batch(
-            first,
-            more,
-            config=self.config.algorithm.filter_groups,
-            train_batch_size=self.config.data.train_batch_size,
-            n=self.config.rollout.n,
-            pad_token_id=self.tokenizer.pad_token_id,
-            step=step,
-        )
-
-    def greedy_baselines(self, prompts: PromptBatch, step: int) -> torch.Tensor:
-        """``[prompts]``: the reward of each prompt's greedy response (ReMax's baseline), scored and
-        shaped as the samples are, an interaction's turn rewards included."""
-        sampling = replace(self.sampling(step), temperature=0.0, top_p=1.0, top_k=-1, n=1)
-        return group_values(self.generate_and_score(prompts, sampling), "seq_reward")
-
-    def generate_and_score(self, prompts: PromptBatch, sampling: SamplingConfig) -> ScoredRound:
-        """A rollout of ``prompts`` outside the step's own (timed as its generate and reward)."""
-        with self.timer.stage("generate"):
-            output = self.roles.policy.generate(
-                self.engine_prompts(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources), sampling
-            )
-            batch = self.step_batch(output, prompts, sampling)
-        with self.timer.stage("reward"):
-            _, correct = self.score(batch)
-        return ScoredRound(prompts, batch, correct)
-
     def uses_reference(self) -> bool:
         return self.config.algorithm.use_kl_in_reward or self.config.actor.use_kl_loss
 
@@ -396,10 +301,6 @@ class PPOTrainer:
         metrics[mk.ACTOR_ENTROPY_BEFORE_UPDATE] = float(masked_mean(entropy, mask.float()))
         metrics[mk.DATA_EPOCH] = float(prompts.epoch)
         return metrics | batch.extra_metrics
-
-    def decode(self, batch: StepBatch) -> list[str]:
-        ids, mask = batch.response_ids, batch.response_mask.bool()
-        return [self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
 
     # ---------------------------------------------------------------------------------- eval/ckpt
     def validate(self) -> dict[str, float]:
