@@ -211,8 +211,9 @@ class CriticConfig:
     """How per-token value losses become one number."""
 
     loss_scale_factor: PositiveInt | None = None
-    """The constant ``C`` of ``seq-mean-token-sum-norm`` for the value loss; null means the padded
-    response length of the mini-batch (verl's critic defaults to the actor's value instead)."""
+    """The constant ``C`` of ``seq-mean-token-sum-norm`` for the value loss; null means the actor's
+    ``loss_scale_factor`` (as verl's YAML), and when that is null too the padded response length of
+    the mini-batch."""
 
     use_dynamic_bsz: bool = False
     """Fill micro-batches up to ``ppo_max_token_len_per_gpu`` tokens."""

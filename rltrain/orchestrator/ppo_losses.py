@@ -170,9 +170,13 @@ def actor_loss_fn(
     return loss_fn
 
 
-def critic_loss_fn(cfg: CriticConfig, counts: GlobalCounts) -> LossFn:
-    """Clipped value loss around the values the critic predicted before the update."""
-    agg = counts.agg(cfg.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor)
+def critic_loss_fn(
+    cfg: CriticConfig, counts: GlobalCounts, *, actor_loss_scale_factor: int | None = None
+) -> LossFn:
+    """Clipped value loss around the values the critic predicted before the update.
+    ``critic.loss_scale_factor`` null takes the actor's (``actor_loss_scale_factor``), as verl's YAML."""
+    scale = actor_loss_scale_factor if cfg.loss_scale_factor is None else cfg.loss_scale_factor
+    agg = counts.agg(cfg.loss_agg_mode, loss_scale_factor=scale)
     token_mean = counts.agg("token-mean")
 
     def loss_fn(output: ModelOutput, micro_batch: TokenBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -373,9 +373,10 @@ class CriticWorker(_MegatronRankBase):
     def update_critic(self, mini_batches: list[tuple[StepBatch, GlobalCounts]]) -> list[dict[str, float]]:
         results = []
         for local, counts in mini_batches:
-            res = self.critic.update(
-                _token_batch(local, ("values", "returns")), critic_loss_fn(self.config.critic, counts)
+            loss_fn = critic_loss_fn(
+                self.config.critic, counts, actor_loss_scale_factor=self.config.actor.loss_scale_factor
             )
+            res = self.critic.update(_token_batch(local, ("values", "returns")), loss_fn)
             results.append(_step_metrics("critic", res))
         return results
 

@@ -193,3 +193,18 @@ def test_critic_loss_scale_factor(tmp_path):
     )
     # 0.5 · mean over 2 sequences of (1 + 4) / 4 and 9 / 4
     torch.testing.assert_close(loss, torch.tensor(0.5 * (5 / 4 + 9 / 4) / 2))
+
+
+@pytest.mark.parametrize(("critic_scale", "actor_scale", "scale"), [(None, 8, 8), (None, None, 2), (4, 8, 4)])
+def test_critic_loss_scale_factor_falls_back_to_the_actors(critic_scale, actor_scale, scale):
+    cfg = CriticConfig(
+        cliprange_value=10.0, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=critic_scale
+    )
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    values = torch.zeros(2, 2)
+    returns = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    loss, _ = critic_loss_fn(cfg, GlobalCounts.of(mask), actor_loss_scale_factor=actor_scale)(
+        ModelOutput(values=values), micro(mask, values=values, returns=returns)
+    )
+    # squared errors 0.5 · (1 + 4) and 0.5 · 9 per sequence, each over C = scale (2: the padded width)
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (5 / scale + 9 / scale) / 2))
