@@ -145,13 +145,29 @@ def _merge(
     for round_, prompt in kept:
         rows = torch.arange(prompt * n, (prompt + 1) * n)
         parts.append(_left_pad(round_.batch.select(rows), width, pad_token_id))
-    batch = StepBatch.concat(parts)
+    batch = StepBatch.concat(_alike(parts))
     batch.group_ids = torch.arange(len(kept)).repeat_interleave(n)
     last = kept[-1][0].prompts
     prompts = PromptBatch(
         examples=[r.prompts.examples[i] for r, i in kept], epoch=last.epoch, position=last.position
     )
     return batch, prompts
+
+
+def _alike(parts: list[StepBatch]) -> list[StepBatch]:
+    """``parts`` with the optional per-token fields a round may lack filled where another has them:
+    no turn rewards are zeros, no sampled mask is every response token (what None means)."""
+    if any(p.turn_rewards is not None for p in parts):
+        parts = [
+            p if p.turn_rewards is not None else replace(p, turn_rewards=torch.zeros_like(p.rollout_logprobs))
+            for p in parts
+        ]
+    if any(p.sampled_mask is not None for p in parts):
+        parts = [
+            p if p.sampled_mask is not None else replace(p, sampled_mask=p.response_mask.clone())
+            for p in parts
+        ]
+    return parts
 
 
 def _left_pad(batch: StepBatch, width: int, pad_token_id: int) -> StepBatch:

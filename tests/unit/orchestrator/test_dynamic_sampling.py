@@ -150,3 +150,17 @@ def test_overlong_penalty_against_hand_values():
 
 def test_round_seeds_differ_from_every_step_seed():
     assert round_seed(42, 0) == 42 and round_seed(42, 1) == 42 + 1_000_003
+
+
+def test_rounds_with_and_without_turn_rewards_or_sampled_masks_merge():
+    # round 0 has an interaction's turn reward and a sampled mask with a gap; round 1 has neither
+    first = _round("a", [2, 2], [[True, False], [True, True]])
+    first.batch.turn_rewards = torch.zeros(4, 3)
+    first.batch.turn_rewards[1, 0] = 0.5
+    first.batch.sampled_mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 0, 0], [0, 0, 0]])
+    second = _round("b", [3], [[False, True]], position=1)
+    batch, prompts, _, asked = _fill(first, [second], size=2)
+    assert asked == [1] and [ex.prompt for ex in prompts.examples] == ["a0", "b0"]
+    assert batch.turn_rewards.tolist() == [[0.0] * 3, [0.5, 0.0, 0.0], [0.0] * 3, [0.0] * 3]
+    # round 1's samples keep every response token (one each) as sampled
+    assert batch.sampled_mask.tolist() == [[1, 0, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
