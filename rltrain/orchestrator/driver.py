@@ -1,8 +1,11 @@
 """The single controller: one PPO step reads like the data flow in DESIGN.md.
 
-    generate → reward → old log-probs, reference log-probs, values → KL (in reward, or as a loss)
-    → advantages → ppo_epochs × mini-batches of critic and actor updates → weight sync
-    → metrics → checkpoint and eval on schedule
+    generate → reward (→ DAPO's further rounds, ReMax's greedy baselines) → old log-probs,
+    reference log-probs, values → KL (in reward, or as a loss) → advantages → ppo_epochs ×
+    mini-batches of critic and actor updates → weight sync → metrics → checkpoint and eval on schedule
+
+The rollout side of the step (the batch from the engines, rewards, the extra rollouts) is
+:class:`~rltrain.orchestrator.rollout_side.RolloutSide`, mixed in.
 
 The driver holds no model: roles are handles whose methods run on their workers. Every random
 choice is a function of (seed, step), so a run resumed from a checkpoint repeats the metrics of an
