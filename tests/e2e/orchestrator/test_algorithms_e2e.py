@@ -63,7 +63,7 @@ def test_dapo_fills_every_batch_with_varying_groups_and_resumes_exactly(local_ra
         assert m[ds.GENERATED_PROMPTS] == rounds * gen_size
         assert m[ds.KEPT_GROUPS] + m[ds.DROPPED_GROUPS] == m[ds.GENERATED_PROMPTS]
         assert m[ds.KEPT_GROUPS] - m[ds.SURPLUS_GROUPS] == train_size
-        assert m[ds.KEPT_GROUPS] >= train_size and m[ds.SURPLUS_GROUPS] >= 0
+        assert m[ds.SURPLUS_GROUPS] >= 0
         assert -1.0 <= m[ds.OVERLONG_PENALTY_MEAN] <= 0.0 and 0.0 <= m[ds.OVERLONG_FRAC] <= 1.0
         assert m["response/length/mean"] > 0 and "critic/vf_loss" not in m and "actor/kl_loss" not in m
     # the tiny model answers some prompts all wrong: groups go, and further rounds replace them

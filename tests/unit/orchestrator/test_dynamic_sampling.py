@@ -149,7 +149,12 @@ def test_overlong_penalty_against_hand_values():
 
 
 def test_round_seeds_differ_from_every_step_seed():
-    assert round_seed(42, 0) == 42 and round_seed(42, 1) == 42 + 1_000_003
+    # a step's first round keeps its seed (rollout.seed + step); no later round of the first 10k
+    # steps reuses the seed of any of them, nor of another step's round
+    assert round_seed(42 + 7, 0) == 42 + 7
+    step_seeds = {42 + step for step in range(1, 10_001)}
+    later = [round_seed(42 + step, r) for step in range(1, 10_001) for r in (1, 2, 3)]
+    assert not step_seeds & set(later) and len(set(later)) == len(later)
 
 
 def test_rounds_with_and_without_turn_rewards_or_sampled_masks_merge():
