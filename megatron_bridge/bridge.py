@@ -9,24 +9,32 @@ Contract:
   missing or unexpected names, naming them.
 - Tied embeddings: the output layer unit reads ``embed_tokens`` and is never exported; it exists
   only on pipeline stages that hold a separate copy of the output weight.
+- ``head`` says which HF head the Megatron ``output_layer.weight`` is: ``"lm"`` (the causal LM's
+  vocab-parallel ``lm_head.weight``, or the tied embedding) or ``"score"`` (the scalar head
+  [1, hidden] of a ``*ForSequenceClassification`` checkpoint, ``family.score_head``, replicated over
+  TP and never tied): the reward model. The body's units are the same for both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from megatron_bridge.dims import ModelDims
 from megatron_bridge.family import ModelFamily
-from megatron_bridge.mappings import AnyMapping, GroupedExperts
+from megatron_bridge.mappings import AnyMapping, GroupedExperts, Replicated
 from megatron_bridge.naming import num_wildcards
 from megatron_bridge.registry import get_family
 
 _OUTPUT = "output_layer.weight"
 _EMBED_HF = "model.embed_tokens.weight"
+
+Head = Literal["lm", "score"]
+"""The HF head ``output_layer.weight`` maps to: the causal LM's ``lm_head`` or a sequence
+classifier's ``score`` (a reward model)."""
 
 
 @dataclass(frozen=True)
@@ -45,23 +53,33 @@ class Unit:
 
 
 class Bridge:
-    """Mappings of ``family`` resolved for a model of shape ``dims``."""
+    """Mappings of ``family`` resolved for a model of shape ``dims`` with output head ``head``."""
 
-    def __init__(self, family: ModelFamily, dims: ModelDims) -> None:
+    def __init__(self, family: ModelFamily, dims: ModelDims, *, head: Head = "lm") -> None:
+        if head not in ("lm", "score"):
+            raise ValueError(f"head={head!r}; expected 'lm' or 'score'")
         self.family = family
         self.dims = dims
+        self.head: Head = head
         self.units = self._build_units()
         self._by_megatron = {n: (u, i) for u in self.units for i, n in enumerate(u.megatron_names)}
         self._by_hf = {n: u for u in self.units if not u.tied for n in u.hf_names}
 
     @classmethod
     def from_hf_config(
-        cls, config: Any, *, tp_size: int = 1, make_vocab_size_divisible_by: int = 128
+        cls, config: Any, *, tp_size: int = 1, make_vocab_size_divisible_by: int = 128, head: Head = "lm"
     ) -> Bridge:
+        """The bridge of the family of ``config``'s ``model_type`` (a ``*ForSequenceClassification``
+        config has its causal LM's); ``head="score"`` for a reward model."""
         dims = ModelDims.from_hf_config(
             config, tp_size=tp_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by
         )
-        return cls(get_family(dims.model_type), dims)
+        return cls(get_family(dims.model_type), dims, head=head)
+
+    @property
+    def score_head(self) -> str | None:
+        """HF name of the scalar head ``output_layer.weight`` loads (``head="score"``), else None."""
+        return self.family.score_head if self.head == "score" else None
 
     def _values(self, mapping: AnyMapping) -> list[tuple[int, ...]]:
         """Wildcard values of the mapping's units: (), (layer,) or (layer, expert)."""
@@ -80,6 +98,8 @@ class Bridge:
     def _build_units(self) -> list[Unit]:
         units: list[tuple[float, int, Unit]] = []
         for order, mapping in enumerate(self.family.mappings):
+            if self.head == "score" and mapping.megatron == _OUTPUT:
+                mapping = Replicated(_OUTPUT, self.family.score_head)
             if mapping.is_expert and self.dims.num_experts == 0:
                 raise ValueError(
                     f"{self.family.name}: expert row {mapping.megatron!r} but the config has no experts"
@@ -87,7 +107,7 @@ class Bridge:
             for values in self._values(mapping):
                 megatron = tuple(mapping.megatron_names(values, self.dims))
                 hf = tuple(mapping.hf_names(values))
-                tied = megatron == (_OUTPUT,) and self.dims.tie_word_embeddings
+                tied = megatron == (_OUTPUT,) and self.dims.tie_word_embeddings and self.head == "lm"
                 if tied:
                     hf = (_EMBED_HF,)
                 if values:

@@ -11,7 +11,8 @@ Contract:
   (``rltrain/megatron/model.py``) translates it into ``TransformerConfig`` fields, and nothing else
   in the trainer asks which family a model belongs to.
 - Each family lives in one file under ``megatron_bridge/models/``; ``megatron_bridge.registry``
-  finds it by ``model_type``.
+  finds it by ``model_type``. A family's causal LM and its ``*ForSequenceClassification`` model share
+  the ``model_type`` (and so the family): they differ only in the head (``score_head``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ class ModelFamily:
     """HF config (``PretrainedConfig`` or ``config.json`` dict) → the model's ``ArchitectureFacts``."""
     tiny_preset: Mapping[str, Any]
     """HF-config keyword arguments of the tiny random test model (``vocab_size`` is set by the caller)."""
+    score_head: str = "score.weight"
+    """HF name of the scalar head of the family's ``*ForSequenceClassification`` checkpoint
+    ([num_labels, hidden], no bias), which a reward model's ``output_layer.weight`` loads."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiny_preset", MappingProxyType(dict(self.tiny_preset)))

@@ -3,10 +3,14 @@
 Contract (torch and torch.distributed only; ``ctx`` is the caller's parallel context: anything with
 its rank and size attributes — ``rank``, ``world_size``, ``tp_rank``/``tp_size``, ``dp_rank``,
 ``ep_rank``/``ep_size``, ``etp_size`` — and ``groups``):
-- ``bridge_for_chunks`` binds the family table to the model as built (its padded vocabulary).
+- ``bridge_for_chunks`` binds the family table to the model as built (its padded vocabulary);
+  ``head="score"`` for a reward model, whose ``output_layer.weight`` [1, hidden] loads the
+  ``score.weight`` of an HF ``*ForSequenceClassification`` checkpoint.
 - ``load_hf_weights(chunks, ctx, bridge, reader)`` (collective) fills every parameter of this rank's
   chunks from an ``HFCheckpointReader``, one unit at a time; it fails naming model parameters with
   no mapping, HF tensors never used by any rank (unexpected), missing HF tensors and mis-shaped ones.
+  A score-head bridge first checks that the checkpoint has that head with one label, else raises
+  ``errors.CheckpointError`` naming the directory.
 - ``LazyShards(chunks, ctx, bridge, reader)`` does the same checks for chunks that may sit on the
   meta device, and reads a parameter's values (or any view of it) only when ``materialize``d,
   keeping one unit: the source of a streamed checkpoint writer.
@@ -24,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_bridge.bridge import Bridge
+from megatron_bridge.bridge import Bridge, Head
+from megatron_bridge.errors import CheckpointError
 from megatron_bridge.hf_io import HFCheckpointReader
 from megatron_bridge.naming import ChunkNaming
 from megatron_bridge.registry import get_family
@@ -63,18 +68,20 @@ def chunk_namings(chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge) -> li
     return namings
 
 
-def bridge_for_chunks(hf_config: Any, chunks: list[torch.nn.Module], ctx: Any) -> Bridge:
-    """The bridge of ``hf_config`` with the vocabulary padding of the chunks as built."""
-    bridge = Bridge.from_hf_config(hf_config, tp_size=ctx.tp_size)
-    rows = [
-        p.shape[0]
-        for c in chunks
-        for n, p in _unwrap(c).named_parameters()
-        if n in (_EMBED, "output_layer.weight")
-    ]
+def bridge_for_chunks(
+    hf_config: Any, chunks: list[torch.nn.Module], ctx: Any, *, head: Head = "lm"
+) -> Bridge:
+    """The bridge of ``hf_config`` with the vocabulary padding of the chunks as built; ``head``: what
+    their ``output_layer.weight`` is (``"score"``: a reward model's scalar head)."""
+    bridge = Bridge.from_hf_config(hf_config, tp_size=ctx.tp_size, head=head)
+    # A scalar head has one row: only the embedding (and an LM head) tell the padded vocabulary.
+    vocab_params = (_EMBED,) if head == "score" else (_EMBED, "output_layer.weight")
+    rows = [p.shape[0] for c in chunks for n, p in _unwrap(c).named_parameters() if n in vocab_params]
     if rows:
         return Bridge(
-            get_family(bridge.dims.model_type), bridge.dims.with_padded_vocab(rows[0] * ctx.tp_size)
+            get_family(bridge.dims.model_type),
+            bridge.dims.with_padded_vocab(rows[0] * ctx.tp_size),
+            head=head,
         )
     return bridge
 
@@ -98,6 +105,7 @@ def _checked_params(
     chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, reader: HFCheckpointReader
 ) -> dict[int, list[tuple[str, str, torch.Tensor]]]:
     """This rank's parameters grouped by unit id, after checking both name sets; errors name them."""
+    _check_score_head(bridge, reader)
     params = _local_params(chunks, ctx, bridge)
     for canonical, local, _ in params:
         if canonical not in bridge._by_megatron:
@@ -116,6 +124,26 @@ def _checked_params(
         unit, _ = bridge.unit_of_megatron(item[0])
         by_unit.setdefault(id(unit), []).append(item)
     return by_unit
+
+
+def _check_score_head(bridge: Bridge, reader: HFCheckpointReader) -> None:
+    """A reward model needs a sequence classifier's scalar head: ``score.weight`` [1, hidden]."""
+    name = bridge.score_head
+    if name is None:
+        return
+    if name not in reader.tensors:
+        heads = [n for n in reader.names() if "." not in n.removesuffix(".weight")]
+        raise CheckpointError(
+            f"HF checkpoint {reader.directory} has no {name}: a reward model loads a "
+            f"*ForSequenceClassification checkpoint with num_labels=1 (its head tensors: {heads})"
+        )
+    shape, hidden = reader.info(name).shape, bridge.dims.hidden_size
+    if shape != (1, hidden):
+        labels = f" (num_labels={shape[0]})" if len(shape) == 2 and shape[1] == hidden else ""
+        raise CheckpointError(
+            f"HF checkpoint {reader.directory}: {name} has shape {list(shape)}{labels}; "
+            f"a reward model needs num_labels=1, i.e. [1, {hidden}]"
+        )
 
 
 def _unit_shards(

@@ -4,11 +4,14 @@ Contract: ``run_model`` takes a :class:`~rltrain.algo.token_batch.TokenBatch` (p
 ``[prompt (left-padded) | response (right-padded)]``, the last ``response_len`` columns being the
 response), splits it into micro-batches (fixed size, or filled up to a token budget), optionally
 packs each micro-batch into one row (THD, no attention across sequences, positions restarting per
-sequence), runs them through Megatron's pipeline schedule, and returns a
-:class:`~rltrain.algo.token_batch.ModelOutput` in the original sample order: ``logprobs``/``entropy``
-(actor) or ``values`` (critic), each [batch, response_len], zero on padding. The output for
+sequence), runs them through Megatron's pipeline schedule, and returns, in the original sample
+order, a :class:`~rltrain.algo.token_batch.ModelOutput` with ``logprobs``/``entropy`` (actor,
+``outputs="logprobs"``) or ``values`` (critic, ``outputs="values"``), each [batch, response_len],
+zero on padding, or (reward model, ``outputs="scores"``) ``scores`` [batch]. The output for
 response token j comes from position ``seq - response_len - 1 + j`` (the token before it), as in
-verl. Every rank of the pipeline gets the same result (broadcast from the last stage). With
+verl; a row's score is the scalar head's output at its last token with attention mask 1 (the last
+response token; the last prompt token for an empty response), where an HF sequence classifier pools.
+Every rank of the pipeline gets the same result (broadcast from the last stage). With
 ``loss_fn`` (a :class:`~rltrain.algo.token_batch.LossFn`) it also runs the backward; the loss
 callable sees one micro-batch's outputs and must use global denominators (its sum over
 micro-batches and data-parallel ranks is the batch loss), so gradients do not depend on the split.
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,15 @@ from rltrain.data.packing import pack_sequences, padded_position_ids
 from rltrain.megatron.local_spec import padded_causal_mask
 from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 from rltrain.megatron.parallel import ParallelContext
+
+Outputs = Literal["logprobs", "values", "scores"]
+"""What a forward pass returns: the LM head's logprobs and entropy, the critic's per-token values,
+or the reward model's per-sequence scores."""
+_OUTPUT_NAMES: dict[str, tuple[str, ...]] = {
+    "logprobs": ("logprobs", "entropy"),
+    "values": ("values",),
+    "scores": ("scores",),
+}
 
 
 @dataclass
@@ -67,6 +79,8 @@ class _ModelInputs:
     source_index: torch.Tensor
     """[batch, response_len] flat index into [rows × tokens] of the position predicting each response
     token (0 where the response is padding)."""
+    last_index: torch.Tensor
+    """[batch] flat index into [rows × tokens] of each row's last token with attention mask 1."""
 
 
 def _prepare(
@@ -82,6 +96,8 @@ def _prepare(
     seq, resp = input_ids.size(1), batch.response_len
     predictor_cols = torch.arange(seq - resp - 1, seq - 1, device=device)
     valid = attention_mask[:, -resp:].bool()
+    last_cols = (torch.arange(seq, device=device) * attention_mask.bool()).argmax(dim=1)
+    rows = torch.arange(input_ids.size(0), device=device)
     if pack:
         packed = pack_sequences(
             input_ids, attention_mask, pad_to_multiple=pad_to_multiple, min_length=min_length
@@ -95,9 +111,9 @@ def _prepare(
             max_seqlen_kv=packed.max_seqlen,
         )
         source = packed.token_index[:, predictor_cols].clamp(min=0)
-        return _ModelInputs(batch, packed.input_ids, packed.position_ids, None, params, source * valid)
-    rows = torch.arange(input_ids.size(0), device=device).unsqueeze(1)
-    source = (rows * seq + predictor_cols.unsqueeze(0)) * valid
+        last = packed.token_index[rows, last_cols].clamp(min=0)
+        return _ModelInputs(batch, packed.input_ids, packed.position_ids, None, params, source * valid, last)
+    source = (rows.unsqueeze(1) * seq + predictor_cols.unsqueeze(0)) * valid
     return _ModelInputs(
         batch,
         input_ids,
@@ -105,18 +121,24 @@ def _prepare(
         padded_causal_mask(attention_mask),
         None,
         source,
+        rows * seq + last_cols,
     )
 
 
 def _head_outputs(
-    output: torch.Tensor, inputs: _ModelInputs, *, ctx: ParallelContext, critic: bool, vocab_size: int | None
+    output: torch.Tensor,
+    inputs: _ModelInputs,
+    *,
+    ctx: ParallelContext,
+    outputs: Outputs,
+    vocab_size: int | None,
 ) -> ModelOutput:
     """output: [rows, tokens, vocab/tp] logits or [rows, tokens, 1] values → ``ModelOutput``."""
     batch = inputs.batch
     mask = batch.response_mask.to(output.device)
     picked = output.reshape(-1, output.size(-1))[inputs.source_index.flatten()]
     shape = inputs.source_index.shape
-    if critic:
+    if outputs == "values":
         return ModelOutput(values=picked.squeeze(-1).float().view(shape) * mask)
     targets = batch.input_ids[:, -batch.response_len :].to(output.device).flatten()
     logprobs, entropy = vocab_parallel_logprobs_entropy(
@@ -125,12 +147,17 @@ def _head_outputs(
     return ModelOutput(logprobs=logprobs.view(shape) * mask, entropy=entropy.view(shape) * mask)
 
 
+def _scores(output: torch.Tensor, inputs: _ModelInputs) -> torch.Tensor:
+    """output: [rows, tokens, 1] scalar head → [batch] float32 at each row's last real token."""
+    return output.reshape(-1)[inputs.last_index].float()
+
+
 def _forward_step(
     data_iterator: Any,
     model: torch.nn.Module,
     *,
     ctx: ParallelContext,
-    critic: bool,
+    outputs: Outputs,
     vocab_size: int | None,
     loss_fn: LossFn | None,
     loss_scale: float,
@@ -144,9 +171,11 @@ def _forward_step(
     )
 
     def loss_func(output_tensor: torch.Tensor) -> tuple:
-        out = _head_outputs(output_tensor, inputs, ctx=ctx, critic=critic, vocab_size=vocab_size)
+        if outputs == "scores":
+            return output_tensor.new_zeros(()), {"scores": _scores(output_tensor, inputs)}
+        out = _head_outputs(output_tensor, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size)
         if loss_fn is None:
-            return output_tensor.new_zeros(()), {"output": out}
+            return output_tensor.new_zeros(()), {name: getattr(out, name) for name in _OUTPUT_NAMES[outputs]}
         loss, metrics = loss_fn(out, inputs.batch)
         # Megatron divides by the number of micro-batches and averages gradients over DP×CP; the
         # loss already carries global denominators, so undo both (one token count per micro-batch).
@@ -161,10 +190,13 @@ class ForwardResult:
     """Outputs of ``run_model`` on every pipeline rank."""
 
     output: ModelOutput
-    """Per-response-token outputs in the original sample order."""
+    """Per-response-token outputs in the original sample order (empty for ``outputs="scores"`` and
+    for a forward-backward pass)."""
     metrics: dict[str, float]
     """Loss-callable metrics (and ``loss``) summed over micro-batches and data-parallel ranks;
     empty for a forward-only pass."""
+    scores: torch.Tensor | None = None
+    """[batch] float32 reward-model scores in the original sample order (``outputs="scores"``)."""
 
 
 def run_model(
@@ -173,14 +205,22 @@ def run_model(
     *,
     ctx: ParallelContext,
     batching: MicroBatching,
-    critic: bool = False,
+    outputs: Outputs = "logprobs",
     loss_fn: LossFn | None = None,
     vocab_size: int | None = None,
 ) -> ForwardResult:
     """Forward (``loss_fn=None``, no grad) or forward-backward of ``batch`` through ``chunks``.
 
-    ``vocab_size``: the real vocabulary when the model's is padded (None: not padded).
+    ``outputs``: what the chunks' head gives (``"values"`` and ``"scores"`` need the scalar head of
+    the critic / reward role); ``"scores"`` is forward-only. ``vocab_size``: the real vocabulary when
+    the model's is padded (None: not padded).
     """
+    if outputs not in _OUTPUT_NAMES:
+        raise ValueError(f"outputs={outputs!r}; expected one of {', '.join(_OUTPUT_NAMES)}")
+    if outputs == "scores" and loss_fn is not None:
+        raise ValueError(
+            "outputs='scores' is forward-only (no loss_fn): the reward model is not trained here"
+        )
     if ctx.cp_size > 1:
         raise NotImplementedError("context_parallel_size > 1: sequences are not split over CP ranks yet")
     if ctx.device.type == "cuda" and not batching.use_remove_padding:
@@ -192,7 +232,7 @@ def run_model(
     step = partial(
         _forward_step,
         ctx=ctx,
-        critic=critic,
+        outputs=outputs,
         vocab_size=vocab_size,
         loss_fn=loss_fn,
         loss_scale=float(len(micro) * ctx.dp_size * ctx.cp_size),
@@ -210,9 +250,11 @@ def run_model(
             micro_batch_size=max(m.input_ids.size(0) for m in micro),
             forward_only=forward_only,
         )
-    output = _gather_outputs(stored, splits, batch, ctx=ctx, critic=critic, forward_only=forward_only)
-    metrics = {} if forward_only else _sum_metrics(stored, ctx=ctx)
-    return ForwardResult(output=output, metrics=metrics)
+    if not forward_only:
+        return ForwardResult(output=ModelOutput(), metrics=_sum_metrics(stored, ctx=ctx))
+    gathered = _gather_outputs(stored, splits, batch, ctx=ctx, outputs=outputs)
+    scores = gathered.pop("scores", None)
+    return ForwardResult(output=ModelOutput(**gathered), metrics={}, scores=scores)
 
 
 def _micro_batches(
@@ -245,23 +287,20 @@ def _gather_outputs(
     batch: TokenBatch,
     *,
     ctx: ParallelContext,
-    critic: bool,
-    forward_only: bool,
-) -> ModelOutput:
+    outputs: Outputs,
+) -> dict[str, torch.Tensor]:
     """Restore sample order on the last stage and broadcast to the other pipeline stages."""
-    if not forward_only:
-        return ModelOutput()
-    names = ("values",) if critic else ("logprobs", "entropy")
-    shape = (batch.batch_size, batch.response_len)
+    names = _OUTPUT_NAMES[outputs]
+    shape = (batch.batch_size,) if outputs == "scores" else (batch.batch_size, batch.response_len)
     result = {name: torch.zeros(shape, dtype=torch.float32, device=ctx.device) for name in names}
     if ctx.is_pipeline_last_stage:
         order = torch.tensor([i for idx in splits for i in idx], device=ctx.device)
         for name in names:
-            result[name][order] = torch.cat([getattr(s["output"], name) for s in stored]).float()
+            result[name][order] = torch.cat([s[name] for s in stored]).float()
     if ctx.pp_size > 1:
         for name in names:
             dist.broadcast(result[name], src=ctx.pipeline_last_rank, group=ctx.groups.pp)
-    return ModelOutput(**result)
+    return result
 
 
 def _sum_metrics(stored: list[dict], *, ctx: ParallelContext) -> dict[str, float]:

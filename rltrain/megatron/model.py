@@ -3,8 +3,10 @@
 Contract: ``build_model(hf_config, ctx=..., role=...)`` returns this rank's model chunks (one per
 virtual pipeline stage; a single chunk without VPP) with randomly initialized weights; the weight
 bridge loads real weights into them through their ``state_dict``. ``role="actor"`` (also used for the
-reference) ends in the vocab-parallel LM head; ``role="critic"`` ends in a value head mapping each
-token's final hidden state to one scalar (``output_layer.weight``: [1, hidden], replicated over TP).
+reference) ends in the vocab-parallel LM head; ``role="critic"`` and ``role="reward"`` end in a scalar
+head mapping each token's final hidden state to one number (``output_layer.weight``: [1, hidden],
+replicated over TP, never tied to the embedding): the critic's values, or the reward model's score,
+which the bridge loads from an HF ``*ForSequenceClassification`` checkpoint's ``score.weight``.
 
 Shapes come from the HF config; what differs between families (Q/K/V biases, q/k norm, tied
 embeddings, experts, router and shared expert) comes from the family's ``ArchitectureFacts``
@@ -37,7 +39,9 @@ from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.local_spec import local_block_spec
 from rltrain.megatron.parallel import ParallelContext
 
-Role = Literal["actor", "reference", "critic"]
+Role = Literal["actor", "reference", "critic", "reward"]
+SCALAR_HEAD_ROLES = ("critic", "reward")
+"""Roles whose ``output_layer`` is a :class:`ValueHead` (one number per token) instead of the LM head."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ def gpt_options(hf_config: Any, *, role: Role, vocab_size: int | None = None) ->
         rope_scaling=llama3,
         rope_scaling_factor=float(rope.get("factor", 8.0)),
         seq_len_interpolation_factor=float(rope["factor"]) if rope_type == "linear" else None,
-        tie_word_embeddings=facts.tie_word_embeddings and role != "critic",
+        tie_word_embeddings=facts.tie_word_embeddings and role not in SCALAR_HEAD_ROLES,
     )
 
 
@@ -231,7 +235,8 @@ def layer_spec(config: TransformerConfig, *, vp_stage: int | None) -> ModuleSpec
 
 
 class ValueHead(torch.nn.Module):
-    """Critic head: final hidden state → one scalar per token; stands in for ``GPTModel.output_layer``."""
+    """Scalar head of the critic and the reward model: final hidden state → one number per token,
+    ``F.linear`` without bias (HF's ``score``); stands in for ``GPTModel.output_layer``."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -266,8 +271,8 @@ def build_model(
     The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by × TP``; the logprob path
     ignores the padded columns when given the real ``vocab_size``.
     """
-    if role not in ("actor", "reference", "critic"):
-        raise ValueError(f"role={role!r}; expected actor, reference or critic")
+    if role not in ("actor", "reference", "critic", "reward"):
+        raise ValueError(f"role={role!r}; expected actor, reference, critic or reward")
     dtype = params_dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     config = transformer_config_from_hf(
         hf_config, parallel=ctx.parallel, params_dtype=dtype, recompute_activations=recompute_activations
@@ -297,7 +302,7 @@ def build_model(
             seq_len_interpolation_factor=options.seq_len_interpolation_factor,
             vp_stage=vp_stage if num_chunks > 1 else None,
         )
-        if role == "critic" and post:
+        if role in SCALAR_HEAD_ROLES and post:
             model.output_layer = ValueHead(config)
         model.to(ctx.device)
         chunks.append(model)

@@ -147,7 +147,13 @@ def train_step(
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     result = run_model(
-        chunks, batch, ctx=ctx, batching=batching, critic=critic, loss_fn=loss_fn, vocab_size=vocab_size
+        chunks,
+        batch,
+        ctx=ctx,
+        batching=batching,
+        outputs="values" if critic else "logprobs",
+        loss_fn=loss_fn,
+        vocab_size=vocab_size,
     )
     lr = optimizer.param_groups[0]["lr"]
     grad_norm, skipped = _step(optimizer)

@@ -8,7 +8,12 @@
     for name, tensor in worker.named_parameters(): ...   # local shards for weight sync
 
 The critic (``role="critic"``) has ``compute_values`` instead of ``compute_log_prob``; the reference
-(``role="reference"``) has no optimizer.
+(``role="reference"``) has no optimizer. The reward model (``role="reward"``, forward only, no
+optimizer) has ``compute_rm_scores``:
+
+    rm = MegatronWorker(hf_config, ctx=ctx, role="reward", batching=batching)
+    (the bridge loads an HF ``*ForSequenceClassification`` checkpoint, ``score.weight`` → the head)
+    scores = rm.compute_rm_scores(batch)        # [batch] float32, at each row's last real token
 
 Data (``TokenBatch``, ``ModelOutput`` and ``LossFn`` of :mod:`rltrain.algo.token_batch`): every
 rank of one data-parallel replica (its TP/PP/CP ranks) must receive the same batch; each
@@ -33,7 +38,7 @@ from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
 from rltrain.megatron.forward import MicroBatching, run_model
-from rltrain.megatron.model import Role, build_model
+from rltrain.megatron.model import SCALAR_HEAD_ROLES, Role, build_model
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.train_step import TrainStepResult, build_optimizer, train_step, wrap_for_training
 
@@ -72,8 +77,8 @@ class MegatronWorker:
         )
         self.optimizer = self.scheduler = None
         if optim is not None:
-            if role == "reference":
-                raise ValueError("role='reference' is not trained; pass optim=None")
+            if role in ("reference", "reward"):
+                raise ValueError(f"role={role!r} is not trained; pass optim=None")
             self.model = wrap_for_training(chunks, use_distributed_optimizer=optim.use_distributed_optimizer)
             self.optimizer, self.scheduler = build_optimizer(
                 self.model, optim, total_steps=total_steps, offload_optimizer=offload_optimizer
@@ -94,8 +99,8 @@ class MegatronWorker:
 
     def compute_log_prob(self, batch: TokenBatch) -> ModelOutput:
         """Per-response-token log-probabilities and entropy, [batch, response_len] (no grad)."""
-        if self.role == "critic":
-            raise ValueError("compute_log_prob on a critic; use compute_values")
+        if self.role in SCALAR_HEAD_ROLES:
+            raise ValueError(f"compute_log_prob on role={self.role!r}, which has a scalar head, no LM head")
         return run_model(
             self.model, batch, ctx=self.ctx, batching=self.batching, vocab_size=self.vocab_size
         ).output
@@ -104,7 +109,19 @@ class MegatronWorker:
         """Critic values, [batch, response_len] (no grad)."""
         if self.role != "critic":
             raise ValueError(f"compute_values on role={self.role!r}; only the critic has a value head")
-        return run_model(self.model, batch, ctx=self.ctx, batching=self.batching, critic=True).output.values
+        return run_model(
+            self.model, batch, ctx=self.ctx, batching=self.batching, outputs="values"
+        ).output.values
+
+    def compute_rm_scores(self, batch: TokenBatch) -> torch.Tensor:
+        """Reward-model scores, [batch] float32 (no grad): the scalar head's output at each row's last
+        token with attention mask 1 (the last response token), where an HF sequence classifier pools."""
+        if self.role != "reward":
+            raise ValueError(f"compute_rm_scores on role={self.role!r}; only role='reward' scores sequences")
+        empty = (batch.attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"compute_rm_scores: rows {empty[:10]} have no token (attention_mask all 0)")
+        return run_model(self.model, batch, ctx=self.ctx, batching=self.batching, outputs="scores").scores
 
     def update(self, batch: TokenBatch, loss_fn: LossFn) -> TrainStepResult:
         """One optimizer step on this data-parallel rank's share of the mini-batch (actor: policy loss

@@ -80,7 +80,10 @@ def load_hf_into(worker, *, ctx, hf_config, model_dir: str) -> None:
     """Fill a Megatron role's chunks from the HF checkpoint in ``model_dir`` through the bridge.
 
     A critic's value head has no HF counterpart: it keeps its seeded initialisation (as verl's
-    critic does) and is hidden from the bridge while the body loads.
+    critic does) and is hidden from the bridge while the body loads. A reward model
+    (``role="reward"``) loads all of an HF ``*ForSequenceClassification`` checkpoint, its
+    ``score.weight`` into the scalar head; a checkpoint without one, or with num_labels != 1, raises
+    ``megatron_bridge.errors.CheckpointError`` naming ``model_dir``.
     """
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, load_hf_weights
@@ -94,7 +97,7 @@ def load_hf_into(worker, *, ctx, hf_config, model_dir: str) -> None:
     for chunk, _ in heads:
         chunk.output_layer = None
     try:
-        bridge = bridge_for_chunks(hf_config, chunks, ctx)
+        bridge = bridge_for_chunks(hf_config, chunks, ctx, head="score" if worker.role == "reward" else "lm")
         load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(model_dir))
     finally:
         for chunk, head in heads:
