@@ -1,21 +1,28 @@
-"""Rule rewards scored in Ray CPU tasks (``reward.num_workers``), for verifiers too slow for the driver.
+"""Rewards scored in Ray CPU tasks (``reward.num_workers``), for verifiers too slow for the driver.
 
 The rows of a step are cut into ``num_workers`` contiguous chunks; each chunk is scored by the same
-:class:`~rltrain.rewards.RewardManager` in a Ray task, and the results come back in row order, so
-the metrics and scores are exactly those of scoring in the driver. A step whose chunks are not all
-scored within ``timeout_s`` (``trainer.timeouts.reward_s``) cancels the rest and raises
-:class:`RewardTimeout` in one line.
+:class:`~rltrain.rewards.RewardManager` in a Ray task (:meth:`~rltrain.rewards.RewardManager.score_rows`),
+and the results come back in row order, so the metrics and scores are exactly those of scoring in the
+driver. The manager travels pickled; a custom reward function travels as its file's path and is
+loaded again in the task (:mod:`rltrain.rewards.custom`). A step whose chunks are not all scored
+within ``timeout_s`` (``trainer.timeouts.reward_s``) cancels the rest and raises
+:class:`RewardTimeout` in one line; a task that fails with one of the one-line errors (a custom
+reward's bad answer, a remote scorer that does not answer) raises that error itself in the driver.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ray
+import ray.exceptions
 
+from rltrain.config.recipe import ConfigError
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.rewards import RewardManager, RewardOutput, RewardResult
+from rltrain.rewards.manager import Row
 
 
 class RewardTimeout(RunStopped):
@@ -23,8 +30,8 @@ class RewardTimeout(RunStopped):
 
 
 @ray.remote(num_cpus=0.5)
-def _score_chunk(manager: RewardManager, rows: list[tuple[str, str, str]]) -> list[RewardResult]:
-    return [manager.score_one(*row) for row in rows]
+def _score_chunk(manager: RewardManager, rows: list[Row]) -> list[RewardResult]:
+    return manager.score_rows(rows)
 
 
 class RayRewardPool:
@@ -39,7 +46,7 @@ class RayRewardPool:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
 
-    def _score_rows(self, manager: RewardManager, rows: list[tuple[str, str, str]]) -> list[RewardResult]:
+    def _score_rows(self, manager: RewardManager, rows: list[Row]) -> list[RewardResult]:
         size = -(-len(rows) // self.num_workers)
         chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
         shared = ray.put(manager)
@@ -53,11 +60,26 @@ class RayRewardPool:
                 f"not scored within {self.timeout_s:g} s (trainer.timeouts.reward_s): a reward function "
                 "that hangs?"
             )
-        return [r for part in ray.get(refs) for r in part]
+        try:
+            parts = ray.get(refs)
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, RunStopped | ConfigError):  # its message says everything
+                raise err.cause from None
+            raise
+        return [r for part in parts for r in part]
 
     def __call__(
-        self, responses: Sequence[str], *, ground_truths: Sequence[str], data_sources: Sequence[str]
+        self,
+        responses: Sequence[str],
+        *,
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardOutput:
         return self.manager(
-            responses, ground_truths=ground_truths, data_sources=data_sources, score_rows=self._score_rows
+            responses,
+            ground_truths=ground_truths,
+            data_sources=data_sources,
+            extra_infos=extra_infos,
+            score_rows=self._score_rows,
         )

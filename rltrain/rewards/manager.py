@@ -13,11 +13,18 @@ function's signature when the manager is built, so a misspelled key fails before
 rollout, as does an override naming an unregistered reward. :meth:`RewardManager.check_examples`
 checks loaded prompts the same way: each row's data_source must have a reward function and its
 ground truth must be one that function can score.
+
+An external ``scorer`` (:mod:`.custom`: ``reward.custom_reward_function``; :mod:`.remote`:
+``reward.remote``) scores every row in place of the registry, as verl's custom reward function does:
+data sources need no registered reward then, and the rows' ``extra_info`` reaches it. The format
+bonus is added to its scores all the same. Numeric extra keys of its answers are averaged into
+``reward/extra/<key>/mean`` over the rows that have them.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +33,8 @@ import torch
 
 from rltrain.data.dataset import DataRowError
 from rltrain.logging import metrics as mk
+from rltrain.rewards.code_exec import CODE_DATA_SOURCES
+from rltrain.rewards.external import ExternalScorer, ScoreRequest
 from rltrain.rewards.format import compile_format_pattern, format_reward
 from rltrain.rewards.registry import (
     RewardFn,
@@ -38,6 +47,10 @@ from rltrain.rewards.registry import (
 if TYPE_CHECKING:
     from rltrain.config.reward import RewardConfig
     from rltrain.data.dataset import PromptExample
+
+Row = tuple[str, str, str] | tuple[str, str, str, Mapping[str, Any]]
+"""The positional arguments of :meth:`RewardManager.score_one`: response, ground truth, data_source
+and, where the caller has it, the row's extra_info."""
 
 
 @dataclass
@@ -69,6 +82,7 @@ class RewardManager:
         reward_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
         format_pattern: str | None = None,
         format_coef: float = 0.0,
+        scorer: ExternalScorer | None = None,
     ) -> None:
         """
         Args:
@@ -79,6 +93,7 @@ class RewardManager:
                 ``{"gsm8k": {"method": "flexible"}}``.
             format_pattern: regex the whole response must match to earn the format bonus.
             format_coef: weight of the format bonus; needs ``format_pattern`` when non-zero.
+            scorer: scores every row in place of the registry (a custom function, a remote service).
         """
         self.source_overrides = dict(source_overrides or {})
         for target in self.source_overrides.values():
@@ -94,20 +109,64 @@ class RewardManager:
             raise ValueError(f"format_coef={format_coef} needs a format_pattern")
         self.format_pattern = compile_format_pattern(format_pattern) if format_pattern else None
         self.format_coef = format_coef
+        self.scorer = scorer
 
     @classmethod
     def from_config(cls, config: RewardConfig) -> RewardManager:
-        """Build from the ``reward`` section of a recipe."""
+        """Build from the ``reward`` section of a recipe (a custom reward's file is loaded now)."""
+        from rltrain.rewards.custom import CustomReward
+        from rltrain.rewards.remote import RemoteReward
+
+        scorer: ExternalScorer | None = None
+        custom, remote = config.custom_reward_function, config.remote
+        if custom.path is not None:
+            scorer = CustomReward(
+                custom.path,
+                name=custom.name,
+                reward_kwargs=custom.reward_kwargs,
+                correct_score=config.correct_score,
+            )
+        elif remote.enable:
+            assert remote.url is not None  # RewardConfig.validate
+            scorer = RemoteReward(
+                remote.url,
+                timeout_s=remote.timeout_s,
+                max_retries=remote.max_retries,
+                backoff_s=remote.backoff_s,
+                max_concurrency=remote.max_concurrency,
+                correct_score=config.correct_score,
+            )
+        sandbox = {"timeout_s": config.sandbox.timeout_s, "memory_mb": config.sandbox.memory_mb}
         return cls(
             correct_score=config.correct_score,
             format_score=config.format_score,
             source_overrides=config.source_overrides,
+            reward_kwargs={name: sandbox for name in CODE_DATA_SOURCES},
+            format_pattern=config.format_pattern,
+            format_coef=config.format_coef,
+            scorer=scorer,
         )
 
-    def score_one(self, response: str, ground_truth: str, data_source: str) -> RewardResult:
-        """Score one response with the reward function of ``data_source``."""
+    def score_one(
+        self,
+        response: str,
+        ground_truth: str,
+        data_source: str,
+        extra_info: Mapping[str, Any] | None = None,
+    ) -> RewardResult:
+        """Score one response with the external scorer, else the reward function of ``data_source``
+        (which does not see ``extra_info``)."""
+        if self.scorer is not None:
+            return self.score_rows([(response, ground_truth, data_source, extra_info or {})])[0]
         name, fn = self._reward_of(data_source)
         return fn(response, ground_truth, **self.reward_kwargs.get(name, self.default_kwargs))
+
+    def score_rows(self, rows: Sequence[Row]) -> list[RewardResult]:
+        """One result per row, in order (an external scorer gets the rows together: a remote one
+        sends them concurrently)."""
+        if self.scorer is not None:
+            return self.scorer.score_requests([_request(row) for row in rows])
+        return [self.score_one(*row) for row in rows]
 
     def _reward_of(self, data_source: str) -> tuple[str, RewardFn]:
         name = self.source_overrides.get(data_source, data_source)
@@ -122,6 +181,8 @@ class RewardManager:
         Raises :class:`~rltrain.data.dataset.DataRowError` naming the first such row (``file:line``),
         why (an unknown data_source, with the registered ones; a ground truth of the wrong kind for
         the reward function) and how many more rows have a problem."""
+        if self.scorer is not None:  # it scores every row, whatever its data_source
+            return
         problems = []
         for example in examples:
             try:
@@ -131,8 +192,10 @@ class RewardManager:
                 continue
             problem = ground_truth_problem(name, example.ground_truth)
             if problem:
+                truth = example.ground_truth
+                shown = repr(truth) if len(truth) <= 80 else repr(truth[:77]) + "..."
                 problems.append(
-                    f"{example.origin}: ground truth {example.ground_truth!r} {problem}, which the "
+                    f"{example.origin}: ground truth {shown} {problem}, which the "
                     f"{name!r} reward of data_source {example.data_source!r} needs"
                 )
         if problems:
@@ -145,22 +208,32 @@ class RewardManager:
         *,
         ground_truths: Sequence[str],
         data_sources: Sequence[str],
-        score_rows: Callable[[RewardManager, list[tuple[str, str, str]]], list[RewardResult]] | None = None,
+        extra_infos: Sequence[Mapping[str, Any]] | None = None,
+        score_rows: Callable[[RewardManager, list[Row]], list[RewardResult]] | None = None,
     ) -> RewardOutput:
-        """Score ``responses[i]`` against ``ground_truths[i]`` by ``data_sources[i]``.
+        """Score ``responses[i]`` against ``ground_truths[i]`` by ``data_sources[i]``; an external
+        scorer also gets ``extra_infos[i]`` (``{}`` without them).
 
-        ``score_rows(manager, rows)`` may score the ``(response, ground_truth, data_source)`` rows
-        elsewhere (e.g. in CPU worker processes); it must return one result per row, in order.
+        ``score_rows(manager, rows)`` may score the rows (:data:`Row`) elsewhere (e.g. in CPU
+        worker processes); it must return one result per row, in order.
         """
         if not len(responses) == len(ground_truths) == len(data_sources):
             raise ValueError(
                 f"batch sizes differ: {len(responses)} responses, {len(ground_truths)} ground truths, "
                 f"{len(data_sources)} data sources"
             )
+        if extra_infos is not None and len(extra_infos) != len(responses):
+            raise ValueError(
+                f"batch sizes differ: {len(responses)} responses, {len(extra_infos)} extra_infos"
+            )
         if not responses:
             raise ValueError("cannot score an empty batch of responses")
-        rows = list(zip(responses, ground_truths, data_sources))
-        results = score_rows(self, rows) if score_rows is not None else [self.score_one(*row) for row in rows]
+        rows: list[Row] = (
+            list(zip(responses, ground_truths, data_sources))
+            if extra_infos is None
+            else list(zip(responses, ground_truths, data_sources, extra_infos))
+        )
+        results = score_rows(self, rows) if score_rows is not None else self.score_rows(rows)
         if len(results) != len(rows):
             raise RuntimeError(f"score_rows returned {len(results)} results for {len(rows)} rows")
         scores = [r.score for r in results]
@@ -173,12 +246,33 @@ class RewardManager:
         metrics[mk.REWARD_ACCURACY] = sum(r.correct for r in results) / len(results)
         metrics[mk.REWARD_ANSWERED] = sum(r.answer is not None for r in results) / len(results)
         metrics.update(_by_source_metrics(scores, results, data_sources))
+        metrics.update(_extra_metrics(results))
         return RewardOutput(
             scores=torch.tensor(scores, dtype=torch.float32),
             correct=torch.tensor([r.correct for r in results], dtype=torch.bool),
             results=results,
             metrics=metrics,
         )
+
+
+def _request(row: Row) -> ScoreRequest:
+    response, ground_truth, data_source, *extra = row
+    return ScoreRequest(
+        data_source=data_source,
+        solution_str=response,
+        ground_truth=ground_truth,
+        extra_info=dict(extra[0] or {}) if extra else {},
+    )
+
+
+def _extra_metrics(results: Sequence[RewardResult]) -> dict[str, float]:
+    """``reward/extra/<key>/mean`` of each extra key with a finite number (or bool) for its value."""
+    values: dict[str, list[float]] = {}
+    for result in results:
+        for key, value in result.extra.items():
+            if isinstance(value, bool | int | float) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return {f"reward/extra/{key}/mean": math.fsum(v) / len(v) for key, v in sorted(values.items())}
 
 
 def _check_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:

@@ -2,11 +2,13 @@
 
 Contract: a reward function takes the decoded response text and the ground-truth string of one
 sequence, plus keyword-only parameters, at least ``correct_score`` and ``format_score`` (the
-manager passes both), and returns a :class:`RewardResult`. It is pure: no model, no I/O, no randomness, so the same response always
-gets the same score. Functions are registered under one or more data_source names with
-:func:`register_reward`; :func:`get_reward_fn` fails for an unknown name and lists the registered
-ones. A registration may name a ground-truth check (``ground_truth=``), which says what is wrong
-with a ground truth the function cannot score (a non-numeric answer for a math reward);
+manager passes both), and returns a :class:`RewardResult`. It is pure: no model, no I/O, no
+randomness, so the same response always gets the same score (the ``code`` reward runs the
+response's program in a sandbox process: the same for a deterministic program within its limits).
+Functions are registered under one or more data_source names with :func:`register_reward`;
+:func:`get_reward_fn` fails for an unknown name and lists the registered ones. A registration may
+name a ground-truth check (``ground_truth=``), which says what is wrong with a ground truth the
+function cannot score (a non-numeric answer for a math reward);
 :meth:`rltrain.rewards.RewardManager.check_examples` runs it on every row when the data loads.
 """
 
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class RewardResult:
 
     answer: str | None
     """The answer extracted from the response, normalized; ``None`` when none could be found."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further keys of a custom or remote reward's dict answer besides ``score`` (verl's
+    ``reward_extra_info``); numeric ones are averaged into ``reward/extra/<key>/mean``."""
 
 
 class RewardFn(Protocol):

@@ -112,3 +112,21 @@ def test_custom_registration_and_duplicate_refused() -> None:
         register_reward("test/length_is_truth")(arithmetic_reward)
     with pytest.raises(TypeError, match=r"must take keyword-only \['correct_score', 'format_score'\]"):
         register_reward("test/no_kwargs")(lambda response, ground_truth: None)
+
+
+def test_format_keys_of_the_config_reach_the_manager() -> None:
+    from rltrain.config.reward import RewardConfig
+
+    manager = RewardManager.from_config(RewardConfig(format_pattern=THINK_ANSWER_PATTERN, format_coef=0.25))
+    out = manager(
+        ["<think>2+2</think>\n<answer>4</answer>", "4", "<answer>4</answer>"],
+        ground_truths=["4"] * 3,
+        data_sources=["arithmetic"] * 3,
+    )
+    # strict arithmetic: only the bare "4" is an answer; only the first has the think/answer layout
+    assert out.scores.tolist() == [0.25, 1.0, 0.0]
+    assert out.metrics["reward/format/mean"] == pytest.approx(1 / 3)
+    watched = RewardManager.from_config(RewardConfig(format_pattern=r"\d+"))  # coef 0: the rate alone
+    out = watched(["4", "four"], ground_truths=["4", "4"], data_sources=["arithmetic"] * 2)
+    assert out.scores.tolist() == [1.0, 0.0]
+    assert out.metrics["reward/format/mean"] == 0.5
