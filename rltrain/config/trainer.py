@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rltrain.config.fields import NonNegativeInt, PositiveFloat, PositiveInt
+from rltrain.requirements import OPTIONAL, WANDB
 
 
 @dataclass
@@ -127,10 +128,29 @@ class TrainerConfig:
     seed: int = 42
     """Seed of everything not seeded elsewhere (model init, dropout, sampling order)."""
 
-    logger: list[Literal["console", "tensorboard", "jsonl"]] = field(
+    logger: list[Literal["console", "tensorboard", "jsonl", "wandb"]] = field(
         default_factory=lambda: ["console", "tensorboard", "jsonl"]
     )
-    """Metric sinks."""
+    """Metric sinks (:mod:`rltrain.logging.tracker`): the console line, ``tensorboard/`` and
+    ``metrics.jsonl`` in the run directory, and ``wandb`` (a Weights & Biases run of ``project_name``
+    named ``experiment_name``, its files in ``<run dir>/wandb/``; needs the optional package:
+    ``pip install 'rltrain[wandb]'``; see ``wandb_mode``)."""
+
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"
+    """How the ``wandb`` logger syncs. ``offline`` writes the run to disk only and never touches the
+    network (``wandb sync <run dir>/wandb/offline-run-*`` uploads it later); ``online`` streams it to
+    the W&B server (a key from ``WANDB_API_KEY`` or ``wandb login``). ``auto``: ``WANDB_MODE`` when
+    set, else ``online`` when ``WANDB_API_KEY`` is set, else ``offline``, so a machine without an API
+    key in its environment never tries the network."""
+
+    rollout_data_dir: str | None = None
+    """Write each step's training samples to ``<dir>/<step>.jsonl`` (verl's key): a line per sample
+    with its id, prompt and response text, ground truth, data source, score, reward, mean advantage,
+    response length and finish reason (:mod:`rltrain.logging.samples`). null: no dump."""
+
+    validation_data_dir: str | None = None
+    """Write each validation's samples to ``<dir>/<step>.jsonl`` (verl's key; step 0 before
+    training), with their score and correctness. null: no dump."""
 
     verbose: bool = False
     """Also show the logs of Ray, vLLM, Megatron and other libraries on the console (``rltrain train
@@ -190,9 +210,33 @@ class TrainerConfig:
                 f"{prefix}.pipeline=one_step_off trains on samples exactly one version old; "
                 f"{prefix}.max_staleness={self.max_staleness} is for {prefix}.pipeline=fully_async"
             )
+        for key in ("rollout_data_dir", "validation_data_dir"):
+            if getattr(self, key) == "":
+                problems.append(f"{prefix}.{key} must be a directory or null, got ''")
+        if "wandb" in self.logger:
+            missing = optional_package_problem("wandb")
+            if missing:
+                problems.append(f"{prefix}.logger includes wandb, but {missing}: pip install '{WANDB}'")
         if self.checkpoint.discard_existing and self.resume_mode != "disable":
             problems.append(
                 f"{prefix}.checkpoint.discard_existing=true needs {prefix}.resume_mode=disable "
                 f"(got {self.resume_mode!r}): it deletes the checkpoints a resume would continue from"
             )
         return problems
+
+
+def optional_package_problem(package: str) -> str | None:
+    """Why the optional ``package`` (:data:`rltrain.requirements.OPTIONAL`) cannot serve, or None when
+    an installed version satisfies the release's requirement."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    spec = OPTIONAL[package]
+    try:
+        found = version(package)
+    except PackageNotFoundError:
+        return f"the {package} package is not installed"
+    if not SpecifierSet(spec).contains(found, prereleases=True):
+        return f"{package} {found} is installed, this release needs {package}{spec}"
+    return None

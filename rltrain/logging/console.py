@@ -17,7 +17,12 @@ Contract, for the processes of ``rltrain train`` and ``python -m rltrain.train``
 * :func:`stage` brackets a slow step with ``rltrain: <what> ...`` and ``rltrain: <what> ... done in
   3.1 s``.
 * :func:`configure_worker_logging` (each Ray worker process, at start) writes log records at INFO
-  and Python warnings to the worker's stderr in :data:`WORKER_LOG_FORMAT`.
+  (rltrain's at :data:`TRACE` too) and Python warnings to the worker's stderr in
+  :data:`WORKER_LOG_FORMAT`.
+* Records of rltrain's loggers at :data:`TRACE` (the per-sample lines of
+  :mod:`rltrain.logging.samples`) reach the log file only: the terminal shows rltrain's records from
+  INFO up, ``verbose`` included, and a forwarded worker line only when it is a warning or an error
+  (``verbose`` shows all of a worker's output, its TRACE lines too).
 
 Without these calls (library use, tests calling ``train()``) logging is left as the caller set it
 and :func:`terminal` is ``sys.stdout``/``sys.stderr``.
@@ -38,6 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TextIO
+
+TRACE = 15
+"""Level of the per-sample lines (between DEBUG and INFO): the run's log file, never the terminal."""
+
+logging.addLevelName(TRACE, "TRACE")
 
 LOG_FILE = "rltrain.log"
 """The run's log file, in the run directory."""
@@ -136,7 +146,7 @@ def start_console(*, rank: int = 0) -> None:
     handler.set_name(_CONSOLE_HANDLER)
     handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    log.setLevel(TRACE)  # made, for the log file; the handler above keeps them off the terminal
     sys.excepthook = _report_uncaught
 
 
@@ -281,10 +291,12 @@ def capture_run_output(path: str | Path, *, verbose: bool = False) -> Path:
 
 
 def configure_worker_logging() -> None:
-    """Log records at INFO and Python warnings to this (Ray worker) process's stderr, once."""
+    """Log records at INFO (rltrain's at TRACE) and Python warnings to this (Ray worker) process's
+    stderr, once."""
     root = logging.getLogger()
     if any(handler.get_name() == _WORKER_HANDLER for handler in root.handlers):
         return
+    log.setLevel(TRACE)
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_WORKER_HANDLER)
     handler.setFormatter(logging.Formatter(WORKER_LOG_FORMAT))

@@ -1,14 +1,17 @@
-"""Fan a step's metrics out to the console, TensorBoard and ``metrics.jsonl`` in the run directory.
+"""Fan a step's metrics out to the console, TensorBoard, ``metrics.jsonl`` and W&B.
 
-Contract: ``MetricsLogger(run_dir).log(metrics, step=s)`` with a flat ``dict[str, float]`` (names in
-:mod:`rltrain.logging.metrics`) writes
+Contract: ``MetricsLogger(run_dir, backends=...).log(metrics, step=s)`` with a flat
+``dict[str, float]`` (names in :mod:`rltrain.logging.metrics`) writes, for each backend selected
+(:data:`DEFAULT_BACKENDS` unless told)
 
 * ``run_dir/metrics.jsonl``: one object per call, ``{"step": s, <key>: <value>, ...}``, appended
   and flushed, non-finite values written as ``null`` (JSON has no NaN). A resumed run appends
   again; readers keep the last record of a step (:func:`rltrain.logging.plot.read_metrics`);
 * ``run_dir/tensorboard/``: one scalar per key at global step ``s``, flushed every call;
 * the console: one compact line of the main metrics, printed through ``tqdm.write`` so that it
-  does not tear a progress bar.
+  does not tear a progress bar;
+* ``wandb``: a row of a Weights & Biases run in ``run_dir/wandb/`` (:mod:`rltrain.logging.wandb_run`;
+  the optional package, imported only then).
 
 A value that is not a real number fails naming its key.
 """
@@ -25,8 +28,10 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from rltrain.logging import metrics as mk
+from rltrain.logging.wandb_run import WandbBackend, WandbOptions
 
-BACKENDS = ("console", "tensorboard", "jsonl")
+DEFAULT_BACKENDS = ("console", "tensorboard", "jsonl")
+BACKENDS = (*DEFAULT_BACKENDS, "wandb")
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -69,10 +74,14 @@ class MetricsLogger:
         self,
         run_dir: str | Path,
         *,
-        backends: Sequence[str] = BACKENDS,
+        backends: Sequence[str] = DEFAULT_BACKENDS,
         total_steps: int | None = None,
         console: TextIO | None = None,
+        wandb: WandbOptions | None = None,
     ) -> None:
+        """``wandb``: the W&B run's names and mode (with the ``wandb`` backend); None names the
+        project and the run after ``run_dir``'s parent and ``run_dir`` (``project_name/experiment_name``),
+        mode ``auto``."""
         unknown = sorted(set(backends) - set(BACKENDS))
         if unknown:
             raise ValueError(f"unknown metrics backends {unknown}; known: {list(BACKENDS)}")
@@ -89,6 +98,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+        self.wandb: WandbBackend | None = None
+        if "wandb" in backends:
+            options = wandb or WandbOptions(project=self.run_dir.parent.name, name=self.run_dir.name)
+            self.wandb = WandbBackend(self.run_dir, options)
 
     def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
         """Write ``metrics`` of global step ``step`` to every backend."""
@@ -103,6 +116,8 @@ class MetricsLogger:
             for key, value in values.items():
                 self.writer.add_scalar(key, value, global_step=step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
         if self.print_console and any(key in values for _, key, _ in CONSOLE_FIELDS):
             # a record with none of the line's fields (step 0's data counts) prints no bare "step 0/N"
             line = format_console_line(values, step=step, total_steps=self.total_steps)
@@ -115,6 +130,9 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
     def __enter__(self) -> MetricsLogger:
         return self

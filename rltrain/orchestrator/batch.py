@@ -4,6 +4,12 @@ Rows are ``[prompt (left-padded) | response (right-padded)]`` with fixed widths 
 (``prompt_len`` and ``response_len``), the layout the Megatron backend consumes. The rollout fills the
 tokens and the rollout log-probs; later stages fill the optional fields in data-flow order. Pure
 torch: the driver builds and slices it without Ray, vLLM or Megatron.
+
+Every sample carries an id (``uids``) unique over the run and kept through every slice and merge:
+``{prefix}-p{prompt}-s{sample}``, the prefix from :func:`step_uid_prefix` (the step, and the rollout
+within it), ``prompt`` the prompt's index in that rollout's batch, ``sample`` its index among the
+prompt's ``n``. The run's log file and the sample dumps name samples by it
+(:mod:`rltrain.logging.samples`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ _PER_SAMPLE_TENSORS = (
     "turn_rewards",
     "reward_baselines",
 )
-_PER_SAMPLE_LISTS = ("data_sources", "ground_truths", "finish_reasons")
+_PER_SAMPLE_LISTS = ("data_sources", "ground_truths", "finish_reasons", "uids")
 
 
 @dataclass
@@ -56,6 +62,9 @@ class StepBatch:
 
     finish_reasons: list[str]
     """Per sample: ``stop`` (EOS / stop string) or ``length`` (truncated)."""
+
+    uids: list[str]
+    """Per sample: its id (module doc), e.g. ``step3-p0-s1``."""
 
     scores: torch.Tensor | None = None
     """[batch] float: rule reward of each response."""
@@ -160,6 +169,7 @@ def build_step_batch(
     response_length: int,
     sampled_masks: list[list[int]] | None = None,
     turn_rewards: list[list[tuple[int, float]]] | None = None,
+    uid_prefix: str = "",
 ) -> StepBatch:
     """Pad rollout output (``n`` consecutive samples per prompt) into a :class:`StepBatch`.
 
@@ -167,7 +177,8 @@ def build_step_batch(
     sample. Responses longer than ``response_length`` are an engine bug and raise. ``sampled_masks``
     (per sample, one 0/1 per response token) mark the tokens the policy sampled in a multi-turn
     response; ``turn_rewards`` (per sample, ``(response position, reward)`` pairs) are an interaction's
-    per-turn rewards.
+    per-turn rewards. ``uid_prefix`` (:func:`step_uid_prefix`) starts every sample's id; without one the
+    ids (``p0-s1``) are unique within the batch only.
     """
     num_samples = len(response_ids)
     if num_samples != n * len(prompt_ids):
@@ -205,9 +216,23 @@ def build_step_batch(
         data_sources=[s for s in data_sources for _ in range(n)],
         ground_truths=[g for g in ground_truths for _ in range(n)],
         finish_reasons=list(finish_reasons),
+        uids=sample_uids(uid_prefix, len(prompt_ids), n),
         sampled_mask=sampled,
         turn_rewards=rewards,
     )
+
+
+def step_uid_prefix(step: int, rollout: str = "") -> str:
+    """The id prefix of the samples of one rollout of ``step``: ``step3`` for the step's own,
+    ``step3-r1`` for dynamic sampling's round 1 (``rollout="r1"``), ``step3-greedy`` for ReMax's
+    greedy baselines, ``step3-val`` for a validation after step 3."""
+    return f"step{step}-{rollout}" if rollout else f"step{step}"
+
+
+def sample_uids(prefix: str, num_prompts: int, n: int) -> list[str]:
+    """``{prefix}-p{prompt}-s{sample}`` for ``n`` consecutive samples of each prompt, in order."""
+    head = f"{prefix}-" if prefix else ""
+    return [f"{head}p{p}-s{s}" for p in range(num_prompts) for s in range(n)]
 
 
 def _per_token_mask(masks: list[list[int]], response_length: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from rltrain.data.loader import PromptBatch
 from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.timer import StageTimer
-from rltrain.orchestrator.batch import StepBatch
+from rltrain.orchestrator.batch import StepBatch, sample_uids, step_uid_prefix
 from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
 from rltrain.orchestrator.dynamic_sampling import (
     ScoredRound,
@@ -49,6 +49,7 @@ from rltrain.orchestrator.preemption import StopSignals
 from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.roles import CriticRole, PolicyRole
 from rltrain.orchestrator.rollout_side import RolloutSide
+from rltrain.orchestrator.sample_records import dump_rollout, dump_validation, trace_advantages
 from rltrain.orchestrator.worker_group import WorkerError
 from rltrain.rollout.mismatch import logprob_mismatch
 from rltrain.rollout.types import SamplingConfig
@@ -146,7 +147,7 @@ class PPOTrainer(RolloutSide):
         step = self.resume(recovering=recovering)
         self.source.start(step)
         if self.config.trainer.val_before_train and step == 0:
-            self.tracker.log(self.validate(), step=0)
+            self.tracker.log(self.validate(step=0), step=0)
         self.source.refill()
         return step
 
@@ -161,7 +162,7 @@ class PPOTrainer(RolloutSide):
             metrics = self.train_step(step)
             last = step == self.total_steps
             if _due(trainer.test_freq, step, last):
-                metrics |= self.validate()
+                metrics |= self.validate(step=step)
             self.tracker.log(metrics, step=step)
             if progress is not None:
                 progress.update(metrics)
@@ -185,7 +186,9 @@ class PPOTrainer(RolloutSide):
             with timer.stage("generate"):  # asynchronous pipelines: the wait for the batch
                 rollout = self.source.take(step)
                 prompts = rollout.prompts
-                batch = self.step_batch(rollout.output, prompts, self.sampling(step))
+                batch = self.step_batch(
+                    rollout.output, prompts, self.sampling(step), uid_prefix=step_uid_prefix(step)
+                )
             with timer.stage("reward"):
                 metrics, correct = self.score(batch)
             if cfg.algorithm.filter_groups.enable:  # further rounds count as generate and reward
@@ -203,6 +206,7 @@ class PPOTrainer(RolloutSide):
                     batch.values = critic.compute_values(batch)
             with timer.stage("advantages"):
                 metrics |= self.compute_advantages(batch)
+                trace_advantages(batch)
             if critic is not None:
                 with timer.stage("update_critic"):
                     metrics |= _mean_over_steps(critic.update(self.mini_batches(batch, step)))
@@ -215,6 +219,8 @@ class PPOTrainer(RolloutSide):
                 self.source.after_update(step, updated=False)
         metrics |= self.step_metrics(batch, entropy=entropy, prompts=prompts)
         metrics |= self.source.metrics(rollout, step, step_seconds=timer.seconds["step"])
+        if cfg.trainer.rollout_data_dir:
+            dump_rollout(cfg.trainer.rollout_data_dir, step, batch, self.tokenizer)
         return (
             metrics
             | timer.metrics()
@@ -306,8 +312,9 @@ class PPOTrainer(RolloutSide):
         return metrics | batch.extra_metrics
 
     # ---------------------------------------------------------------------------------- eval/ckpt
-    def validate(self) -> dict[str, float]:
-        """Greedy (``rollout.val_kwargs``) accuracy on the held-out prompts."""
+    def validate(self, *, step: int) -> dict[str, float]:
+        """Greedy (``rollout.val_kwargs``) accuracy on the held-out prompts, after ``step``; with
+        ``trainer.validation_data_dir`` its samples go to ``<dir>/<step>.jsonl``."""
         if self.data.val is None:
             return {}
         self.source.ensure_current()
@@ -336,6 +343,18 @@ class PPOTrainer(RolloutSide):
             ground_truths=[ex.ground_truth for ex in val for _ in range(n)],
             data_sources=[ex.data_source for ex in val for _ in range(n)],
         )
+        if self.config.trainer.validation_data_dir:
+            uids = sample_uids(step_uid_prefix(step, "val"), len(val), n)
+            dump_validation(
+                self.config.trainer.validation_data_dir,
+                step,
+                uids=uids,
+                examples=val,
+                output=output,
+                responses=texts,
+                result=result,
+                tokenizer=self.tokenizer,
+            )
         return {
             mk.VAL_ACCURACY: float(result.correct.float().mean()),
             mk.VAL_SCORE_MEAN: float(result.scores.mean()),

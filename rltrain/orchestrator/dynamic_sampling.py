@@ -10,7 +10,9 @@ than ``data.train_batch_size`` groups are kept, and trims the kept groups to exa
 generation order. ``max_num_gen_batches`` bounds the rounds (the first included; 0: no bound); a
 step that reaches it without a full batch stops the run with an error naming the key (verl). Round
 r > 0 samples with seed ``rollout.seed + step + r * ROUND_SEED_STRIDE``, so a run is deterministic
-and its resume repeats it (the extra prompts advance the checkpointed data position).
+and its resume repeats it (the extra prompts advance the checkpointed data position). A kept
+sample keeps the id of its round (``step3-r1-p0-s1``: round 1's prompt 0; ``StepBatch.uids``), so the
+ids of the merged batch stay unique and name where each sample came from.
 
 Metrics (``dynamic_sampling/*``): rounds, prompts generated, groups kept / dropped, kept groups
 trimmed off, and the mean score of the trained samples. The ``reward/*`` metrics describe the first

@@ -304,6 +304,7 @@ def run_driver(
     from rltrain.logging import metrics as mk
     from rltrain.logging.progress import StepProgress
     from rltrain.logging.tracker import MetricsLogger
+    from rltrain.logging.wandb_run import WandbOptions
     from rltrain.orchestrator.checkpoints import RunCheckpoints
     from rltrain.orchestrator.driver import PPOTrainer
     from rltrain.orchestrator.recovery import RestartMetrics, WorkerLost, fit_with_restarts
@@ -319,7 +320,11 @@ def run_driver(
     backends = config.trainer.logger if is_logger else ()
     term = terminal()
     tracker = MetricsLogger(
-        config.run_dir(), backends=backends, total_steps=setup.total_steps, console=term.out
+        config.run_dir(),
+        backends=backends,
+        total_steps=setup.total_steps,
+        console=term.out,
+        wandb=WandbOptions.of(config) if "wandb" in backends else None,
     )
     tracker.log({mk.DATA_NUM_FILTERED: float(setup.data.num_filtered)}, step=0)
     rewards = RewardManager.from_config(config.reward)

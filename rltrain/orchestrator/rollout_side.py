@@ -2,7 +2,9 @@
 settings, the step batch from the engines' output, decoding and rewards (with DAPO's overlong
 shaping), and the rollouts a step may add to its own: dynamic sampling's further rounds and ReMax's
 greedy baselines (:mod:`~rltrain.orchestrator.dynamic_sampling`), timed as the step's generate and
-reward stages.
+reward stages. Each rollout's samples get ids of their own (``step3``, ``step3-r1``, ``step3-greedy``:
+:func:`~rltrain.orchestrator.batch.step_uid_prefix`), named in the run log's rollout and reward lines
+(:mod:`rltrain.logging.samples`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from rltrain.agent.loop import AgentPrompt
 from rltrain.agent.trajectory import step_metrics as agent_step_metrics
-from rltrain.orchestrator.batch import StepBatch, build_step_batch
+from rltrain.orchestrator.batch import StepBatch, build_step_batch, step_uid_prefix
 from rltrain.orchestrator.dynamic_sampling import (
     OVERLONG_FRAC,
     OVERLONG_PENALTY_MEAN,
@@ -24,6 +26,7 @@ from rltrain.orchestrator.dynamic_sampling import (
     overlong_penalty,
     round_seed,
 )
+from rltrain.orchestrator.sample_records import trace_rewards, trace_rollout
 from rltrain.rollout.types import SamplingConfig
 
 if TYPE_CHECKING:
@@ -49,8 +52,11 @@ class RolloutSide:
         """The sampling settings of ``step``'s rollout (seed ``rollout.seed + step``)."""
         return SamplingConfig.from_rollout_config(self.config.rollout, seed=self.config.rollout.seed + step)
 
-    def step_batch(self, output: RolloutOutput, prompts: PromptBatch, sampling: SamplingConfig) -> StepBatch:
-        """The step's batch from the engines' ``output`` for ``prompts``."""
+    def step_batch(
+        self, output: RolloutOutput, prompts: PromptBatch, sampling: SamplingConfig, *, uid_prefix: str
+    ) -> StepBatch:
+        """The step's batch from the engines' ``output`` for ``prompts``, its samples' ids starting
+        ``uid_prefix``; one rollout line per sample in the run log."""
         batch = build_step_batch(
             prompt_ids=output.prompt_ids,
             response_ids=output.response_ids,
@@ -63,9 +69,11 @@ class RolloutSide:
             response_length=sampling.response_length,
             sampled_masks=output.sampled_masks,
             turn_rewards=output.turn_rewards,
+            uid_prefix=uid_prefix,
         )
         if output.sample_metrics is not None:
             batch.extra_metrics |= agent_step_metrics(output.sample_metrics)
+        trace_rollout(batch)
         return batch
 
     def engine_prompts(self, prompt_ids: list[list[int]], ground_truths: list[str], data_sources: list[str]):
@@ -77,7 +85,7 @@ class RolloutSide:
 
     def score(self, batch: StepBatch) -> tuple[dict[str, float], torch.Tensor]:
         """Set ``batch.scores`` (with overlong shaping when on); the reward metrics and ``[batch]``
-        whether each answer was correct."""
+        whether each answer was correct. One reward line per sample in the run log."""
         texts = self.decode(batch)
         result = self.rewards(texts, ground_truths=batch.ground_truths, data_sources=batch.data_sources)
         batch.scores = result.scores.float()
@@ -94,6 +102,7 @@ class RolloutSide:
             if overlong.log:
                 metrics[OVERLONG_FRAC] = float((penalty < 0).float().mean())
                 metrics[OVERLONG_PENALTY_MEAN] = float(penalty.mean())
+        trace_rewards(batch, result.correct)
         return metrics, result.correct
 
     def fill_batch(self, step: int, first: ScoredRound) -> tuple[StepBatch, PromptBatch, dict[str, float]]:
@@ -103,7 +112,9 @@ class RolloutSide:
         def more(round_: int) -> ScoredRound:
             sampling = self.sampling(step)
             sampling = replace(sampling, seed=round_seed(sampling.seed, round_))
-            return self.generate_and_score(self.data.train.next_batch(), sampling)
+            return self.generate_and_score(
+                self.data.train.next_batch(), sampling, uid_prefix=step_uid_prefix(step, f"r{round_}")
+            )
 
         return fill_batch(
             first,
@@ -119,15 +130,19 @@ class RolloutSide:
         """``[prompts]``: the reward of each prompt's greedy response (ReMax's baseline), scored and
         shaped as the samples are, an interaction's turn rewards included."""
         sampling = replace(self.sampling(step), temperature=0.0, top_p=1.0, top_k=-1, n=1)
-        return group_values(self.generate_and_score(prompts, sampling), "seq_reward")
+        greedy = self.generate_and_score(prompts, sampling, uid_prefix=step_uid_prefix(step, "greedy"))
+        return group_values(greedy, "seq_reward")
 
-    def generate_and_score(self, prompts: PromptBatch, sampling: SamplingConfig) -> ScoredRound:
-        """A rollout of ``prompts`` outside the step's own (timed as its generate and reward)."""
+    def generate_and_score(
+        self, prompts: PromptBatch, sampling: SamplingConfig, *, uid_prefix: str
+    ) -> ScoredRound:
+        """A rollout of ``prompts`` outside the step's own (timed as its generate and reward), its
+        samples' ids starting ``uid_prefix``."""
         with self.timer.stage("generate"):
             output = self.roles.policy.generate(
                 self.engine_prompts(prompts.prompt_ids, prompts.ground_truths, prompts.data_sources), sampling
             )
-            batch = self.step_batch(output, prompts, sampling)
+            batch = self.step_batch(output, prompts, sampling, uid_prefix=uid_prefix)
         with self.timer.stage("reward"):
             _, correct = self.score(batch)
         return ScoredRound(prompts, batch, correct)

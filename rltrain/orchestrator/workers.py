@@ -24,6 +24,7 @@ from rltrain.algo.rollout_correction import CorrectionStats, RolloutCorrectionSp
 from rltrain.algo.token_batch import TokenBatch
 from rltrain.config import RLConfig
 from rltrain.logging import metrics as mk
+from rltrain.logging.samples import log_trained
 from rltrain.orchestrator.batch import StepBatch
 from rltrain.orchestrator.placement import RolloutPlacement
 from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_correction, actor_loss_fn, critic_loss_fn
@@ -143,6 +144,19 @@ class _MegatronRankBase:
     def rank_info(self) -> dict[str, int]:
         c = self.ctx
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank, dp_size=c.dp_size)
+
+    def _log_trained(self, role: str, index: int, count: int, local: StepBatch) -> None:
+        """The run log's line of the sample ids this rank trained on in optimizer step ``index``."""
+        c = self.ctx
+        log_trained(
+            role,
+            rank=c.rank,
+            dp_rank=c.dp_rank,
+            dp_size=c.dp_size,
+            mini_batch=index,
+            num_mini_batches=count,
+            uids=local.uids,
+        )
 
     def shutdown(self) -> None:
         """Stop what this rank hosts (engine first, then Megatron's groups)."""
@@ -315,6 +329,7 @@ class PolicyWorker(_MegatronRankBase):
             )
             res = self.actor.update(_token_batch(local, loss_inputs), loss_fn)
             results.append(_step_metrics("actor", res) | extra)
+            self._log_trained("actor", len(results) - 1, len(mini_batches), local)
         return results
 
     def _correction_stats(self, local: StepBatch, spec: RolloutCorrectionSpec) -> CorrectionStats:
@@ -381,6 +396,7 @@ class CriticWorker(_MegatronRankBase):
             )
             res = self.critic.update(_token_batch(local, ("values", "returns")), loss_fn)
             results.append(_step_metrics("critic", res))
+            self._log_trained("critic", len(results) - 1, len(mini_batches), local)
         return results
 
     def save_checkpoint(self, root: str, step: int) -> str:

@@ -114,6 +114,7 @@ def _batch(vocab_size: int) -> StepBatch:
         data_sources=["test"] * rows,
         ground_truths=[""] * rows,
         finish_reasons=["stop"] * rows,
+        uids=[f"p{row}-s0" for row in range(rows)],
         advantages=torch.randn(rows, RESPONSE_LEN, generator=gen),
     )
 

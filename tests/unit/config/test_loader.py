@@ -122,7 +122,7 @@ def test_unknown_section_from_an_override_is_blamed_on_the_override(tmp_path):
 
 def test_bad_list_item_names_the_item_line_or_the_override(tmp_path):
     line = MINIMAL.count("\n") + 1
-    choices = "['console', 'tensorboard', 'jsonl']; did you mean 'tensorboard'?"
+    choices = "['console', 'tensorboard', 'jsonl', 'wandb']; did you mean 'tensorboard'?"
     path = write(tmp_path, "r.yaml", MINIMAL + "trainer:\n  logger:\n    - console\n    - tensorbord\n")
     assert errors_of(path) == [f"{path}:{line + 3}: trainer.logger[1]: 'tensorbord' is not one of {choices}"]
     path = write(tmp_path, "r.yaml", MINIMAL + "trainer:\n  logger: [console]\n")

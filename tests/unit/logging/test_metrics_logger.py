@@ -97,8 +97,8 @@ def test_bad_values_and_backends(tmp_path: Path) -> None:
         logger.log({"actor/pg_loss": 1.0}, step=3)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 3, "actor/pg_loss": 1.0}\n'
     assert not (tmp_path / "tensorboard").exists()
-    with pytest.raises(ValueError, match=r"unknown metrics backends \['wandb'\]"):
-        MetricsLogger(tmp_path, backends=("jsonl", "wandb"))
+    with pytest.raises(ValueError, match=r"unknown metrics backends \['mlflow'\]"):
+        MetricsLogger(tmp_path, backends=("jsonl", "mlflow"))
 
 
 def test_progress_bar_counts_steps_with_eta_and_reward() -> None:
