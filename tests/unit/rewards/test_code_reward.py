@@ -62,8 +62,8 @@ def test_an_infinite_loop_and_a_memory_bomb_fail_within_the_limits(manager: Rewa
     before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for program, error, limit_s in [
         ("while True:\n    pass", "timeout", 1.0 + 1.5),  # wall clock: reward.sandbox.timeout_s
-        ("hoard = []\nwhile True:\n    hoard.append(bytearray(1 << 24))", "memory", 1.5),  # past 256 MB
-        ("print(len(bytearray(1 << 34)))", "memory", 1.5),  # 16 GiB at once
+        ("hoard = []\nwhile True:\n    hoard.append(bytearray(1 << 24))", "memory", 2.5),  # past 256 MB
+        ("print(len(bytearray(1 << 34)))", "memory", 2.5),  # 16 GiB at once
     ]:
         start = time.monotonic()
         result = manager([fenced(program)], ground_truths=[TESTS], data_sources=["code"])

@@ -51,10 +51,12 @@ def service(answer: Callable[[int, dict[str, Any]], Answer]) -> Iterator[Service
                 state.in_flight += 1
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
                 n = len(state.payloads)
+            status, body, delay = answer(n, payload)
+            if delay:
+                release.wait(delay)
+            with state.lock:  # answered from here on: the client may send its next request
+                state.in_flight -= 1
             try:
-                status, body, delay = answer(n, payload)
-                if delay:
-                    release.wait(delay)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -62,9 +64,6 @@ def service(answer: Callable[[int, dict[str, Any]], Answer]) -> Iterator[Service
                 self.wfile.write(body)
             except (BrokenPipeError, ConnectionResetError):  # the client stopped waiting (a timeout)
                 pass
-            finally:
-                with state.lock:
-                    state.in_flight -= 1
 
         def log_message(self, *args: Any) -> None:
             pass
