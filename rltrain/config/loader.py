@@ -86,6 +86,8 @@ def _field_paths(cls: type, prefix: str) -> list[str]:
 def _dataclass_in(hint: Any) -> type | None:
     if dataclasses.is_dataclass(hint):
         return hint
+    if typing.get_origin(hint) is dict:  # dict[str, Section]: the keys are the user's, not fields
+        return None
     for arg in typing.get_args(hint):
         if dataclasses.is_dataclass(arg):
             return arg

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from rltrain.config.fields import AtLeast, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from rltrain.config.reward_model import RewardModelConfig
 
 
 @dataclass
@@ -130,6 +131,9 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's overlong reward shaping (off by default)."""
 
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A learned reward model scoring beside (or instead of) the rules (off by default)."""
+
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     """A reward function from a file of yours, scoring every row (off by default)."""
 
@@ -147,7 +151,7 @@ class RewardConfig:
     """Added to the score × whether the response matches ``format_pattern``; needs the pattern when not 0."""
 
     def validate(self, prefix: str) -> list[str]:
-        problems: list[str] = []
+        problems = self.reward_model.validate(f"{prefix}.reward_model")
         if self.correct_score < self.format_score:
             problems.append(
                 f"{prefix}.correct_score={self.correct_score} is below {prefix}.format_score={self.format_score}"

@@ -18,6 +18,7 @@ from rltrain.config.data import DataConfig
 from rltrain.config.fields import field_problems
 from rltrain.config.loader import build_dataclass, dump_yaml
 from rltrain.config.model import ModelConfig
+from rltrain.config.pools import GLOBAL_POOL, POOLED_ROLES
 from rltrain.config.recipe import ConfigError, RawConfig, apply_overrides, read_recipe
 from rltrain.config.reward import RewardConfig
 from rltrain.config.rollout import RolloutConfig
@@ -66,6 +67,25 @@ class RLConfig:
             return self.algorithm.adv_estimator == "gae"
         return self.critic.enable
 
+    def role_world(self, role: str) -> int:
+        """Ranks of ``role`` (``actor``, ``critic``, ``reward_model``): the devices of its pool
+        (``cluster.role_pool``; the actor's is ``global_pool``)."""
+        name = GLOBAL_POOL if role == "actor" else getattr(self.cluster.role_pool, role)
+        if name not in self.cluster.resource_pools:  # global_pool, or unknown (cluster.validate names it)
+            return self.cluster.world_size()
+        return self.cluster.pool_size(name)
+
+    def pool_roles(self) -> dict[str, list[str]]:
+        """Each pool the run uses → the roles on it (``actor`` on ``global_pool`` always; the critic
+        and the reward model when enabled; ``rollout`` for separate engines on a named pool)."""
+        pools: dict[str, list[str]] = {GLOBAL_POOL: ["actor"]}
+        placed = [("critic", self.critic_enabled()), ("reward_model", self.reward.reward_model.enable)]
+        placed.append(("rollout", self.cluster.role_pool.rollout is not None))
+        for role, present in placed:
+            if present:
+                pools.setdefault(getattr(self.cluster.role_pool, role), []).append(role)
+        return pools
+
     def run_dir(self) -> Path:
         """Directory of this run: resolved config, metrics, TensorBoard, checkpoints."""
         t = self.trainer
@@ -94,7 +114,8 @@ class RLConfig:
         if world < 1:
             return problems  # cluster.validate named the count; the checks below divide by it
         problems += self.actor.parallel.validate("actor.parallel", world)
-        problems += self.critic.parallel.validate("critic.parallel", world)
+        problems += self.critic.parallel.validate("critic.parallel", self.role_world("critic"))
+        problems += self._check_pools()
         if self.ref.parallel is not None:
             problems += self.ref.parallel.validate("ref.parallel", world)
         if self.rollout.mode == "colocated" and world % self.rollout.tensor_model_parallel_size:
@@ -106,6 +127,79 @@ class RLConfig:
         problems += self._check_switches()
         problems += self._check_dapo()
         problems += tis_alias_problems(self.actor.tis_imp_ratio_cap, self.algorithm.rollout_correction)
+        return problems
+
+    def _check_pools(self) -> list[str]:
+        """Roles on pools (``cluster.role_pool``): each named pool used, each role's layout fitting
+        its pool, separate engines alone on theirs; the reward model's layout and batch."""
+        cluster, role_pool = self.cluster, self.cluster.role_pool
+        if any(
+            getattr(role_pool, r) not in (None, GLOBAL_POOL, *cluster.resource_pools) for r in POOLED_ROLES
+        ):
+            return []  # cluster.validate named the unknown pool
+        problems = []
+        pools = self.pool_roles()
+        for name in cluster.resource_pools:
+            if name not in pools:
+                problems.append(
+                    f"cluster.resource_pools.{name} hosts no role (cluster.role_pool names it for no "
+                    "enabled critic, reward model or separate rollout)"
+                )
+        enabled = {"critic": self.critic_enabled(), "reward_model": self.reward.reward_model.enable}
+        switches = {
+            "critic": "critic.enable / algorithm.adv_estimator=gae",
+            "reward_model": "reward.reward_model.enable",
+        }
+        for role, on in enabled.items():
+            name = getattr(role_pool, role)
+            if name != GLOBAL_POOL and not on:
+                problems.append(
+                    f"cluster.role_pool.{role}={name} but the run has no {role} ({switches[role]})"
+                )
+        if role_pool.rollout not in (None, GLOBAL_POOL):  # global_pool: cluster.validate says why not
+            name = role_pool.rollout
+            others = [r for r in pools.get(name, []) if r != "rollout"]
+            if self.rollout.mode != "separate":
+                problems.append(
+                    f"cluster.role_pool.rollout={name} places engines on devices of their own: needs "
+                    f"rollout.mode=separate, got {self.rollout.mode}"
+                )
+            elif self.rollout.num_devices != cluster.pool_size(name):
+                problems.append(
+                    f"rollout.num_devices={self.rollout.num_devices} differs from the "
+                    f"{cluster.pool_size(name)} devices of its pool cluster.resource_pools.{name}"
+                )
+            if others:
+                problems.append(
+                    f"cluster.resource_pools.{name} hosts the separate rollout engines, which hold their "
+                    f"devices whole: it cannot host {', '.join(others)} too"
+                )
+        rm = self.reward.reward_model
+        if rm.enable:
+            rm_world = self.role_world("reward_model")
+            problems += rm.parallel.validate("reward.reward_model.parallel", rm_world)
+            if not rm_world % rm.parallel.model_parallel_size():
+                dp = rm.parallel.data_parallel_size(rm_world)
+                for key, prompts in (
+                    ("data.train_batch_size", self.data.train_batch_size),
+                    ("data.gen_batch_size", self.data.gen_batch_size),
+                ):
+                    if prompts is not None and (prompts * self.rollout.n) % dp:
+                        problems.append(
+                            f"{key} × rollout.n = {prompts * self.rollout.n} samples do not split over the "
+                            f"{dp} data-parallel ranks of the reward model"
+                        )
+            longest = self.data.max_prompt_length + self.rollout.response_length
+            if rm.max_length is not None and rm.max_length < longest:
+                problems.append(
+                    f"reward.reward_model.max_length={rm.max_length} is shorter than the longest sequence "
+                    f"(data.max_prompt_length + rollout.response_length = {longest})"
+                )
+            if rm.use_dynamic_bsz and rm.forward_max_token_len_per_gpu < longest:
+                problems.append(
+                    f"reward.reward_model.forward_max_token_len_per_gpu={rm.forward_max_token_len_per_gpu} is "
+                    f"smaller than one sequence (data.max_prompt_length + rollout.response_length = {longest})"
+                )
         return problems
 
     def _check_batch_sizes(self) -> list[str]:
@@ -121,7 +215,7 @@ class RLConfig:
                     f"data.train_batch_size={self.data.train_batch_size} is not a multiple of "
                     f"{name}.ppo_mini_batch_size={mini}"
                 )
-            world = self.cluster.world_size()
+            world = self.role_world(name)
             if world % parallel.model_parallel_size():
                 continue  # reported by the parallel check
             dp = parallel.data_parallel_size(world)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rltrain.config.fields import NonNegativeInt, PositiveFloat, PositiveInt
+from rltrain.config.pools import GLOBAL_POOL, ResourcePoolConfig, RolePoolConfig
 from rltrain.requirements import OPTIONAL, WANDB
 
 
@@ -79,8 +80,26 @@ class ClusterConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto is NCCL with CUDA, gloo without."""
 
+    resource_pools: dict[str, ResourcePoolConfig] = field(default_factory=dict)
+    """Named pools of devices beside the trainer's ``global_pool`` (``nnodes × n_gpus_per_node``),
+    e.g. ``{critic_pool: {nnodes: 1, n_gpus_per_node: 2}}``; see :mod:`rltrain.config.pools`."""
+
+    role_pool: RolePoolConfig = field(default_factory=RolePoolConfig)
+    """Which pool the critic, the reward model and the separate rollout engines run on."""
+
+    device_resource: str | None = None
+    """The Ray resource one device is: null means ``GPU`` on a GPU cluster and none on a CPU one
+    (bundles then reserve one CPU each); a custom resource's name (one a cluster declares with
+    ``ray start --resources``) makes every bundle reserve one of it instead, e.g. to stand in for
+    GPUs on a CPU test cluster."""
+
     def world_size(self) -> int:
+        """Devices of the trainer's pool (``global_pool``)."""
         return self.nnodes * self.n_gpus_per_node
+
+    def pool_size(self, name: str) -> int:
+        """Devices of the pool ``name`` (``global_pool`` or a ``resource_pools`` key)."""
+        return self.world_size() if name == GLOBAL_POOL else self.resource_pools[name].size()
 
     def validate(self, prefix: str) -> list[str]:
         problems = []
@@ -90,6 +109,21 @@ class ClusterConfig:
             problems.append(f"{prefix}.n_gpus_per_node must be >= 1, got {self.n_gpus_per_node}")
         if self.num_cpus is not None and self.num_cpus < 1:
             problems.append(f"{prefix}.num_cpus must be >= 1 or null, got {self.num_cpus}")
+        if GLOBAL_POOL in self.resource_pools:
+            problems.append(
+                f"{prefix}.resource_pools.{GLOBAL_POOL} is the trainer's own pool "
+                f"({prefix}.nnodes × {prefix}.n_gpus_per_node): name the others differently"
+            )
+        known = [GLOBAL_POOL, *self.resource_pools]
+        for role in ("critic", "reward_model", "rollout"):
+            name = getattr(self.role_pool, role)
+            if name is not None and name not in known:
+                problems.append(f"{prefix}.role_pool.{role}={name!r} names no pool; known: {known}")
+        if self.role_pool.rollout == GLOBAL_POOL:
+            problems.append(
+                f"{prefix}.role_pool.rollout={GLOBAL_POOL}: engines on the actor's devices are "
+                "rollout.mode=colocated (leave role_pool.rollout null)"
+            )
         return problems
 
 

@@ -9,7 +9,9 @@ group               keys (all per training step)
 ``reward/``         ``score/{mean,std,min,max}`` rule score per sequence before any KL penalty;
                     ``accuracy`` fraction of correct answers; ``answered`` fraction with an
                     extractable answer; ``format/mean`` format-reward rate (if configured);
-                    ``by_source/<data_source>/{score_mean,accuracy,count}``
+                    ``by_source/<data_source>/{score_mean,accuracy,count}``; with a reward model
+                    ``model_score/{mean,std,min,max}`` (its scores) and ``total/...`` (the
+                    weighted sum the advantages start from)
 ``response/``       ``length/{mean,min,max}`` response tokens; ``clip_ratio`` fraction that hit
                     ``max_response_length``
 ``prompt/``         ``length/{mean,min,max}`` prompt tokens
@@ -60,6 +62,10 @@ REWARD_STD = "reward/score/std"
 REWARD_ACCURACY = "reward/accuracy"
 REWARD_ANSWERED = "reward/answered"
 REWARD_FORMAT_MEAN = "reward/format/mean"
+REWARD_MODEL_SCORE = "reward/model_score"
+"""Prefix of the reward model's score stats (``/mean``, ``/std``, ``/min``, ``/max``), before weighting."""
+REWARD_TOTAL = "reward/total"
+"""Prefix of the stats of a sample's reward with a reward model (``reward.reward_model``'s weights)."""
 RESPONSE_LENGTH_MEAN = "response/length/mean"
 RESPONSE_CLIP_RATIO = "response/clip_ratio"
 PROMPT_LENGTH_MEAN = "prompt/length/mean"

@@ -47,7 +47,7 @@ from rltrain.orchestrator.dynamic_sampling import (
 from rltrain.orchestrator.pipeline import build_source, read_state, write_state
 from rltrain.orchestrator.preemption import StopSignals
 from rltrain.orchestrator.recovery import WorkerLost
-from rltrain.orchestrator.roles import CriticRole, PolicyRole
+from rltrain.orchestrator.roles import CriticRole, PolicyRole, RewardModelRole
 from rltrain.orchestrator.rollout_side import RolloutSide
 from rltrain.orchestrator.sample_records import dump_rollout, dump_validation, trace_advantages
 from rltrain.orchestrator.worker_group import WorkerError
@@ -68,6 +68,9 @@ class Roles:
 
     critic: CriticRole | None
     """The critic, or None without one."""
+
+    reward_model: RewardModelRole | None = None
+    """The learned reward model (``reward.reward_model.enable``), or None."""
 
 
 class Rewards(Protocol):

@@ -5,11 +5,12 @@ prepared): joins the cluster named by ``cluster.ray_address`` or ``RAY_ADDRESS``
 ``ray job submit`` runs in), else the one ``ray start`` recorded on this machine, else starts a
 private one with ``cluster.num_cpus`` CPUs; never another process's private instance. Every call to
 the workers is bounded by ``trainer.timeouts``.
-Placement (:func:`~rltrain.orchestrator.placement.rollout_placement`, read by every worker too):
+Placement (:func:`~rltrain.orchestrator.placement.run_placement`, read by every worker too):
 one placement-group bundle per device (``nnodes × n_gpus_per_node``); the policy worker
-(actor + reference + rollout engine) and the critic worker of rank i share bundle i (colocated).
-With ``rollout.mode: separate`` each engine gets a bundle of its own after those, and weights travel
-from actor rank 0 by broadcast.
+(actor + reference + rollout engine) and the critic and reward-model workers of rank i share bundle i
+(colocated) unless ``cluster.role_pool`` puts them on pools of their own (bundles after the rest).
+With ``rollout.mode: separate`` each engine gets a bundle of its own after the trainer's, and weights
+travel from actor rank 0 by broadcast. The pools must fit the Ray cluster (checked before reserving).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _ROLE_TITLES = {
     "actor_rollout_ref": "the actor, reference and rollout engine",
     "rollout": "the rollout engines",
     "critic": "the critic",
+    "reward_model": "the reward model",
 }
 """What the status line calls each role while its workers start."""
 
@@ -151,10 +153,45 @@ def prepare_run(config: RLConfig, *, write_config: bool = True) -> RunSetup:
             )
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        check_reward_model_tokenizer(config, tokenizer)
         data = build_data(config, tokenizer)
     return RunSetup(
         model_dir=model_dir, tokenizer=tokenizer, data=data, total_steps=total_steps_of(config, data)
     )
+
+
+def pool_sizes(config: RLConfig) -> dict[str, int]:
+    """Devices of each pool the run reserves, named as the config names them (the separate engines
+    without a named pool as ``rollout.num_devices``)."""
+    sizes = {name: config.cluster.pool_size(name) for name in config.pool_roles()}
+    if config.rollout.mode == "separate" and config.cluster.role_pool.rollout is None:
+        sizes["rollout.num_devices"] = config.rollout.num_devices
+    return sizes
+
+
+def check_reward_model_tokenizer(config: RLConfig, tokenizer) -> None:
+    """The reward model reads the policy's token ids: refuse one whose tokenizer (in its
+    ``reward.reward_model.model.path``) maps tokens differently, or that has none, naming the dir."""
+    rm = config.reward.reward_model
+    if not rm.enable:
+        return
+    from rltrain.errors import RunStopped
+
+    path = rm.model.path
+    try:
+        from transformers import AutoTokenizer
+
+        theirs = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise RunStopped(
+            f"reward.reward_model.model.path={path}: no tokenizer could be loaded there ({type(err).__name__}); "
+            "the reward model reads the policy's token ids and must ship the policy's tokenizer"
+        ) from None
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise RunStopped(
+            f"reward.reward_model.model.path={path}: its tokenizer ({len(theirs)} tokens) differs from the "
+            f"policy's ({len(tokenizer)} tokens); the reward model reads the policy's token ids"
+        )
 
 
 class RunWorkers:
@@ -163,18 +200,31 @@ class RunWorkers:
     the role handles; :meth:`stop` kills them all, and the engines they host with them."""
 
     def __init__(self, config: RLConfig, setup: RunSetup, *, gpu: bool) -> None:
-        from rltrain.orchestrator.placement import rollout_placement
-        from rltrain.orchestrator.worker_group import Placement, reserve_bundles
+        from rltrain.orchestrator.placement import run_placement
+        from rltrain.orchestrator.worker_group import check_pools_fit, reserve_bundles
 
         self.config, self.model_dir, self.total_steps = config, setup.model_dir, setup.total_steps
         self.gpu = gpu
-        self.layout = rollout_placement(config, gpu=gpu)
-        self.pg = reserve_bundles(
-            [b.resources() for b in self.layout.bundles], timeout_s=config.trainer.timeouts.init_s
-        )
-        share = 0.5 if config.critic_enabled() else 1.0
-        self.placement = Placement(self.pg, num_cpus=share, num_gpus=share if gpu else 0.0)
+        self.pools = run_placement(config, gpu=gpu)
+        self.layout = self.pools.rollout
+        bundles = [b.resources() for b in self.pools.bundles]
+        check_pools_fit(bundles, pool_sizes(config))
+        self.pg = reserve_bundles(bundles, timeout_s=config.trainer.timeouts.init_s)
         self.groups: list = []
+
+    def placement_of(self, role: str):
+        """Where ``role``'s ranks go: its pool's bundles, an equal share of each per role there."""
+        from rltrain.orchestrator.worker_group import Placement
+
+        pool = self.pools.pool_of(role)
+        bundle = self.pools.bundles[pool.first_bundle]
+        return Placement(
+            self.pg,
+            first_bundle=pool.first_bundle,
+            num_cpus=pool.share,
+            num_gpus=pool.share if bundle.num_gpus else 0.0,
+            device_resource=bundle.device_resource,
+        )
 
     def _start_group(self, role: str, cls: type, size: int, where, **kwargs):
         """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)``; killed by :meth:`stop`."""
@@ -196,27 +246,29 @@ class RunWorkers:
     def start(self):
         """Start every role; the :class:`~rltrain.orchestrator.driver.Roles` over them."""
         from rltrain.orchestrator.driver import Roles
-        from rltrain.orchestrator.roles import CriticRole, PolicyRole
+        from rltrain.orchestrator.roles import CriticRole, PolicyRole, RewardModelRole
         from rltrain.orchestrator.worker_group import Placement
-        from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RolloutWorker
+        from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
 
         config, layout, world = self.config, self.layout, self.config.cluster.world_size()
         policy_group = self._start_group(
             "actor_rollout_ref",
             PolicyWorker,
             world,
-            self.placement,
+            self.placement_of("actor"),
             total_steps=self.total_steps,
             placement=layout,
         )
         rollout_group = None
         if layout.separate:
             num_engines = layout.num_engines
+            engine_bundle = layout.engine_bundles[0]
             engine_placement = Placement(
                 self.pg,
                 first_bundle=layout.first_engine_bundle,
                 num_cpus=1.0,
-                num_gpus=float(layout.engine_tp) if self.gpu else 0.0,
+                num_gpus=float(engine_bundle.num_gpus),
+                device_resource=engine_bundle.device_resource,
             )
             rollout_group = self._start_group("rollout", RolloutWorker, num_engines, engine_placement)
             address = policy_group.free_address()
@@ -229,13 +281,29 @@ class RunWorkers:
         if config.critic_enabled():
             critic = CriticRole(
                 self._start_group(
-                    "critic", CriticWorker, world, self.placement, total_steps=self.total_steps
+                    "critic",
+                    CriticWorker,
+                    config.role_world("critic"),
+                    self.placement_of("critic"),
+                    total_steps=self.total_steps,
+                ),
+                trainer=config.trainer,
+            )
+        reward_model = None
+        if config.reward.reward_model.enable:
+            reward_model = RewardModelRole(
+                self._start_group(
+                    "reward_model",
+                    RewardModelWorker,
+                    config.role_world("reward_model"),
+                    self.placement_of("reward_model"),
                 ),
                 trainer=config.trainer,
             )
         return Roles(
             policy=PolicyRole(policy_group, placement=layout, separate=rollout_group, trainer=config.trainer),
             critic=critic,
+            reward_model=reward_model,
         )
 
     def restart(self):

@@ -11,7 +11,14 @@ handles from it. The layout:
 - ``rollout.mode: separate``: ``rollout.num_devices // TP`` engines on devices of their own, one
   bundle each (holding its TP devices) after the trainer's, weights broadcast from actor rank 0.
 
-On a CPU-only cluster every bundle is one CPU (an engine's TP workers share it).
+On a CPU-only cluster every bundle is one CPU (an engine's TP workers share it); with
+``cluster.device_resource`` every bundle also reserves its devices as that Ray resource.
+
+Resource pools (:func:`run_placement`, :mod:`rltrain.config.pools`): the critic and the reward model
+run on ``global_pool`` (sharing bundle i with the policy worker of rank i) unless
+``cluster.role_pool`` names another pool; each further pool gets bundles of its own after the
+engines', one per device, shared by the roles placed on it. Separate engines on a named pool are the
+engine bundles above.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rltrain.config import RLConfig
+from rltrain.config.pools import GLOBAL_POOL
 
 
 @dataclass(frozen=True)
@@ -28,12 +36,15 @@ class Bundle:
 
     num_cpus: int
     num_gpus: int
-    """0 on a CPU-only cluster (the bundle then names no GPU at all)."""
+    """Devices of the bundle; 0 on a CPU-only cluster (the bundle then names no device at all)."""
+    device_resource: str = "GPU"
+    """The Ray resource a device is (``cluster.device_resource``; ``GPU`` unless a custom one)."""
 
     def resources(self) -> dict[str, int]:
-        """Ray's bundle dict: ``{"CPU": c, "GPU": g}``, or ``{"CPU": c}`` without GPUs."""
+        """Ray's bundle dict: ``{"CPU": c, "GPU": g}`` (or the custom device resource), or
+        ``{"CPU": c}`` without devices."""
         if self.num_gpus:
-            return {"CPU": self.num_cpus, "GPU": self.num_gpus}
+            return {"CPU": self.num_cpus, self.device_resource: self.num_gpus}
         return {"CPU": self.num_cpus}
 
 
@@ -70,6 +81,12 @@ class RolloutPlacement:
         return len(self.trainer_bundles)
 
 
+def _device(config: RLConfig, gpu: bool) -> tuple[bool, str]:
+    """Whether bundles reserve devices, and as which Ray resource."""
+    custom = config.cluster.device_resource
+    return gpu or custom is not None, custom or "GPU"
+
+
 def rollout_placement(config: RLConfig, *, gpu: bool) -> RolloutPlacement:
     """The rollout layout of ``config`` (already validated: TP divides what it must); ``gpu``: the
     cluster's devices are GPUs (bundles reserve them)."""
@@ -78,11 +95,75 @@ def rollout_placement(config: RLConfig, *, gpu: bool) -> RolloutPlacement:
     separate = rollout.mode == "separate"
     engine_ranks = () if separate else tuple(range(0, world, tp))
     num_engines = rollout.num_devices // tp if separate else len(engine_ranks)
+    devices, resource = _device(config, gpu)
     return RolloutPlacement(
         mode=rollout.mode,
         engine_tp=tp,
         engine_ranks=engine_ranks,
         num_engines=num_engines,
-        trainer_bundles=(Bundle(num_cpus=1, num_gpus=1 if gpu else 0),) * world,
-        engine_bundles=(Bundle(num_cpus=1, num_gpus=tp if gpu else 0),) * (num_engines if separate else 0),
+        trainer_bundles=(Bundle(num_cpus=1, num_gpus=1 if devices else 0, device_resource=resource),) * world,
+        engine_bundles=(Bundle(num_cpus=1, num_gpus=tp if devices else 0, device_resource=resource),)
+        * (num_engines if separate else 0),
     )
+
+
+@dataclass(frozen=True)
+class PoolPlacement:
+    """The bundles of one resource pool and the trainer roles sharing them."""
+
+    name: str
+    """``global_pool`` or a ``cluster.resource_pools`` key."""
+    roles: tuple[str, ...]
+    """Trainer roles on the pool (``actor`` for the policy worker, ``critic``, ``reward_model``)."""
+    first_bundle: int
+    """Index of its first bundle in the run's placement group; rank r of each role is on
+    ``first_bundle + r``."""
+    size: int
+    """Bundles (devices) of the pool: the ranks of each of its roles."""
+
+    @property
+    def share(self) -> float:
+        """The part of a bundle's CPU and device each rank of each role reserves."""
+        return 1.0 / len(self.roles)
+
+
+@dataclass(frozen=True)
+class RunPlacement:
+    """Every pool of a run: the rollout layout, and where each trainer role's ranks go."""
+
+    rollout: RolloutPlacement
+    pools: tuple[PoolPlacement, ...]
+    """``global_pool`` first, then the named pools of trainer roles (not the engines')."""
+    extra_bundles: tuple[Bundle, ...]
+    """The named trainer pools' bundles, after the rollout layout's."""
+
+    @property
+    def bundles(self) -> tuple[Bundle, ...]:
+        """The run's placement group: trainer, separate engines, then the named trainer pools."""
+        return self.rollout.bundles + self.extra_bundles
+
+    def pool_of(self, role: str) -> PoolPlacement:
+        """The pool hosting ``role`` (``actor``, ``critic``, ``reward_model``)."""
+        for pool in self.pools:
+            if role in pool.roles:
+                return pool
+        raise KeyError(f"no pool hosts {role!r}; pools: {[(p.name, p.roles) for p in self.pools]}")
+
+
+def run_placement(config: RLConfig, *, gpu: bool) -> RunPlacement:
+    """The pools of ``config`` (validated: each named pool used, engines alone on theirs)."""
+    rollout = rollout_placement(config, gpu=gpu)
+    devices, resource = _device(config, gpu)
+    pools, extra, first = [], [], len(rollout.bundles)
+    for name, roles in config.pool_roles().items():
+        trainer_roles = tuple(r for r in roles if r != "rollout")
+        if not trainer_roles:
+            continue  # the separate engines' pool: the rollout layout's engine bundles
+        if name == GLOBAL_POOL:
+            pools.append(PoolPlacement(name, trainer_roles, 0, config.cluster.world_size()))
+            continue
+        size = config.cluster.pool_size(name)
+        pools.append(PoolPlacement(name, trainer_roles, first, size))
+        extra += [Bundle(num_cpus=1, num_gpus=1 if devices else 0, device_resource=resource)] * size
+        first += size
+    return RunPlacement(rollout=rollout, pools=tuple(pools), extra_bundles=tuple(extra))

@@ -162,6 +162,16 @@ class CriticRole(_DataParallelRole):
         return self._update("update_critic", mini_batches)
 
 
+class RewardModelRole(_DataParallelRole):
+    """The learned reward model (``reward.reward_model``): forward only, on its own pool's ranks."""
+
+    metric_prefix = "reward_model"
+
+    def compute_rm_score(self, batch: StepBatch) -> torch.Tensor:
+        """``[batch]`` float32: the model's score of each sample at its last token."""
+        return torch.cat(self._dispatch("compute_rm_score", batch))
+
+
 class PendingRollout:
     """A rollout running on the separate engines: :meth:`done` polls, :meth:`result` waits
     (``trainer.timeouts.generate_s``, naming the engines that did not answer)."""

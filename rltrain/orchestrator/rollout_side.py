@@ -16,6 +16,7 @@ import torch
 
 from rltrain.agent.loop import AgentPrompt
 from rltrain.agent.trajectory import step_metrics as agent_step_metrics
+from rltrain.logging.metrics import REWARD_MODEL_SCORE, REWARD_TOTAL, summary_stats
 from rltrain.orchestrator.batch import StepBatch, build_step_batch, step_uid_prefix
 from rltrain.orchestrator.dynamic_sampling import (
     OVERLONG_FRAC,
@@ -90,6 +91,12 @@ class RolloutSide:
         result = self.rewards(texts, ground_truths=batch.ground_truths, data_sources=batch.data_sources)
         batch.scores = result.scores.float()
         metrics = dict(result.metrics)
+        if self.roles.reward_model is not None:
+            rm = self.config.reward.reward_model
+            model_scores = self.roles.reward_model.compute_rm_score(batch)
+            metrics |= summary_stats(REWARD_MODEL_SCORE, model_scores.tolist())
+            batch.scores = rm.score_weight * model_scores + rm.rule_weight * batch.scores
+            metrics |= summary_stats(REWARD_TOTAL, batch.scores.tolist())
         overlong = self.config.reward.overlong_buffer
         if overlong.enable:
             penalty = overlong_penalty(

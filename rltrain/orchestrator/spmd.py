@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rltrain.config import ConfigError, RLConfig
+from rltrain.config.pools import GLOBAL_POOL
 from rltrain.errors import RunStopped
 from rltrain.orchestrator.worker_group import WorkerError
 
@@ -101,6 +102,17 @@ def check_world(config: RLConfig) -> None:
         problems.append(
             "torchrun mode hosts actor and critic in one process: critic.parallel must equal actor.parallel "
             f"({config.critic.parallel} != {config.actor.parallel}); use the Ray mode for different layouts"
+        )
+    for role in ("critic", "reward_model"):
+        if (pool := getattr(config.cluster.role_pool, role)) != GLOBAL_POOL:
+            problems.append(
+                f"cluster.role_pool.{role}={pool}: torchrun mode runs every role on the launcher's "
+                "processes; resource pools need the Ray mode"
+            )
+    if config.reward.reward_model.enable:
+        problems.append(
+            "reward.reward_model.enable=true: the reward model runs on workers of its own, which the Ray "
+            "mode starts (rltrain train / ray job submit); torchrun mode has none"
         )
     if problems:
         raise ConfigError(problems)

@@ -171,6 +171,30 @@ class PlacementTimeout(RunStopped):
     """The cluster could not place the run's bundles in time (too few CPUs or GPUs)."""
 
 
+class PoolsDoNotFit(RunStopped):
+    """The run's resource pools ask for more than the Ray cluster has (checked before reserving)."""
+
+
+def check_pools_fit(bundles: list[dict[str, float]], pool_sizes: dict[str, int]) -> None:
+    """Raise :class:`PoolsDoNotFit` naming the pools and what the cluster has when the ``bundles``
+    together need more of a resource than the Ray cluster holds (``cluster.resource_pools``)."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0) + amount
+    have = ray.cluster_resources()
+    short = {key: amount for key, amount in need.items() if amount > have.get(key, 0)}
+    if short:
+        pools = ", ".join(f"{name} {size}" for name, size in pool_sizes.items())
+        lacking = ", ".join(
+            f"{amount:g} {key} (the cluster has {have.get(key, 0):g})" for key, amount in short.items()
+        )
+        raise PoolsDoNotFit(
+            f"the run's resource pools ({pools} devices: cluster.nnodes × cluster.n_gpus_per_node, "
+            f"cluster.resource_pools, rollout.num_devices) need {lacking}"
+        )
+
+
 def reserve_bundles(bundles: list[dict[str, float]], *, timeout_s: float) -> PlacementGroup:
     """A ready placement group of ``bundles`` (packed); raises :class:`PlacementTimeout`, naming what
     was asked for and what the cluster has, when Ray cannot place it within ``timeout_s``."""
@@ -194,7 +218,16 @@ class Placement:
     num_cpus: float = 1.0
     """CPU share each rank reserves in its bundle."""
     num_gpus: float = 0.0
-    """GPU share each rank reserves in its bundle (a fraction when roles are colocated)."""
+    """Device share each rank reserves in its bundle (a fraction when roles are colocated)."""
+    device_resource: str = "GPU"
+    """The Ray resource ``num_gpus`` counts (``cluster.device_resource``; a custom one is reserved
+    as a custom resource, and Ray then hands the rank no GPU)."""
+
+    def actor_options(self) -> dict[str, Any]:
+        """``num_cpus``/``num_gpus``/``resources`` of a rank's Ray actor."""
+        if self.device_resource == "GPU" or not self.num_gpus:
+            return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        return {"num_cpus": self.num_cpus, "num_gpus": 0, "resources": {self.device_resource: self.num_gpus}}
 
 
 class RayWorkerGroup:
@@ -219,8 +252,7 @@ class RayWorkerGroup:
         self.timeouts = timeouts or TimeoutConfig()
         self.hosts = [
             _RankHost.options(
-                num_cpus=placement.num_cpus,
-                num_gpus=placement.num_gpus,
+                **placement.actor_options(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=placement.group,
                     placement_group_bundle_index=placement.first_bundle + rank,

@@ -406,6 +406,33 @@ class CriticWorker(_MegatronRankBase):
         return self.critic.load_checkpoint(Path(root) / "critic", load_optimizer=True)
 
 
+class RewardModelWorker(_MegatronRankBase):
+    """Reward model (``reward.reward_model``: scalar head, forward only) on one rank; its weights come
+    from ``reward.reward_model.model.path``, not the policy's ``model_dir``."""
+
+    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo | None, *, ctx=None) -> None:
+        rm = config.reward.reward_model
+        super().__init__(config, rm.model.path, info, rm.parallel, ctx)
+        from rltrain.megatron.forward import MicroBatching
+        from rltrain.megatron.worker import MegatronWorker
+
+        self.reward_model = MegatronWorker(
+            self.hf_config,
+            ctx=self.ctx,
+            role="reward",
+            batching=MicroBatching(
+                micro_batch_size=rm.micro_batch_size_per_gpu,
+                use_dynamic_bsz=rm.use_dynamic_bsz,
+                max_token_len=rm.forward_max_token_len_per_gpu,
+            ),
+            params_dtype=_dtype(config.model.dtype),
+        )
+        load_hf_into(self.reward_model, ctx=self.ctx, hf_config=self.hf_config, model_dir=rm.model.path)
+
+    def compute_rm_score(self, batch: StepBatch) -> torch.Tensor:
+        return self.reward_model.compute_rm_scores(_token_batch(batch))
+
+
 def build_engine(config: RLConfig, model_dir: str):
     """The vLLM engine of ``config.rollout`` for ``model_dir``: ``AsyncRolloutEngine`` where
     ``rollout.uses_async_engine()`` (with ``rollout.partial_rollout``), else the offline

@@ -1,4 +1,5 @@
-"""A local Ray instance shared by the e2e tests (started once, 2 CPUs).
+"""A local Ray instance shared by the e2e tests (started once, 4 logical CPUs on the 2 cores, and 4 of
+a custom resource standing in for GPUs).
 
 Subprocesses that should join it get its address in ``RAY_ADDRESS`` (``ray_env``), so they never
 pick up some other cluster through ``address="auto"``. ``worker_groups`` records every Ray worker
@@ -9,6 +10,9 @@ import os
 
 import pytest
 
+STAND_IN_GPU = "stand_in_gpu"
+"""A custom resource of the shared Ray that stands in for GPUs (``cluster.device_resource``)."""
+
 
 @pytest.fixture(scope="session")
 def local_ray():
@@ -16,7 +20,13 @@ def local_ray():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=4,  # logical: runs with a critic and a reward model on pools of their own take 3
+            resources={STAND_IN_GPU: 4},
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     yield ray
     if started:
         ray.shutdown()

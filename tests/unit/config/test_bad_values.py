@@ -26,7 +26,8 @@ def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, typing.Any]]:
         inner = next(
             (
                 a
-                for a in (hint, *typing.get_args(hint))
+                # not into dict[str, Section]: its keys are the user's (cluster.resource_pools.<name>)
+                for a in (hint, *(() if typing.get_origin(hint) is dict else typing.get_args(hint)))
                 if isinstance(a, type) and dataclasses.is_dataclass(a)
             ),
             None,

@@ -101,3 +101,57 @@ def test_placement_imports_without_ray():
         [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_named_pools_get_bundles_of_their_own_after_the_engines(tmp_path):
+    from rltrain.orchestrator.placement import PoolPlacement, run_placement
+
+    cfg = config(
+        tmp_path,
+        "cluster.n_gpus_per_node=2",
+        "rollout.mode=separate",
+        "rollout.num_devices=2",
+        "rollout.tensor_model_parallel_size=2",
+        "cluster.resource_pools.critic_pool.n_gpus_per_node=2",
+        "cluster.resource_pools.rm_pool.n_gpus_per_node=1",
+        "cluster.role_pool.critic=critic_pool",
+        "cluster.role_pool.reward_model=rm_pool",
+        "reward.reward_model.enable=true",
+        "reward.reward_model.model.path=/models/rm",
+    )
+    layout = run_placement(cfg, gpu=True)
+    # trainer 0-1, the one TP=2 engine 2, critic 3-4, reward model 5
+    assert layout.pools == (
+        PoolPlacement("global_pool", ("actor",), 0, 2),
+        PoolPlacement("critic_pool", ("critic",), 3, 2),
+        PoolPlacement("rm_pool", ("reward_model",), 5, 1),
+    )
+    assert [b.resources() for b in layout.bundles] == (
+        [{"CPU": 1, "GPU": 1}] * 2 + [{"CPU": 1, "GPU": 2}] + [{"CPU": 1, "GPU": 1}] * 3
+    )
+    assert [layout.pool_of(r).share for r in ("actor", "critic", "reward_model")] == [1.0, 1.0, 1.0]
+    # a custom device resource on a CPU cluster counts the devices in its place
+    custom = run_placement(config(tmp_path, "cluster.device_resource=stand_in_gpu"), gpu=False)
+    assert [b.resources() for b in custom.bundles] == [{"CPU": 1, "stand_in_gpu": 1}]
+    assert custom.pools == (PoolPlacement("global_pool", ("actor", "critic"), 0, 1),)
+    assert custom.pool_of("critic").share == 0.5
+
+
+def test_roles_sharing_a_named_pool_split_its_bundles(tmp_path):
+    from rltrain.orchestrator.placement import PoolPlacement, run_placement
+
+    cfg = config(
+        tmp_path,
+        "cluster.resource_pools.aux.n_gpus_per_node=2",
+        "cluster.role_pool.critic=aux",
+        "cluster.role_pool.reward_model=aux",
+        "reward.reward_model.enable=true",
+        "reward.reward_model.model.path=/models/rm",
+    )
+    layout = run_placement(cfg, gpu=False)
+    assert layout.pools == (
+        PoolPlacement("global_pool", ("actor",), 0, 1),
+        PoolPlacement("aux", ("critic", "reward_model"), 1, 2),
+    )
+    assert [b.resources() for b in layout.bundles] == [{"CPU": 1}] * 3
+    assert layout.pool_of("reward_model").share == 0.5

@@ -63,3 +63,24 @@ def test_max_restarts_under_torchrun_is_refused_in_one_line(monkeypatch):
         "invalid configuration: trainer.max_restarts=2 needs the Ray mode; under torchrun use torchrun "
         "--max-restarts (resume_mode auto continues from the last checkpoint)"
     )
+
+
+def test_pools_and_the_reward_model_under_torchrun_are_refused_naming_the_keys(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    config = load_config(
+        "recipes/quickstart_cpu.yaml",
+        [
+            "cluster.resource_pools.critic_pool.n_gpus_per_node=1",
+            "cluster.role_pool.critic=critic_pool",
+            "reward.reward_model.enable=true",
+            "reward.reward_model.model.path=/models/rm",
+        ],
+    )
+    with pytest.raises(ConfigError) as err:
+        check_world(config)
+    assert err.value.problems == [
+        "cluster.role_pool.critic=critic_pool: torchrun mode runs every role on the launcher's processes; "
+        "resource pools need the Ray mode",
+        "reward.reward_model.enable=true: the reward model runs on workers of its own, which the Ray mode "
+        "starts (rltrain train / ray job submit); torchrun mode has none",
+    ]
