@@ -12,6 +12,7 @@ Contract:
 * each :meth:`WandbBackend.log` is one history row holding the metrics and ``step``, the x-axis of
   every metric (W&B's own step counter only counts rows), so rows of a step logged again after a
   restart are kept, not dropped as out of order;
+* :meth:`WandbBackend.close` returns once the run is on disk (or, online, sent);
 * W&B's output: its capture of the console is off (``console="off"``: the run's log file already
   holds the process's output); its messages go to ``sys.stderr``, in a run the run's log file
   (:mod:`rltrain.logging.console`), never the terminal.
@@ -117,4 +118,11 @@ class WandbBackend:
         self.run.log({STEP_KEY: step, **values})
 
     def close(self) -> None:
+        """Finish the run and wait until W&B has written (or, online, sent) all of it: ``finish``
+        alone returns before the service process has flushed the run's file, and W&B's own exit hook
+        may never run (a process killed after a preemption save, multiprocessing). This shuts down
+        W&B in the process, other runs of a library caller included."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
