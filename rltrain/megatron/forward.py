@@ -15,6 +15,18 @@ Every rank of the pipeline gets the same result (broadcast from the last stage).
 ``loss_fn`` (a :class:`~rltrain.algo.token_batch.LossFn`) it also runs the backward; the loss
 callable sees one micro-batch's outputs and must use global denominators (its sum over
 micro-batches and data-parallel ranks is the batch loss), so gradients do not depend on the split.
+
+Context parallelism (CP > 1, packed only): each packed micro-batch pads every sequence to a
+multiple of 2·CP and CP rank r runs chunks r and 2·CP−1−r of each (Megatron's load balancing,
+:func:`~rltrain.data.packing.context_parallel_index`), with the global positions and the whole
+row's ``cu_seqlens`` (Megatron's THD RoPE and the attention cut their share from them). Targets
+come from the unsplit batch, so a chunk boundary never loses a next token. Each rank computes the
+head outputs of the response tokens whose predictor it holds; a sum over the CP group (gradient
+passed through unchanged) gives every CP rank the full [batch, response_len] outputs, so the loss
+callable sees what it sees at CP = 1 (whole sequences, the same global counts) and every CP rank
+computes the same loss. Each rank's backward then reaches only its own tokens' activations, and
+the DP×CP gradient reduction of Megatron's DDP adds the shares up. A dynamic micro-batch's token
+budget counts the tokens one CP rank holds.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.data.dynamic_batch import split_by_token_budget, split_fixed
-from rltrain.data.packing import pack_sequences, padded_position_ids
+from rltrain.data.packing import context_parallel_index, pack_sequences, padded_position_ids
 from rltrain.megatron.local_spec import padded_causal_mask
 from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 from rltrain.megatron.parallel import ParallelContext
@@ -59,10 +71,19 @@ class MicroBatching:
     use_remove_padding: bool = True
     """Pack each micro-batch into one row (THD) instead of running padded rows."""
 
-    def split(self, batch: TokenBatch) -> list[list[int]]:
+    def split(self, batch: TokenBatch, *, cp_size: int = 1) -> list[list[int]]:
+        """Sample indices of each micro-batch; under CP the token budget counts one CP rank's share."""
         if self.use_dynamic_bsz:
-            return split_by_token_budget(batch.attention_mask.sum(1).tolist(), self.max_token_len)
+            lengths = batch.attention_mask.sum(1).tolist()
+            if cp_size > 1:
+                lengths = [_cp_padded(n, cp_size) // cp_size for n in lengths]
+            return split_by_token_budget(lengths, self.max_token_len)
         return split_fixed(batch.batch_size, self.micro_batch_size)
+
+
+def _cp_padded(length: int, cp_size: int) -> int:
+    """A sequence's length padded to a multiple of 2·CP (what the CP split cuts)."""
+    return length + (-length) % (2 * cp_size)
 
 
 @dataclass
@@ -81,10 +102,22 @@ class _ModelInputs:
     token (0 where the response is padding)."""
     last_index: torch.Tensor
     """[batch] flat index into [rows × tokens] of each row's last token with attention mask 1."""
+    held: torch.Tensor | None = None
+    """CP > 1: [batch, response_len] bool, whether this CP rank holds the position predicting each
+    response token (``source_index`` is 0 where not); None without CP."""
+    last_held: torch.Tensor | None = None
+    """CP > 1: [batch] bool, whether this CP rank holds each row's last token; None without CP."""
 
 
 def _prepare(
-    batch: TokenBatch, *, pack: bool, pad_to_multiple: int, min_length: int, device: torch.device
+    batch: TokenBatch,
+    *,
+    pack: bool,
+    pad_to_multiple: int,
+    min_length: int,
+    device: torch.device,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> _ModelInputs:
     input_ids = batch.input_ids.to(device)
     attention_mask = batch.attention_mask.to(device)
@@ -98,6 +131,18 @@ def _prepare(
     valid = attention_mask[:, -resp:].bool()
     last_cols = (torch.arange(seq, device=device) * attention_mask.bool()).argmax(dim=1)
     rows = torch.arange(input_ids.size(0), device=device)
+    if pack and cp_size > 1:
+        return _prepare_context_parallel(
+            batch,
+            input_ids,
+            attention_mask,
+            predictor_cols=predictor_cols,
+            last_cols=last_cols,
+            pad_to_multiple=pad_to_multiple,
+            min_length=min_length,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+        )
     if pack:
         packed = pack_sequences(
             input_ids, attention_mask, pad_to_multiple=pad_to_multiple, min_length=min_length
@@ -125,6 +170,78 @@ def _prepare(
     )
 
 
+def _prepare_context_parallel(
+    batch: TokenBatch,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    predictor_cols: torch.Tensor,
+    last_cols: torch.Tensor,
+    pad_to_multiple: int,
+    min_length: int,
+    cp_size: int,
+    cp_rank: int,
+) -> _ModelInputs:
+    """The packed micro-batch cut for CP rank ``cp_rank``: its chunks of every sequence."""
+    packed = pack_sequences(
+        input_ids,
+        attention_mask,
+        pad_to_multiple=2 * cp_size * pad_to_multiple,
+        min_length=min_length,
+        pad_each_to_multiple=2 * cp_size,
+    )
+    cu = packed.cu_seqlens.to(input_ids.device)
+    local = context_parallel_index(cu, cp_size=cp_size, cp_rank=cp_rank)
+    local_of = torch.full((int(cu[-1]),), -1, dtype=torch.long, device=input_ids.device)
+    local_of[local] = torch.arange(local.numel(), device=input_ids.device)
+    valid = attention_mask[:, -batch.response_len :].bool()
+    source = local_of[packed.token_index[:, predictor_cols].clamp(min=0)]
+    held = (source >= 0) & valid
+    rows = torch.arange(input_ids.size(0), device=input_ids.device)
+    last = local_of[packed.token_index[rows, last_cols].clamp(min=0)]
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+    )
+    return _ModelInputs(
+        batch,
+        packed.input_ids[:, local],
+        packed.position_ids[:, local],
+        None,
+        params,
+        source.clamp(min=0) * held,
+        last.clamp(min=0),
+        held=held,
+        last_held=last >= 0,
+    )
+
+
+class _SumOverContextParallel(torch.autograd.Function):
+    """Sum of each CP rank's share (zeros elsewhere) over the CP group; the gradient passes through
+    unchanged, because every CP rank then computes the same loss from the sum and each rank's share
+    must receive that loss's gradient once."""
+
+    @staticmethod
+    def forward(ctx: Any, share: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = share.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _cp_combine(values: torch.Tensor, held: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """values [held tokens] of this CP rank → [held.shape], the whole batch's (summed over CP)."""
+    share = values.new_zeros(held.shape)
+    share[held] = values
+    return _SumOverContextParallel.apply(share, group)
+
+
 def _head_outputs(
     output: torch.Tensor,
     inputs: _ModelInputs,
@@ -136,6 +253,8 @@ def _head_outputs(
     """output: [rows, tokens, vocab/tp] logits or [rows, tokens, 1] values → ``ModelOutput``."""
     batch = inputs.batch
     mask = batch.response_mask.to(output.device)
+    if inputs.held is not None:
+        return _head_outputs_context_parallel(output, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size)
     picked = output.reshape(-1, output.size(-1))[inputs.source_index.flatten()]
     shape = inputs.source_index.shape
     if outputs == "values":
@@ -147,9 +266,36 @@ def _head_outputs(
     return ModelOutput(logprobs=logprobs.view(shape) * mask, entropy=entropy.view(shape) * mask)
 
 
-def _scores(output: torch.Tensor, inputs: _ModelInputs) -> torch.Tensor:
+def _head_outputs_context_parallel(
+    output: torch.Tensor,
+    inputs: _ModelInputs,
+    *,
+    ctx: ParallelContext,
+    outputs: Outputs,
+    vocab_size: int | None,
+) -> ModelOutput:
+    """``_head_outputs`` on this CP rank's tokens only, summed over the CP group."""
+    batch, held = inputs.batch, inputs.held
+    mask = batch.response_mask.to(output.device)
+    picked = output.reshape(-1, output.size(-1))[inputs.source_index[held]]
+    if outputs == "values":
+        return ModelOutput(values=_cp_combine(picked.squeeze(-1).float(), held, ctx.groups.cp) * mask)
+    targets = batch.input_ids[:, -batch.response_len :].to(output.device)[held]
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        picked, targets, tp_group=ctx.groups.tp, tp_rank=ctx.tp_rank, vocab_size=vocab_size
+    )
+    return ModelOutput(
+        logprobs=_cp_combine(logprobs, held, ctx.groups.cp) * mask,
+        entropy=_cp_combine(entropy, held, ctx.groups.cp) * mask,
+    )
+
+
+def _scores(output: torch.Tensor, inputs: _ModelInputs, *, ctx: ParallelContext) -> torch.Tensor:
     """output: [rows, tokens, 1] scalar head → [batch] float32 at each row's last real token."""
-    return output.reshape(-1)[inputs.last_index].float()
+    scores = output.reshape(-1)[inputs.last_index].float()
+    if inputs.last_held is None:
+        return scores
+    return _cp_combine(scores[inputs.last_held], inputs.last_held, ctx.groups.cp)
 
 
 def _forward_step(
@@ -172,7 +318,7 @@ def _forward_step(
 
     def loss_func(output_tensor: torch.Tensor) -> tuple:
         if outputs == "scores":
-            return output_tensor.new_zeros(()), {"scores": _scores(output_tensor, inputs)}
+            return output_tensor.new_zeros(()), {"scores": _scores(output_tensor, inputs, ctx=ctx)}
         out = _head_outputs(output_tensor, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size)
         if loss_fn is None:
             return output_tensor.new_zeros(()), {name: getattr(out, name) for name in _OUTPUT_NAMES[outputs]}
@@ -221,12 +367,14 @@ def run_model(
         raise ValueError(
             "outputs='scores' is forward-only (no loss_fn): the reward model is not trained here"
         )
-    if ctx.cp_size > 1:
-        raise NotImplementedError("context_parallel_size > 1: sequences are not split over CP ranks yet")
+    if ctx.cp_size > 1 and not batching.use_remove_padding:
+        raise ValueError(
+            "use_remove_padding=false with parallel.context_parallel_size > 1: CP splits packed sequences only"
+        )
     if ctx.device.type == "cuda" and not batching.use_remove_padding:
         # Megatron's TE attention runs bshd/sbhd with mask type 'causal', which ignores the padding mask.
         raise NotImplementedError("use_remove_padding=false on GPU: padded rows would attend to padding")
-    splits = batching.split(batch)
+    splits = batching.split(batch, cp_size=ctx.cp_size)
     micro = _micro_batches(batch, splits, ctx=ctx, batching=batching)
     forward_only = loss_fn is None
     step = partial(
@@ -264,7 +412,10 @@ def _micro_batches(
     pad_to = ctx.tp_size if ctx.parallel.sequence_parallel else 1
     # The interleaved (VPP) schedule cannot exchange micro-batches of different shapes between
     # stages: pad every packed row to the longest one.
-    min_length = max(int(batch.attention_mask[idx].sum()) for idx in splits) if ctx.vpp_size else 0
+    lengths = batch.attention_mask.sum(1).tolist()
+    if ctx.cp_size > 1:
+        lengths = [_cp_padded(n, ctx.cp_size) for n in lengths]
+    min_length = max(sum(lengths[i] for i in idx) for idx in splits) if ctx.vpp_size else 0
     if ctx.vpp_size and not batching.use_remove_padding and len({len(i) for i in splits}) > 1:
         raise ValueError(
             "virtual pipeline parallelism without use_remove_padding needs equal micro-batch sizes"
@@ -276,6 +427,8 @@ def _micro_batches(
             pad_to_multiple=pad_to,
             min_length=min_length,
             device=ctx.device,
+            cp_size=ctx.cp_size,
+            cp_rank=ctx.cp_rank,
         )
         for idx in splits
     ]
@@ -304,7 +457,9 @@ def _gather_outputs(
 
 
 def _sum_metrics(stored: list[dict], *, ctx: ParallelContext) -> dict[str, float]:
-    """Sum micro-batch metrics, then over DP ranks; broadcast from the last pipeline stage."""
+    """Sum micro-batch metrics, then over DP ranks; broadcast from the last pipeline stage.
+
+    Over the DP group without CP: the CP ranks of a replica computed the same loss (module docstring)."""
     names = sorted(stored[0]) if stored else []
     count = torch.tensor([len(names)], device=ctx.device)
     if ctx.pp_size > 1:
@@ -312,7 +467,7 @@ def _sum_metrics(stored: list[dict], *, ctx: ParallelContext) -> dict[str, float
     values = torch.zeros(int(count), dtype=torch.float64, device=ctx.device)
     if ctx.is_pipeline_last_stage:
         values = torch.stack([sum(s[n].double().sum() for s in stored) for n in names])
-        dist.all_reduce(values, group=ctx.groups.dp_cp)
+        dist.all_reduce(values, group=ctx.groups.dp)
     if ctx.pp_size > 1:
         names_list = [names]
         dist.broadcast_object_list(names_list, src=ctx.pipeline_last_rank, group=ctx.groups.pp)

@@ -7,6 +7,11 @@
   ``apply_query_key_layer_scaling``), grouped-query heads and attention dropout. It equals Megatron's
   masked path with a block-diagonal causal mask to rounding (tested). RoPE positions restart per
   sequence through Megatron's own THD rotary path. Sliding windows and softmax offsets are refused.
+  Under context parallelism (Megatron's ``DotProductAttention`` refuses CP > 1; only TE's attention
+  has it) each CP rank holds chunks r and 2·CP−1−r of every sequence (``forward._prepare``): the
+  keys/values are all-gathered over the CP group (the backward sums their gradients over the group
+  and keeps each rank's own share), put back in packed order, and the local queries attend to them
+  causally by global position (``packed_attention.context_parallel_causal_attention``).
 * ``RMSNorm``: Megatron's ``WrappedTorchNorm`` asserts "sequence parallel not supported by torch
   LayerNorm"; this torch RMSNorm marks its weight ``sequence_parallel`` so that Megatron all-reduces
   its gradient over TP, which is all sequence parallelism needs from a norm.
@@ -16,18 +21,21 @@ Also the attention masks for padded (not packed) batches.
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from typing import Any
 
 import torch
-from megatron.core import tensor_parallel
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from rltrain.megatron.packed_attention import packed_causal_attention
+from rltrain.data.packing import context_parallel_index
+from rltrain.megatron.packed_attention import context_parallel_causal_attention, packed_causal_attention
 
 
 def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -42,8 +50,48 @@ def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return future[None, None] | pad_key
 
 
+class _GatherOverContextParallel(torch.autograd.Function):
+    """[local, ...] on each CP rank → [cp × local, ...] (rank order); backward: sum the gradient over
+    the group and return this rank's slice (a reduce-scatter written as all-reduce: gloo has none)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(ctx.size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size)[ctx.rank], None
+
+
+def gather_sequence_over_cp(
+    local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """This CP rank's tokens [tokens / cp, ...] → the whole packed row [tokens, ...] in packed order."""
+    size = dist.get_world_size(group)
+    gathered = _GatherOverContextParallel.apply(local, group)
+    held = torch.cat([context_parallel_index(cu_seqlens, cp_size=size, cp_rank=r) for r in range(size)])
+    order = torch.empty_like(held)
+    order[held] = torch.arange(held.numel(), device=held.device)
+    return gathered.index_select(0, order)
+
+
 class PackedDotProductAttention(DotProductAttention):
-    """``DotProductAttention`` that also takes THD-packed rows (``packed_seq_params.qkv_format='thd'``)."""
+    """``DotProductAttention`` that also takes THD-packed rows (``packed_seq_params.qkv_format='thd'``),
+    with or without context parallelism."""
+
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
+        # The parent refuses CP > 1 (it has no CP attention); this class brings its own.
+        single = copy.copy(config)
+        single.context_parallel_size = 1
+        super().__init__(single, *args, **kwargs)
+        self.config = config
+        self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
 
     def forward(
         self,
@@ -56,7 +104,12 @@ class PackedDotProductAttention(DotProductAttention):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         """Packed: query/key/value [tokens, heads, dim] → [tokens, 1, heads × dim]."""
+        cp_size = self.config.context_parallel_size
         if packed_seq_params is None:
+            if cp_size > 1:
+                raise NotImplementedError(
+                    "context_parallel_size > 1 needs packed sequences (use_remove_padding=true) on the CPU path"
+                )
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; expected 'thd'")
@@ -83,7 +136,22 @@ class PackedDotProductAttention(DotProductAttention):
         # Dropout draws from the model-parallel RNG stream unless sequence parallel, as Megatron's.
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else nullcontext():
-            context = packed_causal_attention(query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p)
+            if cp_size > 1:
+                key, value = (gather_sequence_over_cp(t, cu_seqlens, self.cp_group) for t in (key, value))
+                context = context_parallel_causal_attention(
+                    query,
+                    key,
+                    value,
+                    cu_seqlens,
+                    cp_size=cp_size,
+                    cp_rank=dist.get_rank(self.cp_group),
+                    scale=scale,
+                    dropout_p=dropout_p,
+                )
+            else:
+                context = packed_causal_attention(
+                    query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p
+                )
         return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
 
 

@@ -140,6 +140,11 @@ def transformer_config_from_hf(
         raise ValueError(f"{model_type}: " + "; ".join(problems))
     if config_value(hf_config, "use_sliding_window", default=False):
         raise NotImplementedError(f"{model_type}: sliding-window attention is not supported")
+    if facts.moe and parallel.context_parallel_size > 1:
+        # The router's auxiliary loss would be computed per CP rank's tokens, not the sequence's.
+        raise NotImplementedError(
+            f"{model_type}: parallel.context_parallel_size={parallel.context_parallel_size} with MoE is not supported"
+        )
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,

@@ -14,7 +14,13 @@ End padding is harmless under a causal mask: a real query never sees a later (pa
 padded queries' outputs are dropped, so their gradients are exactly zero. Padding at most doubles a
 group, so memory stays linear in the pack (plus what SDPA needs per segment), and the number of
 attention calls is at most log2(longest segment) + 1 per layer, not one per sequence.
-Pure torch (no Megatron import), so that it can be tested on its own.
+Context parallelism: ``context_parallel_causal_attention`` is the same computation for the queries
+one CP rank holds (chunks r and 2·CP−1−r of every segment, see
+:func:`rltrain.data.packing.context_parallel_index`) against the whole row's keys/values (gathered
+from every CP rank). Each query attends to the keys of its segment whose global position is not
+after its own; the mask is built per segment group ([segments, local longest, longest] bools), never
+over the whole pack.
+Pure torch (no Megatron or distributed import), so that it can be tested on its own.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rltrain.data.packing import context_parallel_index
 
 
 @dataclass
@@ -88,4 +96,62 @@ def packed_causal_attention(
         positions.append(group.gather_index[group.valid])
     order = torch.empty(tokens, dtype=torch.long, device=query.device)
     order[torch.cat(positions)] = torch.arange(tokens, device=query.device)
+    return torch.cat(outputs).index_select(0, order)
+
+
+def context_parallel_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    cp_size: int,
+    cp_rank: int,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """query [tokens / cp_size, heads, dim] (this CP rank's share, in ``context_parallel_index``
+    order), key/value [tokens, groups, dim] (the whole row, packed order), cu_seqlens of the whole
+    row (every segment a multiple of 2·cp_size) → [tokens / cp_size, heads, dim]."""
+    tokens = int(cu_seqlens[-1])
+    if key.shape != value.shape or key.size(0) != tokens or query.size(1) % key.size(1):
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit cu_seqlens (ends at {tokens})"
+            f" and query {tuple(query.shape)}"
+        )
+    if query.size(0) * cp_size != tokens:
+        raise ValueError(
+            f"query has {query.size(0)} tokens; CP rank share of {tokens} is {tokens // cp_size}"
+        )
+    device = query.device
+    # Global position (within its segment) of each local query.
+    local_index = context_parallel_index(cu_seqlens, cp_size=cp_size, cp_rank=cp_rank)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = cu_seqlens[:-1].long()
+    segment_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    query_pos = local_index - starts[segment_of[local_index]]
+    repeats = query.size(1) // key.size(1)
+    outputs, positions = [], []
+    for group in segment_groups(cu_seqlens):
+        members = segment_of[group.gather_index[:, 0]]
+        q_lengths, q_starts = lengths[members] // cp_size, starts[members] // cp_size
+        offsets = torch.arange(int(q_lengths.max()), device=device)
+        q_last = (q_lengths - 1).unsqueeze(1)
+        q_index = q_starts.unsqueeze(1) + torch.minimum(offsets.unsqueeze(0), q_last)
+        k_pos = torch.arange(group.gather_index.size(1), device=device)
+        # Padded keys sit at offsets >= the segment length, after every query of the segment.
+        allowed = k_pos.view(1, 1, -1) <= query_pos[q_index].unsqueeze(-1)
+        q = query[q_index].transpose(1, 2)
+        k, v = (t[group.gather_index].transpose(1, 2) for t in (key, value))
+        if repeats > 1:
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale
+        )
+        valid = offsets.unsqueeze(0) <= q_last
+        outputs.append(out.transpose(1, 2)[valid])
+        positions.append(q_index[valid])
+    local_tokens = query.size(0)
+    order = torch.empty(local_tokens, dtype=torch.long, device=device)
+    order[torch.cat(positions)] = torch.arange(local_tokens, device=device)
     return torch.cat(outputs).index_select(0, order)

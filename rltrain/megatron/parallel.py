@@ -41,6 +41,8 @@ class ParallelContext:
     pp_rank: int
     pp_size: int
     vpp_size: int | None
+    cp_rank: int
+    """Rank in the context-parallel group (which chunks of each sequence this rank holds)."""
     cp_size: int
     dp_rank: int
     dp_size: int
@@ -50,7 +52,7 @@ class ParallelContext:
     expert_dp_rank: int
     """Rank among the replicas of this rank's experts (ranks with equal PP, TP and EP ranks)."""
     groups: ProcessGroupCollection
-    """Megatron's groups: ``tp``, ``pp``, ``dp``, ``dp_cp``, ``ep``, ``expt_tp``, ``mp``, ..."""
+    """Megatron's groups: ``tp``, ``pp``, ``cp``, ``dp``, ``dp_cp``, ``ep``, ``expt_tp``, ``mp``, ..."""
     owns_process_group: bool
     """Whether ``initialize`` started torch.distributed (and ``destroy`` should end it)."""
 
@@ -102,6 +104,7 @@ class ParallelContext:
             pp_rank=mpu.get_pipeline_model_parallel_rank(),
             pp_size=mpu.get_pipeline_model_parallel_world_size(),
             vpp_size=parallel.virtual_pipeline_model_parallel_size,
+            cp_rank=mpu.get_context_parallel_rank(),
             cp_size=mpu.get_context_parallel_world_size(),
             dp_rank=mpu.get_data_parallel_rank(),
             dp_size=mpu.get_data_parallel_world_size(),
