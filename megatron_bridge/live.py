@@ -284,7 +284,8 @@ def export_hf_weights(
     mine = {
         "rank": ctx.rank,
         "tp_rank": ctx.tp_rank,
-        "replica": ctx.dp_rank,
+        # Under context parallelism the CP ranks of a replica hold the same weights: serve from one.
+        "replica": getattr(ctx, "dp_cp_rank", ctx.dp_rank),
         "expert_replica": is_expert_rank_replica,
         "names": set(params),
     }

@@ -45,7 +45,11 @@ class ParallelContext:
     """Rank in the context-parallel group (which chunks of each sequence this rank holds)."""
     cp_size: int
     dp_rank: int
+    """Rank among the data-parallel replicas (CP ranks of one replica share it and its batch)."""
     dp_size: int
+    dp_cp_rank: int
+    """Rank in the DP×CP group: distinct for every rank holding the same TP/PP shard of the dense
+    weights (the copy a checkpoint or the weight sync reads is the one with 0)."""
     ep_rank: int
     ep_size: int
     etp_size: int
@@ -108,6 +112,7 @@ class ParallelContext:
             cp_size=mpu.get_context_parallel_world_size(),
             dp_rank=mpu.get_data_parallel_rank(),
             dp_size=mpu.get_data_parallel_world_size(),
+            dp_cp_rank=mpu.get_data_parallel_rank(with_context_parallel=True),
             ep_rank=mpu.get_expert_model_parallel_rank(),
             ep_size=mpu.get_expert_model_parallel_world_size(),
             etp_size=mpu.get_expert_tensor_parallel_world_size(),

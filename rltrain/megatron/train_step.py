@@ -1,6 +1,7 @@
 """One optimizer step of Megatron model chunks with a generic loss callable.
 
-Contract: ``wrap_for_training`` puts the chunks in Megatron's DDP (grads reduced over DP in fp32),
+Contract: ``wrap_for_training`` puts the chunks in Megatron's DDP (grads reduced in fp32 over DP×CP:
+under context parallelism each CP rank holds the gradient of its own tokens' share),
 ``build_optimizer`` makes Megatron's (distributed) Adam with decoupled weight decay and an
 ``OptimizerParamScheduler`` (linear warm-up, then constant/linear/cosine decay to ``min_lr``),
 and ``train_step`` runs forward-backward over all micro-batches, computes the global gradient norm,
@@ -10,7 +11,7 @@ them without a non-finite gradient): the largest magnitude over all ranks is rep
 (``param_max_abs``), and a parameter that is not finite raises
 :class:`~rltrain.errors.DivergenceError` on every rank, naming it, before anything reads it.
 Because the loss callable uses global denominators, the gradient equals the full-batch gradient for
-any micro-batch split and any data-parallel size.
+any micro-batch split, any data-parallel and any context-parallel size.
 """
 
 from __future__ import annotations

@@ -86,7 +86,8 @@ class PlannedExport:
         mine = {
             "rank": ctx.rank,
             "tp": ctx.tp_rank,
-            "replica": ctx.dp_rank,
+            # Under context parallelism the CP ranks of a replica hold the same weights: serve from one.
+            "replica": getattr(ctx, "dp_cp_rank", ctx.dp_rank),
             "expert_replica": getattr(ctx, "expert_dp_rank", 0),
             "names": set(self.params),
         }

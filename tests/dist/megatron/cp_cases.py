@@ -1,8 +1,9 @@
 """Context parallelism (CP=2, alone and with TP=2+SP, PP=2, dynamic batch size) against CP=1.
 
-Run on four gloo ranks. The CP=1 reference (DP=4) saves its initial weights; every CP layout loads
-them (a pipeline stage cannot reproduce the reference's random initialization by itself), so the
-checkpoint load under CP is exercised too.
+Run on four gloo ranks. The CP=1 reference (DP=4) saves its initial weights and the CP layouts load
+them (a pipeline stage cannot reproduce the reference's random initialization by itself); the CP=2
+actor saves them again, and CP=2×PP=2 loads that copy, so saving and loading under CP are both in
+the comparison.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def cp_case(tmp: str) -> dict[str, dict[str, float]]:
     diffs: dict[str, dict[str, float]] = {}
 
     ref, ref_params = _round("actor", hf, ParallelConfig(), one, save_to=f"{tmp}/actor")
-    got, params = _round("actor", hf, cp2, two, load_from=f"{tmp}/actor")
+    got, params = _round("actor", hf, cp2, two, load_from=f"{tmp}/actor", save_to=f"{tmp}/actor_cp2")
     diffs["actor_cp2"] = {**max_diffs(ref, got), "params": float((params - ref_params).abs().max())}
     got, _ = _round("actor", hf, cp2, dynamic, load_from=f"{tmp}/actor")
     diffs["actor_cp2_dynamic"] = max_diffs(ref, got)
@@ -100,7 +101,7 @@ def cp_case(tmp: str) -> dict[str, dict[str, float]]:
     got, _ = _round("actor", hf, cp2_tp2, two, load_from=f"{tmp}/actor")
     diffs["actor_cp2_tp2_sp"] = max_diffs(ref, got)
     cp2_pp2 = ParallelConfig(context_parallel_size=2, pipeline_model_parallel_size=2)
-    got, _ = _round("actor", hf, cp2_pp2, one, load_from=f"{tmp}/actor")
+    got, _ = _round("actor", hf, cp2_pp2, one, load_from=f"{tmp}/actor_cp2")
     diffs["actor_cp2_pp2"] = max_diffs(ref, got)
 
     ref, ref_params = _round("critic", hf, ParallelConfig(), one, save_to=f"{tmp}/critic")

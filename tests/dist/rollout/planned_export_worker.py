@@ -1,7 +1,7 @@
 """One rank of the planner-driven export test (no vLLM: the reference is the bridge's full export).
 
 Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
-python planned_export_worker.py MODEL_DIR OUT LAYOUT   (LAYOUT: tp2 | pp2 | ep2).
+python planned_export_worker.py MODEL_DIR OUT LAYOUT   (LAYOUT: tp2 | pp2 | ep2 | cp2).
 The trainer model loads MODEL_DIR's HF weights at LAYOUT. For every destination rank, the planned
 stream of an engine at TP=1 must equal ``export_hf_weights`` (names, order, bits). For an engine at
 TP=2 (and EP=2 for MoE) every region each engine rank receives must equal that region of the full
@@ -19,6 +19,7 @@ LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2},
     "pp2": {"pipeline_model_parallel_size": 2},
     "ep2": {"expert_model_parallel_size": 2},
+    "cp2": {"context_parallel_size": 2},
 }
 
 

@@ -1,5 +1,5 @@
 """The planner-driven weight stream (``rltrain.rollout.planned_export``) against the bridge's full
-export, on 2 gloo ranks: trainer TP=2, PP=2 (llama) and EP=2 (mixtral). See ``planned_export_worker.py``."""
+export, on 2 gloo ranks: trainer TP=2, PP=2, CP=2 (llama) and EP=2 (mixtral). See ``planned_export_worker.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def run_ranks(tmp_path: Path, model_dir: Path, layout: str) -> dict:
     return run_two_ranks("planned_export_worker.py", [str(model_dir), str(out), layout], out, timeout=300)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2"])
 def test_planned_stream_equals_full_export_llama(tmp_path, layout):
     from rltrain.models.tiny import save_tiny_model
 
