@@ -177,6 +177,11 @@ class TrainerConfig:
     set, else ``online`` when ``WANDB_API_KEY`` is set, else ``offline``, so a machine without an API
     key in its environment never tries the network."""
 
+    log_samples: bool = True
+    """Log a line per sample (its id, finish reason, length, score, advantage) and each rank's
+    trained ids per mini-batch into the run's log file (TRACE level; never the console). About 300
+    bytes a sample: turn it off for large batches (the ids stay in ``rollout_data_dir``'s dumps)."""
+
     rollout_data_dir: str | None = None
     """Write each step's training samples to ``<dir>/<step>.jsonl`` (verl's key): a line per sample
     with its id, prompt and response text, ground truth, data source, score, reward, mean advantage,

@@ -11,7 +11,8 @@ group               keys (all per training step)
                     extractable answer; ``format/mean`` format-reward rate (if configured);
                     ``by_source/<data_source>/{score_mean,accuracy,count}``; with a reward model
                     ``model_score/{mean,std,min,max}`` (its scores) and ``total/...`` (the
-                    weighted sum the advantages start from)
+                    weighted sum the advantages start from); with a custom, remote or code
+                    reward ``extra/<key>/mean`` of the extra numbers it answers (``tests_passed``)
 ``response/``       ``length/{mean,min,max}`` response tokens; ``clip_ratio`` fraction that hit
                     ``max_response_length``
 ``prompt/``         ``length/{mean,min,max}`` prompt tokens

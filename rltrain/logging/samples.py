@@ -37,7 +37,9 @@ from typing import Any
 
 from rltrain.logging.console import TRACE
 
-log = logging.getLogger("rltrain.samples")
+SAMPLES_LOGGER = "rltrain.samples"
+"""The logger of the per-sample lines (``trainer.log_samples``)."""
+log = logging.getLogger(SAMPLES_LOGGER)
 
 
 def log_rollout(uids: Sequence[str], finish_reasons: Sequence[str], lengths: Sequence[int]) -> None:

@@ -15,6 +15,7 @@ prompt's ``n``. The run's log file and the sample dumps name samples by it
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ _PER_SAMPLE_TENSORS = (
     "turn_rewards",
     "reward_baselines",
 )
-_PER_SAMPLE_LISTS = ("data_sources", "ground_truths", "finish_reasons", "uids")
+_PER_SAMPLE_LISTS = ("data_sources", "ground_truths", "finish_reasons", "uids", "extra_infos")
 
 
 @dataclass
@@ -65,6 +66,10 @@ class StepBatch:
 
     uids: list[str]
     """Per sample: its id (module doc), e.g. ``step3-p0-s1``."""
+
+    extra_infos: list[dict[str, Any]] | None = None
+    """Per sample: its prompt row's ``extra_info`` (verl's; custom and remote rewards receive it);
+    None when the batch was built without them."""
 
     scores: torch.Tensor | None = None
     """[batch] float: rule reward of each response."""
@@ -130,7 +135,7 @@ class StepBatch:
             updates[name] = None if value is None else value[idx]
         for name in _PER_SAMPLE_LISTS:
             items = getattr(self, name)
-            updates[name] = [items[i] for i in idx.tolist()]
+            updates[name] = None if items is None else [items[i] for i in idx.tolist()]
         return replace(self, **updates, extra_metrics={})
 
     def chunk(self, num_chunks: int) -> list[StepBatch]:
@@ -152,7 +157,8 @@ class StepBatch:
                 values = [getattr(p, f.name) for p in parts]
                 updates[f.name] = None if values[0] is None else torch.cat(values)
             elif f.name in _PER_SAMPLE_LISTS:
-                updates[f.name] = [x for p in parts for x in getattr(p, f.name)]
+                values = [getattr(p, f.name) for p in parts]
+                updates[f.name] = None if values[0] is None else [x for v in values for x in v]
         return replace(first, **updates)
 
 
@@ -170,6 +176,7 @@ def build_step_batch(
     sampled_masks: list[list[int]] | None = None,
     turn_rewards: list[list[tuple[int, float]]] | None = None,
     uid_prefix: str = "",
+    extra_infos: list[dict[str, Any]] | None = None,
 ) -> StepBatch:
     """Pad rollout output (``n`` consecutive samples per prompt) into a :class:`StepBatch`.
 
@@ -178,7 +185,8 @@ def build_step_batch(
     (per sample, one 0/1 per response token) mark the tokens the policy sampled in a multi-turn
     response; ``turn_rewards`` (per sample, ``(response position, reward)`` pairs) are an interaction's
     per-turn rewards. ``uid_prefix`` (:func:`step_uid_prefix`) starts every sample's id; without one the
-    ids (``p0-s1``) are unique within the batch only.
+    ids (``p0-s1``) are unique within the batch only. ``extra_infos``: per prompt, the rows'
+    ``extra_info`` (each sample gets its prompt's).
     """
     num_samples = len(response_ids)
     if num_samples != n * len(prompt_ids):
@@ -217,6 +225,7 @@ def build_step_batch(
         ground_truths=[g for g in ground_truths for _ in range(n)],
         finish_reasons=list(finish_reasons),
         uids=sample_uids(uid_prefix, len(prompt_ids), n),
+        extra_infos=None if extra_infos is None else [e for e in extra_infos for _ in range(n)],
         sampled_mask=sampled,
         turn_rewards=rewards,
     )

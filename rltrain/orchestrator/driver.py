@@ -23,7 +23,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -38,6 +38,7 @@ from rltrain.config import RLConfig
 from rltrain.data.loader import PromptBatch
 from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
+from rltrain.logging.samples import SAMPLES_LOGGER
 from rltrain.logging.timer import StageTimer
 from rltrain.orchestrator.batch import StepBatch, sample_uids, step_uid_prefix
 from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
@@ -78,7 +79,12 @@ class Rewards(Protocol):
     (:class:`~rltrain.orchestrator.reward_workers.RayRewardPool`)."""
 
     def __call__(
-        self, responses: Sequence[str], *, ground_truths: Sequence[str], data_sources: Sequence[str]
+        self,
+        responses: Sequence[str],
+        *,
+        ground_truths: Sequence[str],
+        data_sources: Sequence[str],
+        extra_infos: Sequence[Mapping[str, Any]] | None = None,
     ) -> RewardOutput: ...
 
 
@@ -129,6 +135,10 @@ class PPOTrainer(RolloutSide):
             config.run_dir() / "checkpoints", keep=config.trainer.checkpoint.max_ckpt_to_keep
         )
         self.timer = StageTimer()
+        # per-sample TRACE lines of this process (trainer.log_samples); set either way, never inherited
+        logging.getLogger(SAMPLES_LOGGER).setLevel(
+            logging.NOTSET if config.trainer.log_samples else logging.INFO
+        )
         self.source = build_source(
             config,
             roles.policy,
@@ -344,6 +354,7 @@ class PPOTrainer(RolloutSide):
         result = self.rewards(
             texts,
             ground_truths=[ex.ground_truth for ex in val for _ in range(n)],
+            extra_infos=[ex.extra_info for ex in val for _ in range(n)],
             data_sources=[ex.data_source for ex in val for _ in range(n)],
         )
         if self.config.trainer.validation_data_dir:

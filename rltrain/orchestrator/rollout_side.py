@@ -71,6 +71,7 @@ class RolloutSide:
             sampled_masks=output.sampled_masks,
             turn_rewards=output.turn_rewards,
             uid_prefix=uid_prefix,
+            extra_infos=[ex.extra_info for ex in prompts.examples],
         )
         if output.sample_metrics is not None:
             batch.extra_metrics |= agent_step_metrics(output.sample_metrics)
@@ -88,7 +89,12 @@ class RolloutSide:
         """Set ``batch.scores`` (with overlong shaping when on); the reward metrics and ``[batch]``
         whether each answer was correct. One reward line per sample in the run log."""
         texts = self.decode(batch)
-        result = self.rewards(texts, ground_truths=batch.ground_truths, data_sources=batch.data_sources)
+        result = self.rewards(
+            texts,
+            ground_truths=batch.ground_truths,
+            data_sources=batch.data_sources,
+            extra_infos=batch.extra_infos,
+        )
         batch.scores = result.scores.float()
         metrics = dict(result.metrics)
         if self.roles.reward_model is not None:

@@ -146,7 +146,10 @@ class _MegatronRankBase:
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank, dp_size=c.dp_size)
 
     def _log_trained(self, role: str, index: int, count: int, local: StepBatch) -> None:
-        """The run log's line of the sample ids this rank trained on in optimizer step ``index``."""
+        """The run log's line of the sample ids this rank trained on in optimizer step ``index``
+        (``trainer.log_samples``)."""
+        if not self.config.trainer.log_samples:
+            return
         c = self.ctx
         log_trained(
             role,

@@ -364,3 +364,14 @@ def test_a_step_run_again_after_a_resume_replaces_its_dump(tmp_path):
     assert kept.read_text() == '{"uid": "step 1, not run again"}\n'  # resumed after step 1
     same_rows(read_rows(stale), expected_rows(2, TRAIN[4:], "step2", grpo))
     assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["1.jsonl", "2.jsonl"]
+
+
+def test_log_samples_off_writes_no_sample_lines_but_keeps_the_dump(tmp_path, caplog):
+    caplog.set_level(TRACE, logger="rltrain")  # as the run's logging sets it
+    trainer = trainer_for(tmp_path, "trainer.log_samples=false", total_steps=1)
+    trainer.fit()
+    assert trace_lines(caplog) == []
+    assert len(read_rows(tmp_path / "rollouts" / "1.jsonl")) == 4 * N
+    # on again in a later trainer of the same process: the lines come back
+    trainer_for(tmp_path / "again", total_steps=1).fit()
+    assert any(line.startswith("rollout step1-p0-s0") for line in trace_lines(caplog))
