@@ -245,4 +245,10 @@ def _check_batching(role: ActorConfig, prefix: str) -> list[str]:
         problems.append(
             f"{prefix}.ppo_micro_batch_size_per_gpu is null: set it or {prefix}.use_dynamic_bsz=true"
         )
+    cp = role.parallel.context_parallel_size
+    if cp > 1 and not role.use_remove_padding:
+        problems.append(
+            f"{prefix}.use_remove_padding=false with {prefix}.parallel.context_parallel_size={cp}: "
+            "context parallelism splits packed sequences only"
+        )
     return problems

@@ -231,10 +231,16 @@ class RLConfig:
                     f"is not a multiple of {name}.ppo_micro_batch_size_per_gpu={role.ppo_micro_batch_size_per_gpu}"
                 )
             longest = self.data.max_prompt_length + self.rollout.response_length
-            if role.use_dynamic_bsz and role.ppo_max_token_len_per_gpu < longest:
+            cp = parallel.context_parallel_size
+            # Under CP the budget counts one CP rank's share: the sequence padded to 2·CP, over CP.
+            share = longest if cp == 1 else (longest + (-longest) % (2 * cp)) // cp
+            if role.use_dynamic_bsz and role.ppo_max_token_len_per_gpu < share:
+                per_rank = (
+                    "" if cp == 1 else f", {share} per rank at {name}.parallel.context_parallel_size={cp}"
+                )
                 problems.append(
                     f"{name}.ppo_max_token_len_per_gpu={role.ppo_max_token_len_per_gpu} is smaller than one "
-                    f"sequence (data.max_prompt_length + rollout.response_length = {longest})"
+                    f"sequence (data.max_prompt_length + rollout.response_length = {longest}{per_rank})"
                 )
         return problems
 
