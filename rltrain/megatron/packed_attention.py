@@ -18,8 +18,9 @@ Context parallelism: ``context_parallel_causal_attention`` is the same computati
 one CP rank holds (chunks r and 2·CP−1−r of every segment, see
 :func:`rltrain.data.packing.context_parallel_index`) against the whole row's keys/values (gathered
 from every CP rank). Each query attends to the keys of its segment whose global position is not
-after its own; the mask is built per segment group ([segments, local longest, longest] bools), never
-over the whole pack.
+after its own. Each of the rank's two chunks runs on its own against only the keys up to its end
+(chunk r reads (r+1)/(2·CP) of the segment, chunk 2·CP−1−r reads (2·CP−r)/(2·CP)), with a mask
+built per segment group ([segments, chunk, keys] bools), never over the whole pack.
 Pure torch (no Megatron or distributed import), so that it can be tested on its own.
 """
 
@@ -134,23 +135,27 @@ def context_parallel_causal_attention(
     outputs, positions = [], []
     for group in segment_groups(cu_seqlens):
         members = segment_of[group.gather_index[:, 0]]
-        q_lengths, q_starts = lengths[members] // cp_size, starts[members] // cp_size
-        offsets = torch.arange(int(q_lengths.max()), device=device)
-        q_last = (q_lengths - 1).unsqueeze(1)
-        q_index = q_starts.unsqueeze(1) + torch.minimum(offsets.unsqueeze(0), q_last)
-        k_pos = torch.arange(group.gather_index.size(1), device=device)
-        # Padded keys sit at offsets >= the segment length, after every query of the segment.
-        allowed = k_pos.view(1, 1, -1) <= query_pos[q_index].unsqueeze(-1)
-        q = query[q_index].transpose(1, 2)
-        k, v = (t[group.gather_index].transpose(1, 2) for t in (key, value))
-        if repeats > 1:
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale
-        )
+        chunk, q_starts = lengths[members] // (2 * cp_size), starts[members] // cp_size
+        offsets = torch.arange(int(chunk.max()), device=device)
+        q_last = (chunk - 1).unsqueeze(1)
         valid = offsets.unsqueeze(0) <= q_last
-        outputs.append(out.transpose(1, 2)[valid])
-        positions.append(q_index[valid])
+        # Each of the rank's two chunks (index cp_rank, then 2·CP−1−cp_rank) reads keys only up to
+        # its own end: the mirrored chunk sees most of the segment, the early one little of it.
+        for half, chunk_id in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+            q_index = (q_starts + half * chunk).unsqueeze(1) + torch.minimum(offsets.unsqueeze(0), q_last)
+            k_index = group.gather_index[:, : int(chunk.max()) * (chunk_id + 1)]
+            k_pos = torch.arange(k_index.size(1), device=device)
+            # Keys past a segment's end repeat its last token at offsets after all its queries.
+            allowed = k_pos.view(1, 1, -1) <= query_pos[q_index].unsqueeze(-1)
+            q = query[q_index].transpose(1, 2)
+            k, v = (t[k_index].transpose(1, 2) for t in (key, value))
+            if repeats > 1:
+                k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale
+            )
+            outputs.append(out.transpose(1, 2)[valid])
+            positions.append(q_index[valid])
     local_tokens = query.size(0)
     order = torch.empty(local_tokens, dtype=torch.long, device=device)
     order[torch.cat(positions)] = torch.arange(local_tokens, device=device)

@@ -8,6 +8,7 @@ the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -29,6 +30,13 @@ from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 
 
+def cp_optim():
+    """The shared test optimizer with Adam's eps at 1e-3: its first step moves each parameter by
+    lr·g/(|g| + eps), so with eps = 1e-6 a gradient entry near zero turns its rounding noise into a
+    full ±lr step and the parameter comparison would compare noise; with 1e-3 it follows the gradient."""
+    return dataclasses.replace(optim(), eps=1e-3)
+
+
 def cp_batch():
     """Four ragged rows (left-padded prompts, right-padded responses): lengths 20, 13, 18, 19."""
     return make_batch(batch_size=4, seq=20, response_len=10, seed=1)
@@ -41,7 +49,7 @@ def _round(
     ensure_process_group()
     ctx = ParallelContext.initialize(parallel, seed=SEED)
     try:
-        worker = MegatronWorker(hf, ctx=ctx, role=role, batching=batching, optim=optim(), total_steps=4)
+        worker = MegatronWorker(hf, ctx=ctx, role=role, batching=batching, optim=cp_optim(), total_steps=4)
         if load_from:
             worker.load_checkpoint(load_from, load_optimizer=False)
         if save_to:

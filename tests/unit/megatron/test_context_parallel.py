@@ -70,7 +70,8 @@ def _qkv(tokens: int, seed: int) -> list[torch.Tensor]:
 
 
 def test_cp_attention_equals_packed_attention_on_the_whole_row_with_gradients() -> None:
-    lengths = [12, 4, 40, 8, 20, 4]  # multiples of 2·CP for CP = 2; 2-token chunks at CP = 2 for length 8
+    # Multiples of 2·CP = 4; groups by length class hold different chunk sizes (20, 28, 32; 40).
+    lengths = [12, 4, 40, 8, 20, 4, 32, 28]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     tokens = int(cu[-1])
     q, k, v = _qkv(tokens, seed=1)
@@ -93,7 +94,7 @@ def test_cp_attention_equals_packed_attention_on_the_whole_row_with_gradients() 
 
 
 def test_cp4_attention_equals_packed_attention() -> None:
-    lengths = [16, 8, 32, 8]
+    lengths = [16, 8, 32, 8, 24]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v = _qkv(int(cu[-1]), seed=3)
     with torch.no_grad():
