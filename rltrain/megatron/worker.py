@@ -171,14 +171,21 @@ class MegatronWorker:
     def offload_to_cpu(self) -> None:
         """Free device memory of parameters and grads between phases (GPU only; no-op on CPU).
 
-        DDP parameters are views into flat buffers: the buffer's storage is copied to the CPU and
-        resized to zero, so the views stay valid and ``reload_to_device`` refills them in place.
+        With the distributed optimizer DDP parameters are views into flat buffers: the buffer's
+        storage is copied to the CPU and resized to zero, so the views stay valid and
+        ``reload_to_device`` refills them in place. Without it (Megatron then leaves the buffer's
+        ``param_data`` unset) each parameter of the buffer moves on its own; the grad buffer is freed
+        either way.
         """
         if self.ctx.device.type == "cpu":
             return
         for buffer in self._flat_buffers():
-            buffer.rltrain_cpu_param_data = buffer.param_data.detach().to("cpu").pin_memory()
-            buffer.param_data.untyped_storage().resize_(0)
+            if buffer.param_data is not None:
+                buffer.rltrain_cpu_param_data = buffer.param_data.detach().to("cpu").pin_memory()
+                buffer.param_data.untyped_storage().resize_(0)
+            else:
+                for param in buffer.params:
+                    param.data = param.data.to("cpu").pin_memory()
             buffer.grad_data.untyped_storage().resize_(0)
         for param in self._unbuffered_params():
             param.data = param.data.to("cpu")
@@ -188,20 +195,30 @@ class MegatronWorker:
         if self.ctx.device.type == "cpu":
             return
         for buffer in self._flat_buffers():
-            for flat in (buffer.param_data, buffer.grad_data):
+            grad = buffer.grad_data
+            grad.untyped_storage().resize_(grad.numel() * grad.element_size())
+            if buffer.param_data is not None:
+                flat = buffer.param_data
                 flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-            buffer.param_data.copy_(buffer.rltrain_cpu_param_data, non_blocking=True)
-            buffer.grad_data.zero_()
-            del buffer.rltrain_cpu_param_data
+                flat.copy_(buffer.rltrain_cpu_param_data, non_blocking=True)
+                del buffer.rltrain_cpu_param_data
+            else:
+                for param in buffer.params:
+                    param.data = param.data.to(self.ctx.device, non_blocking=True)
+            grad.zero_()
         for param in self._unbuffered_params():
             param.data = param.data.to(self.ctx.device)
 
     def _flat_buffers(self) -> list[Any]:
-        return [
-            b
-            for m in self.model
-            for b in (*getattr(m, "buffers", []), *getattr(m, "expert_parallel_buffers", []))
-        ]
+        """The param/grad buffers of Megatron's DDP wrappers (a reference's bare chunks have none:
+        ``nn.Module.buffers`` is a method, not Megatron's list)."""
+        out = []
+        for m in self.model:
+            for name in ("buffers", "expert_parallel_buffers"):
+                found = getattr(m, name, None)
+                if isinstance(found, list):
+                    out += found
+        return out
 
     def _unbuffered_params(self) -> list[torch.nn.Parameter]:
         return [] if self.optimizer is not None else [p for c in self.chunks for p in c.parameters()]

@@ -84,7 +84,9 @@ def load_hf_into(worker, *, ctx, hf_config, model_dir: str) -> None:
     critic does) and is hidden from the bridge while the body loads. A reward model
     (``role="reward"``) loads all of an HF ``*ForSequenceClassification`` checkpoint, its
     ``score.weight`` into the scalar head; a checkpoint without one, or with num_labels != 1, raises
-    ``megatron_bridge.errors.CheckpointError`` naming ``model_dir``.
+    ``megatron_bridge.errors.CheckpointError`` naming ``model_dir``. A trained role's optimizer then
+    takes the loaded weights as its main copies (a bf16 optimizer made its fp32 copies of the
+    initialisation; its first step would otherwise write them back).
     """
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, load_hf_weights
@@ -103,6 +105,9 @@ def load_hf_into(worker, *, ctx, hf_config, model_dir: str) -> None:
     finally:
         for chunk, head in heads:
             chunk.output_layer = head
+    optimizer = getattr(worker, "optimizer", None)
+    if optimizer is not None:  # bf16/fp16: the optimizer's fp32 main copies were made before the load
+        optimizer.reload_model_params()
 
 
 class _MegatronRankBase:

@@ -384,3 +384,42 @@ def switches_case() -> dict[str, float]:
         out[f"recompute={recompute}_first_skipped"] = float(first.skipped)
         ctx.destroy()
     return out
+
+
+def bf16_hf_load_case(tmp: str) -> dict[str, float]:
+    """One rank: a bf16 actor loaded from an HF checkpoint (``load_hf_into``, as every role starts),
+    then one optimizer step at lr 0. The weights must stay the loaded ones; a bf16 optimizer whose
+    fp32 main copies still held the initialisation would write that back."""
+    from dataclasses import replace
+
+    from transformers import LlamaForCausalLM
+
+    from rltrain.orchestrator.workers import load_hf_into
+
+    hf = tiny_llama(num_hidden_layers=2)
+    torch.manual_seed(11)
+    LlamaForCausalLM(hf).save_pretrained(tmp)
+    batch = make_batch(seed=5)
+    ensure_process_group()
+    out: dict[str, float] = {}
+    # Megatron's non-distributed bf16 optimizer takes CUDA tensors only (tests/gpu covers it)
+    for distributed in (True,):
+        ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+        frozen = replace(optim(), lr=0.0, min_lr=0.0, weight_decay=0.0, use_distributed_optimizer=distributed)
+        worker = MegatronWorker(
+            hf, ctx=ctx, role="actor", optim=frozen, total_steps=2, params_dtype=torch.bfloat16
+        )
+        init = {n: p.detach().float().clone() for n, p in worker.named_parameters()}
+        load_hf_into(worker, ctx=ctx, hf_config=hf, model_dir=tmp)
+        loaded = {n: p.detach().float().clone() for n, p in worker.named_parameters()}
+        result = worker.update(batch, policy_loss(float(batch.response_mask.sum())))
+        after = {n: p.detach().float() for n, p in worker.named_parameters()}
+        out[f"distributed={distributed}_skipped"] = float(result.skipped)
+        out[f"distributed={distributed}_load_changed"] = max(
+            float((loaded[n] - init[n]).abs().max()) for n in init
+        )
+        out[f"distributed={distributed}_step_changed"] = max(
+            float((after[n] - loaded[n]).abs().max()) for n in loaded
+        )
+        ctx.destroy()
+    return out

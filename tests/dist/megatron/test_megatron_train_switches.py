@@ -1,11 +1,13 @@
 """Train-step switches on CPU: a non-finite gradient norm skips the update and says so; activation
-recomputation gives the same loss and gradient norm; offload switches do not break a step."""
+recomputation gives the same loss and gradient norm; offload switches do not break a step; a bf16
+actor loaded from HF keeps the loaded weights through a step at lr 0 (its optimizer's fp32 main
+copies are the loaded weights, not the initialisation)."""
 
 from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from megatron_cases import switches_case
+from megatron_cases import bf16_hf_load_case, switches_case
 
 pytestmark = pytest.mark.dist
 
@@ -19,3 +21,13 @@ def test_nan_skips_and_recompute_matches() -> None:
     for name in ("loss", "grad_norm"):
         plain, recomputed = result[f"recompute=False_{name}"], result[f"recompute=True_{name}"]
         assert abs(plain - recomputed) <= 1e-6 * max(1.0, abs(plain)), (name, plain, recomputed)
+
+
+def test_a_bf16_actor_trains_from_the_loaded_weights(tmp_path) -> None:
+    (result,) = run_ranks(bf16_hf_load_case, 1, str(tmp_path))
+    print(result)
+    for distributed in (True,):
+        key = f"distributed={distributed}"
+        assert result[f"{key}_skipped"] == 0.0
+        assert result[f"{key}_load_changed"] > 1e-3  # the load replaced the initialisation: a real test
+        assert result[f"{key}_step_changed"] == 0.0, result
