@@ -23,7 +23,10 @@ class ParallelConfig:
     """Interleaved-schedule model chunks per pipeline stage (VPP); null disables interleaving."""
 
     context_parallel_size: PositiveInt = 1
-    """Context-parallel (CP) size: each sequence is split over this many ranks."""
+    """Context-parallel (CP) size: each sequence is split over this many ranks (padded to a multiple
+    of 2·CP and cut into 2·CP chunks; rank r holds chunks r and 2·CP−1−r, which balances causal
+    attention). Needs packed sequences (``use_remove_padding``) and a dense (not MoE) model; a dynamic
+    micro-batch's ``ppo_max_token_len_per_gpu`` counts the tokens one CP rank holds."""
 
     expert_model_parallel_size: PositiveInt = 1
     """Expert-parallel (EP) size for MoE models: the experts are divided over this many ranks."""

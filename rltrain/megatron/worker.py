@@ -18,6 +18,8 @@ optimizer) has ``compute_rm_scores``:
 Data (``TokenBatch``, ``ModelOutput`` and ``LossFn`` of :mod:`rltrain.algo.token_batch`): every
 rank of one data-parallel replica (its TP/PP/CP ranks) must receive the same batch; each
 data-parallel rank receives its own share. Forward outputs come back on every rank of the replica.
+Under context parallelism each CP rank runs its chunks of every sequence (``forward``'s docstring)
+and still returns the whole [batch, response_len] outputs; its weights equal the other CP ranks'.
 The loss callable must use global denominators (e.g. the response-token count of the whole
 mini-batch over all DP ranks) so that the gradient is the full mini-batch's.
 

@@ -9,8 +9,13 @@ after the first step, within 1e-5 (relative to the output's scale when above 1).
 from __future__ import annotations
 
 import pytest
+import torch
 from cp_cases import cp_case
 from dist_harness import run_ranks
+from megatron_fixtures import tiny_mixtral
+
+from rltrain.config.parallel import ParallelConfig
+from rltrain.megatron.model import transformer_config_from_hf
 
 pytestmark = pytest.mark.dist
 TOL = 1e-5
@@ -26,3 +31,11 @@ def test_context_parallel_matches_single_rank(tmp_path) -> None:
         for layout, diffs in layouts.items():
             for name, diff in diffs.items():
                 assert diff < TOL, f"rank {rank} {layout} {name}: max diff {diff:.3g} ≥ {TOL}"
+
+
+def test_moe_with_context_parallelism_is_refused_naming_the_key() -> None:
+    # The router's auxiliary loss would see one CP rank's tokens, not the sequence's.
+    with pytest.raises(NotImplementedError, match=r"mixtral: parallel.context_parallel_size=2 with MoE"):
+        transformer_config_from_hf(
+            tiny_mixtral(), parallel=ParallelConfig(context_parallel_size=2), params_dtype=torch.float32
+        )
