@@ -199,10 +199,14 @@ def _prepare_context_parallel(
     held = (source >= 0) & valid
     rows = torch.arange(input_ids.size(0), device=input_ids.device)
     last = local_of[packed.token_index[rows, last_cols].clamp(min=0)]
+    # The per-sequence padding is part of each segment (the causal mask hides it from real tokens),
+    # so the padded lengths TE's CP attention asks for are the lengths themselves.
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
         max_seqlen_q=packed.max_seqlen,
         max_seqlen_kv=packed.max_seqlen,
     )
