@@ -19,14 +19,19 @@ one CP rank holds (chunks r and 2·CP−1−r of every segment, see
 :func:`rltrain.data.packing.context_parallel_index`) against the whole row's keys/values (gathered
 from every CP rank). Each query attends to the keys of its segment whose global position is not
 after its own. Each of the rank's two chunks runs on its own against only the keys up to its end
-(chunk r reads (r+1)/(2·CP) of the segment, chunk 2·CP−1−r reads (2·CP−r)/(2·CP)), with a mask
-built per segment group ([segments, chunk, keys] bools), never over the whole pack.
+(chunk r reads (r+1)/(2·CP) of the segment, chunk 2·CP−1−r reads (2·CP−r)/(2·CP)). Segments with
+chunks of at least ``MERGED_MIN_CHUNK`` tokens are grouped by exact length and run mask-free: the
+keys before the chunk (all visible) and the chunk's own keys (a causal square) in two flash calls
+merged by their log-sum-exp, with the matching backward (``_PrefixCausalAttention``; no dropout).
+Shorter segments (and any segment under attention dropout) share one masked call per length class
+and chunk ([segments, chunk, keys] bools), never a mask over the whole pack.
 Pure torch (no Megatron or distributed import), so that it can be tested on its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,30 +138,113 @@ def context_parallel_causal_attention(
     query_pos = local_index - starts[segment_of[local_index]]
     repeats = query.size(1) // key.size(1)
     outputs, positions = [], []
-    for group in segment_groups(cu_seqlens):
-        members = segment_of[group.gather_index[:, 0]]
-        chunk, q_starts = lengths[members] // (2 * cp_size), starts[members] // cp_size
-        offsets = torch.arange(int(chunk.max()), device=device)
+    for members, merged in _cp_segment_groups(lengths, cp_size=cp_size, merged=dropout_p == 0.0):
+        seg_lengths, seg_starts = lengths[members], starts[members]
+        chunk, q_starts = seg_lengths // (2 * cp_size), seg_starts // cp_size
+        longest = int(chunk.max())
+        offsets = torch.arange(longest, device=device)
         q_last = (chunk - 1).unsqueeze(1)
         valid = offsets.unsqueeze(0) <= q_last
         # Each of the rank's two chunks (index cp_rank, then 2·CP−1−cp_rank) reads keys only up to
         # its own end: the mirrored chunk sees most of the segment, the early one little of it.
         for half, chunk_id in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
             q_index = (q_starts + half * chunk).unsqueeze(1) + torch.minimum(offsets.unsqueeze(0), q_last)
-            k_index = group.gather_index[:, : int(chunk.max()) * (chunk_id + 1)]
-            k_pos = torch.arange(k_index.size(1), device=device)
+            k_offsets = torch.arange(longest * (chunk_id + 1), device=device)
             # Keys past a segment's end repeat its last token at offsets after all its queries.
-            allowed = k_pos.view(1, 1, -1) <= query_pos[q_index].unsqueeze(-1)
-            q = query[q_index].transpose(1, 2)
-            k, v = (t[k_index].transpose(1, 2) for t in (key, value))
-            if repeats > 1:
-                k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale
+            k_index = seg_starts.unsqueeze(1) + torch.minimum(
+                k_offsets.unsqueeze(0), (seg_lengths - 1).unsqueeze(1)
             )
+            q = query[q_index].transpose(1, 2)
+            if merged:  # one chunk length: keys before the chunk all visible, then a causal square
+                split = longest * chunk_id
+                parts = [
+                    _gather_heads(t, k_index[:, a:b], repeats)
+                    for a, b in ((0, split), (split, None))
+                    for t in (key, value)
+                ]
+                out = _PrefixCausalAttention.apply(q, *parts, scale)
+            else:
+                allowed = k_offsets.view(1, 1, -1) <= query_pos[q_index].unsqueeze(-1)
+                k, v = (_gather_heads(t, k_index, repeats) for t in (key, value))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale
+                )
             outputs.append(out.transpose(1, 2)[valid])
             positions.append(q_index[valid])
     local_tokens = query.size(0)
     order = torch.empty(local_tokens, dtype=torch.long, device=device)
     order[torch.cat(positions)] = torch.arange(local_tokens, device=device)
     return torch.cat(outputs).index_select(0, order)
+
+
+MERGED_MIN_CHUNK = 128
+"""Under CP, segments whose chunks are at least this long run mask-free (``_PrefixCausalAttention``,
+grouped by exact length); shorter ones share a masked call per length class."""
+
+
+def _cp_segment_groups(
+    lengths: torch.Tensor, *, cp_size: int, merged: bool
+) -> list[tuple[torch.Tensor, bool]]:
+    """(segment indices, mask-free?) groups of the non-empty segments: long segments (``merged``
+    allowed) by exact length, the others by length class as ``segment_groups``."""
+    groups: dict[tuple[bool, int], list[int]] = {}
+    for segment, length in enumerate(lengths.tolist()):
+        if length == 0:
+            continue
+        exact = merged and length // (2 * cp_size) >= MERGED_MIN_CHUNK
+        groups.setdefault((exact, length if exact else (length - 1).bit_length()), []).append(segment)
+    return [(torch.tensor(m, device=lengths.device), exact) for (exact, _), m in groups.items()]
+
+
+def _gather_heads(t: torch.Tensor, index: torch.Tensor, repeats: int) -> torch.Tensor:
+    """t [tokens, groups, dim], index [segments, n] → [segments, groups × repeats, n, dim]."""
+    out = t[index].transpose(1, 2)
+    return out.repeat_interleave(repeats, dim=1) if repeats > 1 else out
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """Attention of a chunk's queries to [keys before the chunk (all visible) | the chunk's own keys
+    (causal)] without a mask: two flash calls merged by their log-sum-exp. The backward runs the
+    flash backward of each part with the merged output and log-sum-exp, which gives each part's
+    share of the gradient exactly (the softmax probabilities and the row term they use are the
+    merged ones). q [segments, heads, c, dim], prefix [segments, heads, j·c, dim] (j·c may be 0),
+    own [segments, heads, c, dim]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k_prefix: torch.Tensor,
+        v_prefix: torch.Tensor,
+        k_own: torch.Tensor,
+        v_own: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = flash(q, k_own, v_own, 0.0, True, scale=scale)
+        if k_prefix.size(2):
+            out_prefix, lse_prefix = flash(q, k_prefix, v_prefix, 0.0, False, scale=scale)
+            merged = torch.logaddexp(lse_prefix, lse)
+            wide = torch.promote_types(q.dtype, torch.float32)  # merge bf16 halves in fp32
+            out = (
+                out_prefix.to(wide) * (lse_prefix - merged).exp().unsqueeze(-1)
+                + out.to(wide) * (lse - merged).exp().unsqueeze(-1)
+            ).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k_prefix, v_prefix, k_own, v_own, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k_prefix, v_prefix, k_own, v_own, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk_own, dv_own = backward(grad, q, k_own, v_own, out, lse, 0.0, True, scale=ctx.scale)
+        dk_prefix, dv_prefix = torch.zeros_like(k_prefix), torch.zeros_like(v_prefix)
+        if k_prefix.size(2):
+            dq_prefix, dk_prefix, dv_prefix = backward(
+                grad, q, k_prefix, v_prefix, out, lse, 0.0, False, scale=ctx.scale
+            )
+            dq = dq + dq_prefix
+        return dq, dk_prefix, dv_prefix, dk_own, dv_own, None

@@ -6,8 +6,10 @@ by running each rank's share of the queries against the whole row's keys/values.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import rltrain.megatron.packed_attention as packed_attention_module
 from rltrain.data.packing import context_parallel_index, pack_sequences
 from rltrain.megatron.packed_attention import context_parallel_causal_attention, packed_causal_attention
 
@@ -69,7 +71,12 @@ def _qkv(tokens: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_() for s in shapes]
 
 
-def test_cp_attention_equals_packed_attention_on_the_whole_row_with_gradients() -> None:
+# Every segment mask-free (merged flash calls), or every segment through the masked call.
+@pytest.mark.parametrize("merged_min_chunk", [1, 10**9], ids=["merged", "masked"])
+def test_cp_attention_equals_packed_attention_on_the_whole_row_with_gradients(
+    monkeypatch, merged_min_chunk
+) -> None:
+    monkeypatch.setattr(packed_attention_module, "MERGED_MIN_CHUNK", merged_min_chunk)
     # Multiples of 2·CP = 4; groups by length class hold different chunk sizes (20, 28, 32; 40).
     lengths = [12, 4, 40, 8, 20, 4, 32, 28]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
@@ -93,7 +100,9 @@ def test_cp_attention_equals_packed_attention_on_the_whole_row_with_gradients() 
             assert (got - expected).abs().max() < 1e-12
 
 
-def test_cp4_attention_equals_packed_attention() -> None:
+@pytest.mark.parametrize("merged_min_chunk", [2, 10**9], ids=["mixed", "masked"])
+def test_cp4_attention_equals_packed_attention(monkeypatch, merged_min_chunk) -> None:
+    monkeypatch.setattr(packed_attention_module, "MERGED_MIN_CHUNK", merged_min_chunk)
     lengths = [16, 8, 32, 8, 24]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v = _qkv(int(cu[-1]), seed=3)
