@@ -48,6 +48,16 @@ class TinyModelConfig:
 
 
 @dataclass
+class FusedKernelOptions:
+    impl_backend: Literal["torch", "triton"] = "torch"
+    """``torch``: the chunked PyTorch implementation (any device, the reference); ``triton``: its
+    Triton kernels (CUDA and the ``triton`` package)."""
+
+    chunk_size: PositiveInt | None = None
+    """Tokens whose logits exist at once; null: as many as make 256 MiB of fp32 logits."""
+
+
+@dataclass
 class ModelConfig:
     path: str | None = None
     """HF model directory (config.json, safetensors, tokenizer files)."""
@@ -72,6 +82,14 @@ class ModelConfig:
 
     override_config: dict[str, float | int | str | bool] = field(default_factory=dict)
     """HF config fields to override when loading (e.g. ``{rope_theta: 500000}``)."""
+
+    use_fused_kernels: bool = False
+    """Compute the actor's and reference's log-probs and entropy with the fused, chunked LM head
+    (``kernels/``: never a [tokens, vocabulary] fp32 logits tensor; verl's key); off: logits, then
+    log-softmax."""
+
+    fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
+    """How the fused head runs (``impl_backend``, ``chunk_size``)."""
 
     def validate(self, prefix: str) -> list[str]:
         sources = [name for name in ("path", "gguf_package", "tiny") if getattr(self, name) is not None]

@@ -49,6 +49,45 @@ from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 from rltrain.megatron.parallel import ParallelContext
 
 Outputs = Literal["logprobs", "values", "scores"]
+
+
+@dataclass(frozen=True)
+class FusedHead:
+    """Log-probs and entropy by the fused, chunked LM head of :mod:`kernels.fused_logprob` instead
+    of materialised logits (``model.use_fused_kernels``; ``model.fused_kernel_options``)."""
+
+    impl: Literal["torch", "triton"] = "torch"
+    """``torch``: the chunked PyTorch reference (any device); ``triton``: the CUDA kernels."""
+    chunk_size: int | None = None
+    """Tokens whose logits exist at once; None: the kernel's default (256 MiB of fp32 logits)."""
+
+
+class _HiddenStatesOut(torch.nn.Module):
+    """Stands in for a chunk's ``output_layer`` while a fused pass runs: returns the final hidden
+    states (gathered over TP under sequence parallelism, whose backward reduce-scatters the partial
+    gradients) and keeps the LM-head weight GPTModel handed it (the embedding when tied)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.weight: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, **_: Any) -> tuple:
+        self.weight = weight if weight is not None else self.layer.weight
+        if getattr(self.layer, "sequence_parallel", False):
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        return hidden, None
+
+
+def _gpt_model(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside Megatron's wrappers (DDP, Float16Module)."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "output_layer"):
+        chunk = chunk.module
+    return chunk
+
+
 """What a forward pass returns: the LM head's logprobs and entropy, the critic's per-token values,
 or the reward model's per-sequence scores."""
 _OUTPUT_NAMES: dict[str, tuple[str, ...]] = {
@@ -253,21 +292,54 @@ def _head_outputs(
     ctx: ParallelContext,
     outputs: Outputs,
     vocab_size: int | None,
+    fused: tuple[FusedHead, _HiddenStatesOut] | None = None,
 ) -> ModelOutput:
-    """output: [rows, tokens, vocab/tp] logits or [rows, tokens, 1] values → ``ModelOutput``."""
+    """output: [rows, tokens, vocab/tp] logits (with ``fused``: [rows, tokens, hidden] final hidden
+    states) or [rows, tokens, 1] values → ``ModelOutput``."""
     batch = inputs.batch
     mask = batch.response_mask.to(output.device)
     if inputs.held is not None:
-        return _head_outputs_context_parallel(output, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size)
+        return _head_outputs_context_parallel(
+            output, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size, fused=fused
+        )
     picked = output.reshape(-1, output.size(-1))[inputs.source_index.flatten()]
     shape = inputs.source_index.shape
     if outputs == "values":
         return ModelOutput(values=picked.squeeze(-1).float().view(shape) * mask)
     targets = batch.input_ids[:, -batch.response_len :].to(output.device).flatten()
-    logprobs, entropy = vocab_parallel_logprobs_entropy(
-        picked, targets, tp_group=ctx.groups.tp, tp_rank=ctx.tp_rank, vocab_size=vocab_size
-    )
+    logprobs, entropy = _logprobs_entropy(picked, targets, ctx=ctx, vocab_size=vocab_size, fused=fused)
     return ModelOutput(logprobs=logprobs.view(shape) * mask, entropy=entropy.view(shape) * mask)
+
+
+def _logprobs_entropy(
+    picked: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ctx: ParallelContext,
+    vocab_size: int | None,
+    fused: tuple[FusedHead, _HiddenStatesOut] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """picked: the response tokens' logits [n, vocab/tp], or with ``fused`` their final hidden
+    states [n, hidden] (the LM head then runs chunk by chunk inside the kernel)."""
+    if fused is None:
+        return vocab_parallel_logprobs_entropy(
+            picked, targets, tp_group=ctx.groups.tp, tp_rank=ctx.tp_rank, vocab_size=vocab_size
+        )
+    from kernels.fused_logprob import fused_logprobs_entropy
+
+    head, out_layer = fused
+    sequence_parallel = getattr(out_layer.layer, "sequence_parallel", False)
+    return fused_logprobs_entropy(
+        picked,
+        out_layer.weight,
+        targets,
+        tp_group=ctx.groups.tp,
+        tp_rank=ctx.tp_rank,
+        vocab_size=vocab_size,
+        chunk_size=head.chunk_size,
+        all_reduce_grad_hidden=not sequence_parallel,  # SP: the gather's backward reduce-scatters
+        impl=head.impl,
+    )
 
 
 def _head_outputs_context_parallel(
@@ -277,6 +349,7 @@ def _head_outputs_context_parallel(
     ctx: ParallelContext,
     outputs: Outputs,
     vocab_size: int | None,
+    fused: tuple[FusedHead, _HiddenStatesOut] | None = None,
 ) -> ModelOutput:
     """``_head_outputs`` on this CP rank's tokens only, summed over the CP group."""
     batch, held = inputs.batch, inputs.held
@@ -285,9 +358,7 @@ def _head_outputs_context_parallel(
     if outputs == "values":
         return ModelOutput(values=_cp_combine(picked.squeeze(-1).float(), held, ctx.groups.cp) * mask)
     targets = batch.input_ids[:, -batch.response_len :].to(output.device)[held]
-    logprobs, entropy = vocab_parallel_logprobs_entropy(
-        picked, targets, tp_group=ctx.groups.tp, tp_rank=ctx.tp_rank, vocab_size=vocab_size
-    )
+    logprobs, entropy = _logprobs_entropy(picked, targets, ctx=ctx, vocab_size=vocab_size, fused=fused)
     return ModelOutput(
         logprobs=_cp_combine(logprobs, held, ctx.groups.cp) * mask,
         entropy=_cp_combine(entropy, held, ctx.groups.cp) * mask,
@@ -311,6 +382,7 @@ def _forward_step(
     vocab_size: int | None,
     loss_fn: LossFn | None,
     loss_scale: float,
+    fused: tuple[FusedHead, _HiddenStatesOut] | None = None,
 ) -> tuple[torch.Tensor, Callable]:
     inputs: _ModelInputs = next(data_iterator)
     output = model(
@@ -323,7 +395,9 @@ def _forward_step(
     def loss_func(output_tensor: torch.Tensor) -> tuple:
         if outputs == "scores":
             return output_tensor.new_zeros(()), {"scores": _scores(output_tensor, inputs, ctx=ctx)}
-        out = _head_outputs(output_tensor, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size)
+        out = _head_outputs(
+            output_tensor, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size, fused=fused
+        )
         if loss_fn is None:
             return output_tensor.new_zeros(()), {name: getattr(out, name) for name in _OUTPUT_NAMES[outputs]}
         loss, metrics = loss_fn(out, inputs.batch)
@@ -358,13 +432,60 @@ def run_model(
     outputs: Outputs = "logprobs",
     loss_fn: LossFn | None = None,
     vocab_size: int | None = None,
+    fused: FusedHead | None = None,
 ) -> ForwardResult:
     """Forward (``loss_fn=None``, no grad) or forward-backward of ``batch`` through ``chunks``.
 
     ``outputs``: what the chunks' head gives (``"values"`` and ``"scores"`` need the scalar head of
     the critic / reward role); ``"scores"`` is forward-only. ``vocab_size``: the real vocabulary when
-    the model's is padded (None: not padded).
+    the model's is padded (None: not padded). ``fused`` (``outputs="logprobs"``): the last stage's LM
+    head runs inside the fused kernel on the response tokens' hidden states, never materialising
+    [tokens, vocab] logits (the chunks' ``output_layer`` is swapped for the pass and put back).
     """
+    if fused is not None and outputs == "logprobs":
+        heads = [m for m in map(_gpt_model, chunks) if getattr(m, "output_layer", None) is not None]
+        if not heads:  # not a last pipeline stage: nothing to fuse here
+            return run_model(
+                chunks,
+                batch,
+                ctx=ctx,
+                batching=batching,
+                outputs=outputs,
+                loss_fn=loss_fn,
+                vocab_size=vocab_size,
+            )
+        (model,) = heads  # one last stage (the VPP chunk with the head)
+        layer = model.output_layer
+        model.output_layer = _HiddenStatesOut(layer)
+        try:
+            return _run_model(
+                chunks,
+                batch,
+                ctx=ctx,
+                batching=batching,
+                outputs=outputs,
+                loss_fn=loss_fn,
+                vocab_size=vocab_size,
+                fused=(fused, model.output_layer),
+            )
+        finally:
+            model.output_layer = layer
+    return _run_model(
+        chunks, batch, ctx=ctx, batching=batching, outputs=outputs, loss_fn=loss_fn, vocab_size=vocab_size
+    )
+
+
+def _run_model(
+    chunks: list[torch.nn.Module],
+    batch: TokenBatch,
+    *,
+    ctx: ParallelContext,
+    batching: MicroBatching,
+    outputs: Outputs,
+    loss_fn: LossFn | None,
+    vocab_size: int | None,
+    fused: tuple[FusedHead, _HiddenStatesOut] | None = None,
+) -> ForwardResult:
     if outputs not in _OUTPUT_NAMES:
         raise ValueError(f"outputs={outputs!r}; expected one of {', '.join(_OUTPUT_NAMES)}")
     if outputs == "scores" and loss_fn is not None:
@@ -388,6 +509,7 @@ def run_model(
         vocab_size=vocab_size,
         loss_fn=loss_fn,
         loss_scale=float(len(micro) * ctx.dp_size * ctx.cp_size),
+        fused=fused,
     )
     iterators: Any = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
     for chunk in chunks:

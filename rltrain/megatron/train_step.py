@@ -34,7 +34,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from rltrain.algo.token_batch import LossFn, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.errors import DivergenceError
-from rltrain.megatron.forward import MicroBatching, run_model
+from rltrain.megatron.forward import FusedHead, MicroBatching, run_model
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.tensor_checks import first_non_finite, global_max_abs
 
@@ -142,8 +142,10 @@ def train_step(
     loss_fn: LossFn,
     critic: bool = False,
     vocab_size: int | None = None,
+    fused: FusedHead | None = None,
 ) -> TrainStepResult:
-    """Forward-backward over ``batch``, then one (possibly skipped) optimizer step."""
+    """Forward-backward over ``batch``, then one (possibly skipped) optimizer step (``fused``: the
+    actor's log-probs by the fused LM head, :func:`~rltrain.megatron.forward.run_model`)."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -155,6 +157,7 @@ def train_step(
         outputs="values" if critic else "logprobs",
         loss_fn=loss_fn,
         vocab_size=vocab_size,
+        fused=None if critic else fused,
     )
     lr = optimizer.param_groups[0]["lr"]
     grad_norm, skipped = _step(optimizer)

@@ -39,7 +39,7 @@ import torch
 from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
-from rltrain.megatron.forward import MicroBatching, run_model
+from rltrain.megatron.forward import FusedHead, MicroBatching, run_model
 from rltrain.megatron.model import SCALAR_HEAD_ROLES, Role, build_model
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.train_step import TrainStepResult, build_optimizer, train_step, wrap_for_training
@@ -63,6 +63,7 @@ class MegatronWorker:
         offload_optimizer: bool = False,
         params_dtype: torch.dtype | None = None,
         make_vocab_size_divisible_by: int = 1,
+        fused: FusedHead | None = None,
     ) -> None:
         self.ctx = ctx
         self.vocab_size: int = hf_config.vocab_size
@@ -70,6 +71,8 @@ class MegatronWorker:
         self.role = role
         self.batching = batching or MicroBatching()
         self.recompute_activations = recompute_activations
+        self.fused = fused
+        """The fused log-prob head (``model.use_fused_kernels``) of the actor and reference; None: logits."""
         chunks = build_model(
             hf_config,
             ctx=ctx,
@@ -104,7 +107,12 @@ class MegatronWorker:
         if self.role in SCALAR_HEAD_ROLES:
             raise ValueError(f"compute_log_prob on role={self.role!r}, which has a scalar head, no LM head")
         return run_model(
-            self.model, batch, ctx=self.ctx, batching=self.batching, vocab_size=self.vocab_size
+            self.model,
+            batch,
+            ctx=self.ctx,
+            batching=self.batching,
+            vocab_size=self.vocab_size,
+            fused=self.fused,
         ).output
 
     def compute_values(self, batch: TokenBatch) -> torch.Tensor:
@@ -140,6 +148,7 @@ class MegatronWorker:
             loss_fn=loss_fn,
             critic=self.role == "critic",
             vocab_size=self.vocab_size,
+            fused=self.fused,
         )
 
     def save_checkpoint(self, root: str | Path, *, step: int) -> Path:

@@ -175,6 +175,16 @@ class _MegatronRankBase:
         self.ctx.destroy()
 
 
+def _fused_head(config: RLConfig):
+    """The fused log-prob head of ``model.use_fused_kernels`` (``model.fused_kernel_options``), or None."""
+    if not config.model.use_fused_kernels:
+        return None
+    from rltrain.megatron.forward import FusedHead
+
+    options = config.model.fused_kernel_options
+    return FusedHead(impl=options.impl_backend, chunk_size=options.chunk_size)
+
+
 def _optimizer_steps(config: RLConfig, total_steps: int, *, mini_batch_size: int, epochs: int) -> int:
     return total_steps * (config.data.train_batch_size // mini_batch_size) * epochs
 
@@ -207,6 +217,7 @@ class PolicyWorker(_MegatronRankBase):
 
         actor = config.actor
         dtype = _dtype(config.model.dtype)
+        fused = _fused_head(config)
         self.actor = MegatronWorker(
             self.hf_config,
             ctx=self.ctx,
@@ -219,6 +230,7 @@ class PolicyWorker(_MegatronRankBase):
             recompute_activations=actor.recompute_activations,
             offload_optimizer=actor.optimizer_offload,
             params_dtype=dtype,
+            fused=fused,
         )
         load_hf_into(self.actor, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.ref = None
@@ -230,6 +242,7 @@ class PolicyWorker(_MegatronRankBase):
                 role="reference",
                 batching=self._batching(actor, micro_batch_size=micro),
                 params_dtype=dtype,
+                fused=fused,
             )
             load_hf_into(self.ref, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.engine = build_engine(config, model_dir) if engine_rank else None
