@@ -14,7 +14,9 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["rltrain", "rltrain.*", "megatron_bridge", "megatron_bridge.*", "kernels", "kernels.*"]),
+    packages=find_packages(
+        include=["rltrain", "rltrain.*", "megatron_bridge", "megatron_bridge.*", "kernels", "kernels.*"]
+    ),
     install_requires=req["CORE"],
     extras_require=req["EXTRAS"],
     entry_points={"console_scripts": ["rltrain=rltrain.cli:main"]},
