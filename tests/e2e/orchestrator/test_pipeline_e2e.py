@@ -150,8 +150,10 @@ def test_fully_async_reward_rises_like_the_sync_run(local_ray, tmp_path, pipelin
     """The same number of samples (30 steps × 16 prompts × 8) through sync and through fully_async
     with staleness up to 2 (and token-level rollout IS, as asynchronous runs want: without it the
     lr-1e-3 quickstart trained on two-version-old samples loses reward, 0.34 -> 0.31 over the run):
-    the reward of the last ten steps rises over the first ten in both, and the asynchronous run ends
-    near the synchronous one (seen: sync 0.376 -> 0.466, fully_async 0.385 -> 0.425)."""
+    the reward of the last fifteen steps rises over the first fifteen in both, and the asynchronous
+    run's second half ends near the synchronous one's. Halves, not tens: the fully asynchronous run's
+    staleness follows thread timing, and over ten steps its rise was once 0.391 -> 0.410 where the
+    same run's halves gave 0.379 -> 0.427 (sync, deterministic: 0.372 -> 0.461)."""
     sync, _ = _reward_curve(tmp_path / "sync", pipeline_cache)
     fully, records = _reward_curve(
         tmp_path / "fully",
@@ -161,7 +163,7 @@ def test_fully_async_reward_rises_like_the_sync_run(local_ray, tmp_path, pipelin
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_is_threshold=2.0",
     )
-    first, last = slice(0, 10), slice(-10, None)
+    first, last = slice(0, REWARD_STEPS // 2), slice(REWARD_STEPS // 2, None)
     curves = f"sync {[round(x, 3) for x in sync]}\nfully_async {[round(x, 3) for x in fully]}"
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(sync[last]) > mean(sync[first]) + 0.02, curves
