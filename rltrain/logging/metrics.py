@@ -146,6 +146,11 @@ AGENT_ABORTED = "agent/aborted"
 AGENT_TOOL_LATENCY = "agent/tool_latency_s"
 VAL_ACCURACY = "val/accuracy"
 VAL_SCORE_MEAN = "val/score/mean"
+VAL_MODEL_SCORE_MEAN = "val/model_score/mean"
+"""With ``reward.reward_model``: the reward model's mean score of the validation samples."""
+VAL_TOTAL_MEAN = "val/total/mean"
+"""With ``reward.reward_model``: the mean of ``score_weight`` × model + ``rule_weight`` × rule over
+the validation samples, the reward training optimises; ``val/score/mean`` stays the rules' alone."""
 
 TIMING_PREFIX = "timing_s/"
 STAGES = (

@@ -40,7 +40,7 @@ from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.samples import SAMPLES_LOGGER
 from rltrain.logging.timer import StageTimer
-from rltrain.orchestrator.batch import StepBatch, sample_uids, step_uid_prefix
+from rltrain.orchestrator.batch import StepBatch, build_step_batch, sample_uids, step_uid_prefix
 from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
 from rltrain.orchestrator.dynamic_sampling import (
     ScoredRound,
@@ -327,7 +327,8 @@ class PPOTrainer(RolloutSide):
     # ---------------------------------------------------------------------------------- eval/ckpt
     def validate(self, *, step: int) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) accuracy on the held-out prompts, after ``step``; with
-        ``trainer.validation_data_dir`` its samples go to ``<dir>/<step>.jsonl``."""
+        ``reward.reward_model`` also the model's mean score of the samples and the weighted total;
+        with ``trainer.validation_data_dir`` its samples go to ``<dir>/<step>.jsonl``."""
         if self.data.val is None:
             return {}
         self.source.ensure_current()
@@ -369,10 +370,29 @@ class PPOTrainer(RolloutSide):
                 result=result,
                 tokenizer=self.tokenizer,
             )
-        return {
+        metrics = {
             mk.VAL_ACCURACY: float(result.correct.float().mean()),
             mk.VAL_SCORE_MEAN: float(result.scores.mean()),
         }
+        if self.roles.reward_model is not None:  # as in training: the model scores the same tokens
+            rm = self.config.reward.reward_model
+            batch = build_step_batch(
+                prompt_ids=output.prompt_ids,
+                response_ids=output.response_ids,
+                response_logprobs=output.response_logprobs,
+                finish_reasons=output.finish_reasons,
+                n=n,
+                data_sources=[ex.data_source for ex in val],
+                ground_truths=[ex.ground_truth for ex in val],
+                pad_token_id=self.tokenizer.pad_token_id,
+                response_length=sampling.response_length,
+                sampled_masks=output.sampled_masks,
+            )
+            model_scores = self.model_scores(batch)
+            metrics[mk.VAL_MODEL_SCORE_MEAN] = float(model_scores.mean())
+            total = rm.score_weight * model_scores + rm.rule_weight * result.scores.float()
+            metrics[mk.VAL_TOTAL_MEAN] = float(total.mean())
+        return metrics
 
     def save(self, step: int) -> None:
         """Checkpoint every role and the driver's state as ``step_<step>``; a failed save raises

