@@ -90,7 +90,12 @@ class RolloutConfig:
     """Maximum new tokens per response."""
 
     stop: list[str] = field(default_factory=list)
-    """Extra stop strings (EOS tokens always stop)."""
+    """Extra stop strings (EOS tokens always stop, unless ``ignore_eos``)."""
+
+    ignore_eos: bool = False
+    """Keep sampling past the EOS token until ``response_length`` (verl's ``ignore_eos``, vLLM's
+    ``SamplingParams.ignore_eos``): every training response has the full length, as long-context and
+    throughput runs want. Validation always stops at EOS. Stop strings still stop."""
 
     seed: int = 0
     """Sampling seed of the engine."""

@@ -166,6 +166,7 @@ class RolloutEngine:
             stop=list(sampling.stop) or None,
             stop_token_ids=list(sampling.stop_token_ids) or None,
             seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
             logprobs=0,  # the sampled token's logprob only
             **extra,
         )

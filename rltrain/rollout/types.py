@@ -108,6 +108,9 @@ class SamplingConfig:
     seed: int | None = None
     """Per-request seed: the same seed, prompt and weights give the same samples."""
 
+    ignore_eos: bool = False
+    """Sample past EOS tokens until ``response_length`` (stop strings and ``stop_token_ids`` still stop)."""
+
     @classmethod
     def from_rollout_config(cls, cfg: Any, *, seed: int | None = None) -> SamplingConfig:
         """Sampling from ``RolloutConfig`` (read by attribute); ``seed`` overrides ``cfg.seed``."""
@@ -119,6 +122,7 @@ class SamplingConfig:
             response_length=cfg.response_length,
             stop=tuple(cfg.stop),
             seed=cfg.seed if seed is None else seed,
+            ignore_eos=cfg.ignore_eos,
         )
 
 

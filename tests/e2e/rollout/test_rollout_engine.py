@@ -4,6 +4,7 @@ chat template, the checkpoint's tensors, and the engine itself before/after weig
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -89,6 +90,23 @@ def test_finish_reasons_stop_token_stop_string_and_length(engine):
     assert out.finish_reasons == ["stop"] and out.stop_reasons == [stop_str]
     assert got == ids[: len(got)] and len(got) < len(ids)
     assert stop_str in engine.tokenizer.decode(got) and stop_str not in engine.tokenizer.decode(got[:-1])
+
+
+def test_ignore_eos_samples_past_the_eos_token_to_the_full_length(engine):
+    """rollout.ignore_eos: the samples that ended on EOS go on, the same tokens up to and including
+    the EOS (the per-request seed draws the same) and then to ``response_length``."""
+    eos = engine.tokenizer.eos_token_id
+    sampling = SamplingConfig(temperature=2.0, n=64, response_length=16, seed=11)
+    ended = engine.generate(PROMPTS, sampling)
+    on_eos = [s for s in range(ended.num_samples) if ended.response_ids[s][-1] == eos]
+    assert on_eos and all(ended.finish_reasons[s] == "stop" for s in on_eos)  # a real comparison
+    assert any(len(ended.response_ids[s]) < 16 for s in on_eos)
+    full = engine.generate(PROMPTS, replace(sampling, ignore_eos=True))
+    assert all(len(ids) == 16 for ids in full.response_ids) and set(full.finish_reasons) == {"length"}
+    for s in on_eos:
+        got, want = full.response_ids[s], ended.response_ids[s]
+        assert got[: len(want)] == want, s
+        assert full.response_logprobs[s][: len(want)] == pytest.approx(ended.response_logprobs[s], abs=1e-6)
 
 
 def test_padded_output_matches_lists(engine):
