@@ -32,6 +32,11 @@ to the loss, divided by its coefficient), summed over micro-batches per rank; th
 by the micro-batch count, sums the aux loss over TP (each TP rank holds its share, as Megatron's
 ``reduce_aux_losses_tracker_across_ranks`` does) and averages both over DP. Departure from
 Megatron's own logging: its z-loss is not averaged over DP (rank 0's is logged); here it is.
+
+Padding: the routers see every token of a micro-batch, including the padding the layout adds (a
+packed row padded to a multiple of TP under sequence parallelism, to the longest micro-batch under
+VPP; the padded rows of ``use_remove_padding: false``), and count it, as Megatron-Core's aux loss
+and expert-bias loads do when, as here, no padding mask reaches the router.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ routers' inputs captured by the test, for hand computation in the parent process
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -57,15 +58,25 @@ def _worker(ctx: ParallelContext, expert_bias: bool) -> MegatronWorker:
     )
 
 
-def router_update_case(tmp: str, expert_bias: bool) -> dict[str, Any]:
-    """One update at EP = world size (world 1 saves its initial weights, world 2 loads them).
+LAYOUTS = {
+    "ep": lambda world: ParallelConfig(expert_model_parallel_size=world),
+    "pp": lambda world: ParallelConfig(pipeline_model_parallel_size=world),
+    "tp_sp": lambda world: ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True),
+}
+
+
+def router_update_case(
+    tmp: str, expert_bias: bool, layout: str = "ep", full_rows: bool = False
+) -> dict[str, Any]:
+    """One update at EP (or PP, TP: ``layout``) = world size (world 1 saves its initial weights,
+    world 2 loads them); ``full_rows``: every row 16 real tokens (no padding for the layout to add).
 
     Returns the step's ``moe_metrics``, each training router forward's logits computed here by hand
     from its captured input and weight (per layer, in forward order), and the expert bias before and
     after the step; with ``expert_bias`` also the bias after a finalize on hand-made loads."""
     ensure_process_group()
     world = dist.get_world_size()
-    ctx = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=world), seed=SEED)
+    ctx = ParallelContext.initialize(LAYOUTS[layout](world), seed=SEED)
     try:
         worker = _worker(ctx, expert_bias)
         if world == 1:
@@ -87,6 +98,8 @@ def router_update_case(tmp: str, expert_bias: bool) -> dict[str, Any]:
                 r.expert_bias.copy_(torch.tensor([0.4, -0.4, 0.2, 0.0]))
         bias_before = {n: r.expert_bias.clone() for n, r in routers.items() if r.expert_bias is not None}
         batch = make_batch()
+        if full_rows:
+            batch = dataclasses.replace(batch, attention_mask=torch.ones_like(batch.attention_mask))
         result = worker.update(dp_shard(batch, ctx), policy_loss(float(batch.response_mask.sum())))
         for handle in handles:
             handle.remove()

@@ -84,6 +84,20 @@ def test_router_metrics_equal_hand_counts_and_megatron_losses_at_ep2_and_one_ran
         assert ep2[0]["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-12), key
 
 
+@pytest.mark.parametrize("layout", ["pp", "tp_sp"])
+def test_router_metrics_at_pp2_and_tp2_equal_one_rank(tmp_path, layout: str) -> None:
+    """Each layer on its own stage (summed over PP); TP ranks with their own sequence shards
+    (sequence parallelism, which Megatron-Core requires for MoE with TP: summed over TP). Rows of
+    even length: SP pads a packed micro-batch to a multiple of TP, and the routers count padding."""
+    single = run_ranks(router_update_case, 1, str(tmp_path), False, "ep", True)[0]["metrics"]
+    ranks = run_ranks(router_update_case, 2, str(tmp_path), False, layout, True)
+    print(f"one rank: {single}\n{layout}=2: {ranks[0]['metrics']}")
+    for rank in ranks:
+        assert rank["metrics"].keys() == single.keys()
+        for key, value in single.items():
+            assert rank["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-12), key
+
+
 def test_expert_bias_moves_by_megatron_rule_in_a_train_step_at_ep2_and_is_checkpointed(tmp_path) -> None:
     single, ep2 = _run_both(tmp_path, expert_bias=True)
     for key, value in single[0]["metrics"].items():
