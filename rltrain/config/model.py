@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from rltrain.config.moe import MoEConfig
 
 
 @dataclass
@@ -91,7 +92,14 @@ class ModelConfig:
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     """How the fused head runs (``impl_backend``, ``chunk_size``)."""
 
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Router options of an MoE model (z-loss, score function, aux-loss-free expert bias, per-layer
+    metrics) in Megatron-Core's names; the same for the actor, reference and critic."""
+
     def validate(self, prefix: str) -> list[str]:
+        problems = self.moe.validate(f"{prefix}.moe")
+        if problems:
+            return problems
         sources = [name for name in ("path", "gguf_package", "tiny") if getattr(self, name) is not None]
         if len(sources) != 1:
             given = ", ".join(f"{prefix}.{s}" for s in sources) or "none"

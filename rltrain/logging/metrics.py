@@ -24,6 +24,13 @@ group               keys (all per training step)
 ``critic/``         ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``loss``, ``grad_norm``, ``lr``,
                     ``skipped_steps``, ``param_max_abs``, ``values/mean``, ``advantages/mean``,
                     ``returns/mean``
+``moe/``            MoE models, the actor's update passes (the critic's: ``critic/moe/``):
+                    ``load_max_over_mean`` (tokens of the busiest expert / mean tokens per expert),
+                    ``aux_loss`` and ``z_loss`` (Megatron-Core's, without coefficients; when
+                    enabled), ``router_entropy``, ``expert_bias_abs_max`` (aux-loss-free routing);
+                    with ``model.moe.moe_per_layer_logging`` each also as ``layer_<n>/<name>`` and
+                    ``layer_<n>/tokens_per_expert_{max,min}``
+                    (:mod:`rltrain.megatron.moe_metrics`)
 ``rollout/``        ``logprob_abs_diff_mean``, ``logprob_abs_diff_max`` |trainer - rollout|
                     logprob gap per response token, ``importance_ratio_mean`` (written by
                     :func:`rltrain.rollout.mismatch.logprob_mismatch`; DESIGN.md principle 6)

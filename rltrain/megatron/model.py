@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_bridge.family import ArchitectureFacts, MoEFacts, config_value
 from megatron_bridge.layout import layout_problems
 from megatron_bridge.registry import get_family, supported_model_types
+from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.local_spec import local_block_spec
 from rltrain.megatron.parallel import ParallelContext
@@ -131,8 +132,10 @@ def transformer_config_from_hf(
     parallel: ParallelConfig,
     params_dtype: torch.dtype,
     recompute_activations: bool = False,
+    moe_options: MoEConfig | None = None,
 ) -> TransformerConfig:
-    """``TransformerConfig`` for ``hf_config`` at layout ``parallel``; raises on a bad layout."""
+    """``TransformerConfig`` for ``hf_config`` at layout ``parallel`` (with the router options
+    ``moe_options``, ``model.moe``); raises on a bad layout."""
     model_type = hf_config.model_type
     facts = architecture_facts(hf_config)
     problems = validate_layout(hf_config, parallel, moe=facts.moe)
@@ -196,7 +199,23 @@ def transformer_config_from_hf(
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if facts.moe:
         kwargs.update(_moe_kwargs(facts.moe, model_type=model_type))
+        kwargs.update(_router_option_kwargs(moe_options or MoEConfig()))
+    elif moe_options is not None and moe_options != MoEConfig():
+        changed = [k for k, v in vars(moe_options).items() if v != getattr(MoEConfig(), k)]
+        raise ValueError(f"model.moe.{changed[0]} is set but {model_type} has no experts")
     return TransformerConfig(**kwargs)
+
+
+def _router_option_kwargs(options: MoEConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        moe_z_loss_coeff=options.moe_z_loss_coeff,
+        moe_router_enable_expert_bias=options.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=options.moe_router_bias_update_rate,
+        moe_per_layer_logging=options.moe_per_layer_logging,
+    )
+    if options.moe_router_score_function is not None:
+        kwargs["moe_router_score_function"] = options.moe_router_score_function
+    return kwargs
 
 
 def _moe_kwargs(moe: MoEFacts, *, model_type: str) -> dict[str, Any]:
@@ -270,6 +289,7 @@ def build_model(
     params_dtype: torch.dtype | None = None,
     recompute_activations: bool = False,
     make_vocab_size_divisible_by: int = 1,
+    moe_options: MoEConfig | None = None,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for ``hf_config``.
 
@@ -280,7 +300,11 @@ def build_model(
         raise ValueError(f"role={role!r}; expected actor, reference, critic or reward")
     dtype = params_dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     config = transformer_config_from_hf(
-        hf_config, parallel=ctx.parallel, params_dtype=dtype, recompute_activations=recompute_activations
+        hf_config,
+        parallel=ctx.parallel,
+        params_dtype=dtype,
+        recompute_activations=recompute_activations,
+        moe_options=moe_options,
     )
     vocab = padded_vocab_size(
         hf_config.vocab_size, tp_size=ctx.tp_size, divisible_by=make_vocab_size_divisible_by

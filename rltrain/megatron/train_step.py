@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import megatron.core.optimizer.optimizer as megatron_optimizer_module
 import torch
@@ -35,6 +36,7 @@ from rltrain.algo.token_batch import LossFn, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.errors import DivergenceError
 from rltrain.megatron.forward import FusedHead, MicroBatching, run_model
+from rltrain.megatron.moe_metrics import RouterStats
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.tensor_checks import first_non_finite, global_max_abs
 
@@ -56,6 +58,9 @@ class TrainStepResult:
     param_max_abs: float
     """Largest parameter magnitude after the step, over all ranks (always finite: a non-finite
     parameter raises instead)."""
+    moe_metrics: dict[str, float] = field(default_factory=dict)
+    """``moe/...`` router statistics of the step's update passes (:mod:`rltrain.megatron.moe_metrics`);
+    empty for a dense model."""
 
 
 def _finalize_without_token_scaling(model: list, num_tokens: torch.Tensor | None = None, **kwargs) -> None:
@@ -143,22 +148,29 @@ def train_step(
     critic: bool = False,
     vocab_size: int | None = None,
     fused: FusedHead | None = None,
+    router_stats: RouterStats | None = None,
 ) -> TrainStepResult:
     """Forward-backward over ``batch``, then one (possibly skipped) optimizer step (``fused``: the
-    actor's log-probs by the fused LM head, :func:`~rltrain.megatron.forward.run_model`)."""
+    actor's log-probs by the fused LM head, :func:`~rltrain.megatron.forward.run_model`).
+
+    With experts, Megatron's grad finalization (end of the forward-backward) also moves the
+    aux-loss-free expert bias by the step's loads, as Megatron's own training loop does, also when
+    the update is then skipped; ``router_stats`` reports the step's router statistics."""
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    result = run_model(
-        chunks,
-        batch,
-        ctx=ctx,
-        batching=batching,
-        outputs="values" if critic else "logprobs",
-        loss_fn=loss_fn,
-        vocab_size=vocab_size,
-        fused=None if critic else fused,
-    )
+    with router_stats.recording() if router_stats else nullcontext():
+        result = run_model(
+            chunks,
+            batch,
+            ctx=ctx,
+            batching=batching,
+            outputs="values" if critic else "logprobs",
+            loss_fn=loss_fn,
+            vocab_size=vocab_size,
+            fused=None if critic else fused,
+        )
+    moe_metrics = router_stats.metrics(ctx) if router_stats else {}
     lr = optimizer.param_groups[0]["lr"]
     grad_norm, skipped = _step(optimizer)
     if skipped:
@@ -168,7 +180,12 @@ def train_step(
     role = "critic" if critic else "actor"
     param_max_abs = _check_parameters(chunks, role=role, device=ctx.device, grad_norm=grad_norm, lr=lr)
     return TrainStepResult(
-        metrics=result.metrics, grad_norm=grad_norm, skipped=skipped, lr=lr, param_max_abs=param_max_abs
+        metrics=result.metrics,
+        grad_norm=grad_norm,
+        skipped=skipped,
+        lr=lr,
+        param_max_abs=param_max_abs,
+        moe_metrics=moe_metrics,
     )
 
 

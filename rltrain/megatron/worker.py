@@ -37,10 +37,12 @@ from typing import Any
 import torch
 
 from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
+from rltrain.config.moe import MoEConfig
 from rltrain.config.optim import OptimConfig
 from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
 from rltrain.megatron.forward import FusedHead, MicroBatching, run_model
 from rltrain.megatron.model import SCALAR_HEAD_ROLES, Role, build_model
+from rltrain.megatron.moe_metrics import RouterStats
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.train_step import TrainStepResult, build_optimizer, train_step, wrap_for_training
 
@@ -64,6 +66,7 @@ class MegatronWorker:
         params_dtype: torch.dtype | None = None,
         make_vocab_size_divisible_by: int = 1,
         fused: FusedHead | None = None,
+        moe: MoEConfig | None = None,
     ) -> None:
         self.ctx = ctx
         self.vocab_size: int = hf_config.vocab_size
@@ -79,7 +82,10 @@ class MegatronWorker:
             role=role,
             params_dtype=params_dtype,
             recompute_activations=recompute_activations,
+            moe_options=moe,
         )
+        self.router_stats = RouterStats(chunks, per_layer=bool(moe and moe.moe_per_layer_logging))
+        """Router statistics of each update (``TrainStepResult.moe_metrics``; none for a dense model)."""
         self.optimizer = self.scheduler = None
         if optim is not None:
             if role in ("reference", "reward"):
@@ -149,6 +155,7 @@ class MegatronWorker:
             critic=self.role == "critic",
             vocab_size=self.vocab_size,
             fused=self.fused,
+            router_stats=self.router_stats,
         )
 
     def save_checkpoint(self, root: str | Path, *, step: int) -> Path:

@@ -231,6 +231,7 @@ class PolicyWorker(_MegatronRankBase):
             offload_optimizer=actor.optimizer_offload,
             params_dtype=dtype,
             fused=fused,
+            moe=config.model.moe,
         )
         load_hf_into(self.actor, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.ref = None
@@ -243,6 +244,7 @@ class PolicyWorker(_MegatronRankBase):
                 batching=self._batching(actor, micro_batch_size=micro),
                 params_dtype=dtype,
                 fused=fused,
+                moe=config.model.moe,
             )
             load_hf_into(self.ref, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.engine = build_engine(config, model_dir) if engine_rank else None
@@ -401,6 +403,7 @@ class CriticWorker(_MegatronRankBase):
             optim=critic.optim,
             total_steps=_optimizer_steps(config, total_steps, mini_batch_size=mini, epochs=epochs),
             params_dtype=_dtype(config.model.dtype),
+            moe=config.model.moe,
         )
         load_hf_into(
             self.critic, ctx=self.ctx, hf_config=self.hf_config, model_dir=critic.model_path or model_dir
@@ -541,8 +544,12 @@ def _agent_loop(engine, config: RLConfig):
 
 def _step_metrics(role: str, result: TrainStepResult) -> dict[str, float]:
     """A train step's metrics under the role's prefix (the backend reports the total as ``loss``),
-    plus ``{role}/grad_norm``, ``{role}/lr``, ``{role}/skipped_steps`` and ``{role}/param_max_abs``."""
+    plus ``{role}/grad_norm``, ``{role}/lr``, ``{role}/skipped_steps``, ``{role}/param_max_abs``
+    and an MoE model's router statistics (the actor's as ``moe/...``, the critic's as
+    ``critic/moe/...``)."""
     metrics = {(k if "/" in k else f"{role}/{k}"): v for k, v in result.metrics.items()}
+    prefix = "" if role == "actor" else f"{role}/"
+    metrics |= {f"{prefix}{k}": v for k, v in result.moe_metrics.items()}
     return metrics | {
         f"{role}/{mk.GRAD_NORM}": result.grad_norm,
         f"{role}/{mk.LR}": result.lr,
