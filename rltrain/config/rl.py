@@ -269,6 +269,16 @@ class RLConfig:
                 f"got rollout.mode={self.rollout.mode}"
             )
         if (
+            self.trainer.pipeline != "sync"
+            and self.rollout.partial_rollout
+            and self.rollout.multi_turn.enable
+        ):
+            problems.append(
+                f"rollout.partial_rollout=true with trainer.pipeline={self.trainer.pipeline} records a "
+                "version per sampled token of single-turn batches; rollout.multi_turn.enable=true "
+                "trajectories do not carry them: set rollout.partial_rollout=false"
+            )
+        if (
             self.trainer.total_training_steps is not None
             and self.critic.warmup_steps >= self.trainer.total_training_steps
         ):

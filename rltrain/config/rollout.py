@@ -68,7 +68,9 @@ class RolloutConfig:
     slime's and verl's ``partial_rollout``): false lets them finish on the old weights before the
     new ones load; true pauses them, loads the new weights, and continues each from its generated
     prefix (tokens and behaviour logprobs kept, the policy version recorded per token). Needs the
-    asynchronous engine."""
+    asynchronous engine. With ``trainer.pipeline`` one_step_off / fully_async, true also sends the
+    actor's weights while a batch generates (:mod:`rltrain.orchestrator.pipeline`); with ``sync``
+    weights always load between batches."""
 
     num_devices: NonNegativeInt = 0
     """Devices of the engines with ``mode: separate`` (a multiple of ``tensor_model_parallel_size``,

@@ -10,17 +10,42 @@ The asynchronous schedule, with the bound s (``trainer.max_staleness``; ``one_st
 - The batch of step j is submitted to the engines once they hold version j-1-s or newer, so no
   batch is ever trained staler than s; batches are submitted in step order and queue on the engines
   (an engine runs one call at a time), drawing their prompts from the data loader as they go.
-- The engines take new weights only between batches: whenever none is in flight and they lag the
-  actor, the actor's weights are sent (after the step's update, and again right after the trainer
-  took its batch, when the engines may just have finished). Validation first waits for the batches in
-  flight and brings the engines to the actor's version: it always scores the trained weights.
+- ``rollout.partial_rollout=false``: the engines take new weights only between batches: whenever
+  none is in flight and they lag the actor, the actor's weights are sent (after the step's update,
+  and again right after the trainer took its batch, when the engines may just have finished).
+  Validation first waits for the batches in flight and brings the engines to the actor's version:
+  it always scores the trained weights.
+- ``rollout.partial_rollout=true``: the actor's weights are sent as soon as they are ready, after
+  every step's update (an update that changed nothing re-sends them, so that the engines' version
+  labels follow the actor's), whether or not a batch is generating. The engines generate the queued
+  batches one at a time, as before, on a thread of their own
+  (:class:`~rltrain.rollout.partial.BatchQueue`), so they can take the weights mid-batch
+  (``AsyncRolloutEngine.weight_update``): the requests in flight pause, keep their tokens and
+  behaviour log-probs, and continue from their prefix on the new weights. Every token records the
+  version that sampled it (``RolloutOutput.token_versions``, non-decreasing along a response). The
+  behaviour log-probs that rollout correction reads (``response_logprobs``) are those of the
+  weights that sampled each token. Validation waits for the batches in flight, as above.
 - s = 0 submits each batch after the weight sync of the step before, the ``sync`` schedule. s = 1 is
   deterministic: the batch of step j+1 is always generated with version j-1, whichever side is
-  faster. With s > 1 the version a batch gets depends on when the engines fall idle.
+  faster. With s > 1 the version a batch gets depends on when the engines fall idle. With partial
+  rollouts, where in a batch the weights change depends on timing (for any s >= 1).
+
+Staleness per token (partial rollouts; as verl and slime count it): a sample's version is that of
+its oldest token, and a batch's (``Rollout.version``) that of its oldest sample. The bound applies
+to the oldest token: trained at step t, every token's version is at least t-1-s. It holds by the
+schedule, since a token is never older than the weights its batch was submitted under. The
+``async/staleness_*`` metrics are over samples, each at its oldest token's staleness (without
+partial rollouts every sample has the batch's version: the metrics are as before); partial rollouts
+add ``async/partial_samples`` (the fraction of samples that ran across a weight update),
+``async/version_spread`` (newest minus oldest token version in the batch) and
+``async/token_staleness_mean`` (over the tokens).
 
 Checkpoints: batches generated but not trained are saved with the step's checkpoint
 (``pipeline.json``: the save waits for those in flight) and trained after a resume exactly as they
 would have been, so a resumed ``one_step_off`` run repeats the metrics of an uninterrupted one.
+With partial rollouts the rule is the same: the batches saved keep their tokens, log-probs and
+per-token versions; those generated after the resume take their weight updates where the timing puts
+them (as any s > 1 run's batches take their versions).
 
 Every wait is bounded: a batch by ``trainer.timeouts.generate_s`` naming the engines that did not
 answer (:class:`~rltrain.orchestrator.worker_group.WorkerTimeout`).
@@ -133,9 +158,12 @@ class _InFlight:
 class AsyncSource(Source):
     """``one_step_off`` and ``fully_async``: the schedule of the module doc."""
 
-    def __init__(self, policy: PolicyRole, *, max_staleness: int, total_steps: int, **kwargs) -> None:
+    def __init__(
+        self, policy: PolicyRole, *, max_staleness: int, total_steps: int, partial: bool = False, **kwargs
+    ) -> None:
+        """``partial``: ``rollout.partial_rollout`` (weights sent while batches generate)."""
         super().__init__(policy, **kwargs)
-        self.max_staleness, self.total_steps = max_staleness, total_steps
+        self.max_staleness, self.total_steps, self.partial = max_staleness, total_steps, partial
         self.queue: deque[_InFlight] = deque()
         self.next_step = 1
         self.engine_version = 0
@@ -147,7 +175,11 @@ class AsyncSource(Source):
         when there were two): a send happens where the engines fall idle, in the step or its take."""
 
     def start(self, step: int) -> dict[str, float]:
-        metrics = super().start(step)
+        if self.partial:
+            self.actor_version = step
+            metrics = self.policy.sync_weights(version=step)
+        else:
+            metrics = super().start(step)
         self.engine_version = step
         self.next_step = step + 1 + len(self.restored)
         self.queue = deque(_InFlight(r.step, r.prompts, r.version, None, r.output) for r in self.restored)
@@ -171,7 +203,7 @@ class AsyncSource(Source):
     def after_update(self, step: int, *, updated: bool) -> dict[str, float]:
         behind = self.engine_version < self.actor_version
         self.actor_version = step
-        if not updated and not behind:
+        if not updated and not behind and not self.partial:
             self.engine_version = step  # the weights did not change: the engines hold version step
             return {}
         self._sync(wait=False)  # its weight_sync/* metrics: see :meth:`metrics`
@@ -187,23 +219,26 @@ class AsyncSource(Source):
         ):
             step = self.next_step
             prompts = self.next_prompts()
-            pending = self.policy.start_generate(self.engine_prompts(prompts), self.sampling(step))
+            start = self.policy.queue_generate if self.partial else self.policy.start_generate
+            pending = start(self.engine_prompts(prompts), self.sampling(step))
             self.queue.append(_InFlight(step, prompts, self.engine_version, pending))
             self.next_step += 1
 
     def _sync(self, *, wait: bool) -> None:
         """Send the actor's weights when the engines lag it and have no batch in flight (``wait``:
-        wait for the batches in flight first)."""
+        wait for the batches in flight first); with partial rollouts, batches in flight or not."""
         if self.engine_version >= self.actor_version:
             return
         in_flight = [b for b in self.queue if b.output is None]
-        if not wait and not all(b.pending.done() for b in in_flight):
+        if not wait and not self.partial and not all(b.pending.done() for b in in_flight):
             return
-        for batch in in_flight:
-            self._finish(batch)
+        if wait or not self.partial:
+            for batch in in_flight:
+                self._finish(batch)
         self.engine_version = self.actor_version
         self.weight_syncs += 1
-        for key, value in self.policy.sync_weights().items():
+        version = {"version": self.actor_version} if self.partial else {}
+        for key, value in self.policy.sync_weights(**version).items():
             self.sync_metrics[key] = max(self.sync_metrics.get(key, value), value)
 
     def _finish(self, batch: _InFlight) -> None:
@@ -211,6 +246,7 @@ class AsyncSource(Source):
             return
         started = time.perf_counter()
         batch.output, batch.engine_seconds = batch.pending.result()
+        batch.version = oldest_version(batch.output, default=batch.version)
         self.trainer_wait_s += time.perf_counter() - started
         self.engine_busy_s += batch.engine_seconds
         batch.pending = None
@@ -231,6 +267,7 @@ class AsyncSource(Source):
         out = {
             mk.ASYNC_STALENESS_MEAN: staleness,
             mk.ASYNC_STALENESS_MAX: staleness,
+            **token_staleness_metrics(rollout, step),
             mk.ASYNC_ENGINE_VERSION: float(self.engine_version),
             mk.ASYNC_BATCHES_AHEAD: float(len(self.queue)),
             mk.ASYNC_TRAINER_WAIT_S: self.trainer_wait_s,
@@ -256,7 +293,40 @@ def build_source(config, policy: PolicyRole, *, total_steps: int, **kwargs) -> S
     if trainer.pipeline == "sync":
         return Source(policy, **kwargs)
     staleness = 1 if trainer.pipeline == "one_step_off" else trainer.max_staleness
-    return AsyncSource(policy, max_staleness=staleness, total_steps=total_steps, **kwargs)
+    return AsyncSource(
+        policy,
+        max_staleness=staleness,
+        total_steps=total_steps,
+        partial=config.rollout.partial_rollout,
+        **kwargs,
+    )
+
+
+# ------------------------------------------------------------------------------- per-token versions
+def oldest_version(output: RolloutOutput, *, default: int) -> int:
+    """The version of the oldest token of ``output`` (``default``: without per-token versions, or
+    no tokens at all)."""
+    if output.token_versions is None:
+        return default
+    return min((v[0] for v in output.token_versions if v), default=default)
+
+
+def token_staleness_metrics(rollout: Rollout, step: int) -> dict[str, float]:
+    """Staleness at ``step`` per sample (its oldest token) and per token, and how many samples ran
+    across a weight update (none without per-token versions: the batch's staleness says it all)."""
+    versions = rollout.output.token_versions
+    if versions is None:
+        return {}
+    samples = [float(step - 1 - (v[0] if v else rollout.version)) for v in versions]
+    tokens = [step - 1 - x for v in versions for x in v]
+    newest = max((v[-1] for v in versions if v), default=rollout.version)
+    return {
+        mk.ASYNC_STALENESS_MEAN: sum(samples) / len(samples),
+        mk.ASYNC_STALENESS_MAX: max(samples),
+        mk.ASYNC_PARTIAL_SAMPLES: sum(bool(v) and v[0] != v[-1] for v in versions) / len(versions),
+        mk.ASYNC_VERSION_SPREAD: float(newest - rollout.version),
+        mk.ASYNC_TOKEN_STALENESS_MEAN: sum(tokens) / len(tokens) if tokens else samples[0],
+    }
 
 
 # ------------------------------------------------------------------------------------- checkpoint

@@ -129,6 +129,15 @@ class PolicyRole(_DataParallelRole):
         )
         return PendingRollout(self.separate, refs, n=sampling.n)
 
+    def queue_generate(self, prompts: list, sampling: SamplingConfig) -> QueuedRollout:
+        """:meth:`start_generate` for partial rollouts (``rollout.partial_rollout``): the batch is
+        queued on the engines, which stay free to receive weights while it generates."""
+        if self.separate is None:
+            raise ValueError("generating while the actor trains needs rollout.mode=separate")
+        engines = list(range(self.separate.world_size))
+        keys = self.separate.call_each("queue_batch", _engine_args(prompts, sampling, engines, self.separate))
+        return QueuedRollout(self.separate, keys, n=sampling.n)
+
     def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self._dispatch("compute_log_prob", batch)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -139,8 +148,11 @@ class PolicyRole(_DataParallelRole):
     def update(self, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
         return self._update("update_actor", mini_batches)
 
-    def sync_weights(self) -> dict[str, float]:
-        receiving = self.separate.submit("receive_weights") if self.separate else None
+    def sync_weights(self, *, version: int | None = None) -> dict[str, float]:
+        """Send the actor's weights to the engines; ``version`` (partial rollouts): the policy version
+        they are, given to separate engines that may have batches in flight."""
+        args = () if version is None else (version,)
+        receiving = self.separate.submit("receive_weights", *args) if self.separate else None
         metrics: dict[str, float] = {}
         for rank_metrics in self.group.call("sync_weights"):
             for key, value in rank_metrics.items():
@@ -185,6 +197,21 @@ class PendingRollout:
     def result(self) -> tuple[RolloutOutput, float]:
         """The merged output and the longest time an engine spent generating it."""
         answers = [a for a in self.group.wait("generate_timed", self.refs) if a[0] is not None]
+        seconds = max((a[1] for a in answers), default=0.0)
+        return RolloutOutput.concat([a[0] for a in answers], n=self.n), seconds
+
+
+class QueuedRollout:
+    """A batch queued on the separate engines (:meth:`PolicyRole.queue_generate`): :meth:`result`
+    collects it (``trainer.timeouts.generate_s``, naming the engines that did not answer)."""
+
+    def __init__(self, group: EngineGroup, keys: list, *, n: int) -> None:
+        self.group, self.keys, self.n = group, keys, n
+
+    def result(self) -> tuple[RolloutOutput, float]:
+        """The merged output (with ``token_versions``) and the longest time an engine generated it."""
+        refs = self.group.submit_each("batch_result", [(k,) for k in self.keys])
+        answers = [a for a in self.group.wait("batch_result", refs) if a[0] is not None]
         seconds = max((a[1] for a in answers), default=0.0)
         return RolloutOutput.concat([a[0] for a in answers], n=self.n), seconds
 

@@ -77,6 +77,7 @@ TIMEOUT_KEYS: dict[str, str] = {
     "connect_weight_sync": "init_s",
     "generate": "generate_s",
     "generate_timed": "generate_s",
+    "batch_result": "generate_s",
     "compute_log_prob": "compute_s",
     "compute_ref_log_prob": "compute_s",
     "compute_values": "compute_s",

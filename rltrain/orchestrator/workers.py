@@ -485,6 +485,8 @@ class RolloutWorker:
         self.engine = build_engine(config, model_dir)
         self.receiver: Any = None
         """This engine's end of the broadcast (``rltrain.weight_sync.broadcast``)."""
+        self.batches: Any = None
+        """The pipeline's queued batches with ``rollout.partial_rollout`` (built at the first)."""
 
     def connect_weight_sync(self, address: tuple[str, int], num_engines: int) -> None:
         from rltrain.weight_sync.broadcast import BroadcastTransport, join_broadcast_group
@@ -498,8 +500,14 @@ class RolloutWorker:
         bucket_bytes = self.config.rollout.weight_sync.bucket_size_mb << 20
         self.receiver = BroadcastTransport(group=group, src_rank=0, bucket_bytes=bucket_bytes, device=device)
 
-    def receive_weights(self) -> dict[str, float]:
-        stats = self.receiver.receive(self.engine)
+    def receive_weights(self, version: int | None = None) -> dict[str, float]:
+        """Load the broadcast weights. ``version`` (the pipeline with ``rollout.partial_rollout``): the
+        policy version they are, loaded through ``AsyncRolloutEngine.weight_update`` so that batches
+        in flight pause (or finish) around the load and label their tokens; equal to the engine's
+        version (the run's first send) it is a plain load, nothing being in flight."""
+        from rltrain.rollout.partial import load_as_version
+
+        stats = load_as_version(self.engine, version, lambda: self.receiver.receive(self.engine))
         return {
             mk.WEIGHT_SYNC_RECEIVE_SECONDS: stats.seconds,
             mk.WEIGHT_SYNC_BUCKETS: float(stats.num_buckets),
@@ -514,6 +522,22 @@ class RolloutWorker:
         started = time.perf_counter()
         output = self.generate(prompts, sampling)
         return output, time.perf_counter() - started
+
+    def queue_batch(self, prompts: list[list[int]], sampling) -> int | None:
+        """Queue a batch on this engine (:class:`~rltrain.rollout.partial.BatchQueue`) and return its
+        key at once (None: no prompts for this engine); weights may arrive while it generates."""
+        if not prompts:
+            return None
+        if self.batches is None:
+            from rltrain.rollout.partial import BatchQueue
+
+            self.batches = BatchQueue(self.engine)
+        return self.batches.submit(prompts, sampling)
+
+    def batch_result(self, key: int | None) -> tuple[Any, float]:
+        """The output of the batch queued as ``key`` (with per-token versions) and the seconds it
+        generated on this engine."""
+        return (None, 0.0) if key is None else self.batches.result(key)
 
     def rank_info(self) -> dict[str, int]:
         return {"rank": self.rank}

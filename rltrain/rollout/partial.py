@@ -11,6 +11,10 @@ The engine side lives on :class:`~rltrain.rollout.async_engine.AsyncRolloutEngin
   every wait bounded and naming the batch and its requests.
 - ``versions_of``: vLLM's ``WeightVersionSpan`` list (``[start, end)`` per weight label, set by the
   engine core while generation is paused) as one version per token.
+- ``BatchQueue``: the asynchronous pipeline's batches on one engine (``trainer.pipeline`` with
+  ``rollout.partial_rollout=true``), generated one at a time in submission order on a thread of
+  their own, so that the engine's host stays free to load weights while one generates; each batch
+  comes back as a ``RolloutOutput`` with ``token_versions``.
 
 Nothing here imports vLLM: outputs are read by attribute.
 """
@@ -18,15 +22,18 @@ Nothing here imports vLLM: outputs are read by attribute.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from rltrain.rollout.types import Sample
+from rltrain.rollout.types import RolloutOutput, Sample, SamplingConfig
 
 if TYPE_CHECKING:
     from rltrain.rollout.async_engine import AsyncRolloutEngine
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -182,3 +189,63 @@ class RolloutBatch:
         for index, samples in self.as_completed(timeout_s=timeout_s):
             out[index] = samples
         return out  # type: ignore[return-value]
+
+
+def versioned_output(
+    prompt_ids: list[list[int]], samples: list[list[VersionedSample]], *, n: int
+) -> RolloutOutput:
+    """``RolloutOutput.from_samples`` keeping each token's version in ``token_versions``."""
+    output = RolloutOutput.from_samples(prompt_ids, [[s.as_sample() for s in p] for p in samples], n=n)
+    output.token_versions = [s.versions for per_prompt in samples for s in per_prompt]
+    return output
+
+
+class BatchQueue:
+    """Batches of one ``AsyncRolloutEngine``, generated one at a time in submission order (as the
+    pipeline's schedule has them: a batch waits for the one before), each on a worker thread, so
+    that the caller may run ``engine.weight_update`` while a batch is in flight."""
+
+    def __init__(self, engine: AsyncRolloutEngine) -> None:
+        self.engine = engine
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rltrain-batches"
+        )
+        self._batches: dict[int, concurrent.futures.Future] = {}
+        self._keys = itertools.count()
+        self.current: RolloutBatch | None = None
+        """The batch generating now, or the last one (progress: ``num_tokens``, ``done``)."""
+
+    def submit(self, prompts: list, sampling: SamplingConfig) -> int:
+        """Queue a batch (``start_batch``'s prompts) and return its key at once."""
+        key = next(self._keys)
+        self._batches[key] = self._thread.submit(self._generate, prompts, sampling)
+        return key
+
+    def generating(self) -> bool:
+        """Whether a batch queued here has not finished yet."""
+        return any(not f.done() for f in list(self._batches.values()))
+
+    def result(self, key: int) -> tuple[RolloutOutput, float]:
+        """Batch ``key``'s output and the seconds it generated (from its start on the engine, not
+        from its submission); waits as long as the engine lives (the caller bounds the wait)."""
+        if key not in self._batches:
+            raise KeyError(f"{self.engine._describe()}: no batch {key} queued (or already collected)")
+        return self._batches.pop(key).result()
+
+    def _generate(self, prompts: list, sampling: SamplingConfig) -> tuple[RolloutOutput, float]:
+        if self.engine._asleep:  # a validation's generate put it to sleep (rollout.free_cache_engine)
+            self.engine.wake_up()
+        started = time.perf_counter()
+        batch = self.current = self.engine.start_batch(prompts, sampling)
+        samples = batch.results()
+        return versioned_output(batch.prompt_ids, samples, n=sampling.n), time.perf_counter() - started
+
+
+def load_as_version(engine: AsyncRolloutEngine, version: int | None, load: Callable[[], T]) -> T:
+    """Run ``load()`` (a weight load into ``engine``) as policy ``version``: inside
+    ``engine.weight_update``, so that requests in flight pause (or finish) around it; a plain load
+    when ``version`` is None or already the engine's (a run's first send: nothing is in flight)."""
+    if version is None or version == engine.policy_version:
+        return load()
+    with engine.weight_update(version=version):
+        return load()

@@ -183,6 +183,11 @@ class RolloutOutput:
     sample_metrics: list[dict[str, float]] | None = None
     """[S] per-trajectory counts of the agent loop (``rltrain.agent.trajectory.TRAJECTORY_METRICS``)."""
 
+    token_versions: list[list[int]] | None = None
+    """[S][response_len_s] policy version of the weights that sampled each token, non-decreasing
+    along a response (partial rollouts, ``rltrain.rollout.partial``); None: one version for the
+    whole output, the one its caller generated it with."""
+
     @property
     def num_samples(self) -> int:
         return len(self.response_ids)
@@ -222,6 +227,7 @@ class RolloutOutput:
             sampled_masks=joined("sampled_masks"),
             turn_rewards=joined("turn_rewards"),
             sample_metrics=joined("sample_metrics"),
+            token_versions=joined("token_versions"),
         )
 
     def sample_prompt_ids(self, s: int) -> list[int]:

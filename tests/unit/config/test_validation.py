@@ -189,6 +189,20 @@ def test_an_overlapping_pipeline_needs_engines_of_their_own_and_one_step_off_its
     path = write(tmp_path, "r.yaml", MINIMAL)
     config = load_config(path, [*separate, "trainer.pipeline=fully_async", "trainer.max_staleness=3"])
     assert (config.trainer.pipeline, config.trainer.max_staleness) == ("fully_async", 3)
+    partial = [
+        *separate,
+        "trainer.pipeline=fully_async",
+        "rollout.partial_rollout=true",
+        "rollout.engine=async",
+    ]
+    assert load_config(path, partial).rollout.partial_rollout is True
+    multi_turn = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_assistant_turns=2"]
+    assert problems(tmp_path, [*partial, *multi_turn])[-1:] == [
+        "override 'rollout.partial_rollout=true', override 'trainer.pipeline=fully_async', override "
+        "'rollout.multi_turn.enable=true': rollout.partial_rollout=true with trainer.pipeline=fully_async "
+        "records a version per sampled token of single-turn batches; rollout.multi_turn.enable=true "
+        "trajectories do not carry them: set rollout.partial_rollout=false"
+    ]
 
 
 def test_unknown_policy_loss_mode_gets_the_registrys_line_naming_the_key(tmp_path):

@@ -220,3 +220,79 @@ def test_the_sync_source_trains_restored_batches_first():
     with pytest.raises(RuntimeError, match="next batch is step 2, not 3"):
         source.load_state(first.state())
         source.take(3)
+
+
+@dataclass
+class PartialEnginesDouble(EnginesOnAClockDouble):
+    """Engines that take weights mid-batch (``rollout.partial_rollout``): of a batch's two samples, the
+    first samples ``tokens`` tokens evenly over the batch's ``gen_s`` (token i at ``start + (i + 0.5)
+    * gen_s / tokens``), the second over its second half; each token is labelled with the version of
+    the last load before it."""
+
+    tokens: int = 4
+    loads: list[tuple[float, int]] = field(default_factory=list)
+
+    def queue_generate(self, prompts: list, sampling: SamplingConfig):
+        handle = self.start_generate(prompts, sampling)
+        return _PartialHandle(self, handle.end, handle.prompts, handle.n)
+
+    def sync_weights(self, *, version: int) -> dict[str, float]:
+        self.loads.append((self.now, version))
+        return {"weight_sync/seconds": 0.0}
+
+    def version_at(self, when: float) -> int:
+        return [v for t, v in self.loads if t <= when][-1]
+
+
+@dataclass
+class _PartialHandle(_Handle):
+    def result(self) -> tuple[RolloutOutput, float]:
+        output, seconds = super().result()
+        gen_s, tokens = self.engines.gen_s, self.engines.tokens
+        start = self.end - gen_s
+        whole = [self.engines.version_at(start + (i + 0.5) * gen_s / tokens) for i in range(tokens)]
+        late = [
+            self.engines.version_at(start + gen_s / 2 + (i + 0.5) * gen_s / 2 / tokens) for i in range(tokens)
+        ]
+        assert self.prompts * self.n == 2
+        output.response_ids = [list(range(tokens))] * 2
+        output.response_logprobs = [[-0.5] * tokens] * 2
+        output.token_versions = [whole, late]
+        return output, seconds
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_partial_rollouts_take_weights_mid_batch_and_count_staleness_at_the_oldest_token(frozen):
+    """Hand-derived (gen 2 s, train 1 s, one_step_off, 4 tokens a sample): step k's weights load at
+    t = 2k + 1, halfway through batch k+1 (generating [2k, 2k+2]): its first sample's tokens at
+    2k + 0.25, 0.75, 1.25, 1.75 are versions k-1, k-1, k, k; its second sample's (2k + 1.125 ...
+    1.875) all k. Each batch from the second on is one version old at its oldest token (the bound);
+    its samples 1 and 0 versions old, its tokens 0.25 on average. ``frozen``: steps 1 and 2 leave the
+    actor as it was (critic warm-up); its weights are sent all the same, so that the engines' labels
+    keep up with the actor's version. Without partial rollouts the same schedule waits for batch
+    k+1 before sending (see the one_step_off test above)."""
+    engines = PartialEnginesDouble(2.0)
+    source = _started(_source(engines, staleness=1, steps=5, partial=True))
+    updated = (lambda step: step > 2) if frozen else (lambda step: True)
+    versions, reports = _run(source, engines, train_s=1.0, steps=range(1, 6), updated=updated)
+    assert engines.loads == [(0.0, 0), (3.0, 1), (5.0, 2), (7.0, 3), (9.0, 4), (11.0, 5)]
+    assert versions == [0, 0, 1, 2, 3]
+    assert [r["async/staleness_max"] for r in reports] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_mean"] for r in reports] == [0.0, 0.5, 0.5, 0.5, 0.5]
+    assert [r["async/partial_samples"] for r in reports] == [0.0, 0.5, 0.5, 0.5, 0.5]
+    assert [r["async/version_spread"] for r in reports] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r["async/token_staleness_mean"] for r in reports] == [0.0, 0.25, 0.25, 0.25, 0.25]
+    # one weight send per step, each while a batch was generating (none waited for it)
+    assert [r["async/weight_syncs"] for r in reports] == [1.0] * 5
+
+
+def test_partial_rollout_batches_keep_their_token_versions_through_a_checkpoint():
+    engines = PartialEnginesDouble(2.0)
+    source = _started(_source(engines, staleness=1, steps=4, partial=True))
+    _run(source, engines, train_s=1.0, steps=range(1, 2))
+    # batch 2, its weights changed halfway (step 1's landed at t = 3), and batch 3 (queued after
+    # that load, generated in [4, 6]): the save waits for both, each at its oldest token's version
+    saved = source.state()
+    assert [(b["step"], b["version"]) for b in saved] == [(2, 0), (3, 1)]
+    assert [b["output"]["token_versions"] for b in saved] == [[[0, 0, 1, 1], [1] * 4], [[1] * 4] * 2]
+    assert [_encode(_decode(b)) for b in saved] == saved
