@@ -87,7 +87,7 @@ class FakeModel:
 
     def update(self, batch, loss_fn):
         return SimpleNamespace(
-            metrics={"pg_loss": 0.0}, grad_norm=0.0, lr=1e-6, skipped=False, param_max_abs=0.5
+            metrics={"pg_loss": 0.0}, grad_norm=0.0, lr=1e-6, skipped=False, param_max_abs=0.5, moe_metrics={}
         )
 
 
