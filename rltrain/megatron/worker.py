@@ -76,6 +76,14 @@ class MegatronWorker:
                 f"router_replay.mode={router_replay} with recompute_activations: the recomputed forward "
                 "would not replay the routes"
             )
+        if (
+            router_replay != "disabled"
+            and not getattr(hf_config, "num_local_experts", None)
+            and not getattr(hf_config, "num_experts", None)
+        ):
+            raise ValueError(
+                f"router_replay.mode={router_replay} on {hf_config.model_type}, which has no experts"
+            )
         self.router_replay = router_replay
         """MoE routing replay (verl's ``router_replay.mode``): R2 records the actor's routing in its
         first (old-logprob) pass and replays it in the reference and update passes; R3 replays the
