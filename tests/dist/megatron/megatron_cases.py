@@ -444,14 +444,19 @@ def _routing_maps(worker: MegatronWorker) -> tuple[dict[int, list[torch.Tensor]]
     return maps, handles
 
 
-def _expected_map(routes: torch.Tensor, batch, layer: int, num_experts: int) -> torch.Tensor:
-    """The routing map of one packed micro-batch (all rows): real tokens concatenated row by row."""
+def _map_mismatch(routing_map: torch.Tensor, routes: torch.Tensor, batch, layer: int, packed: bool) -> int:
+    """Tokens × experts where a router's map of one micro-batch (all rows) differs from ``routes``.
+    Packed: the real tokens concatenated row by row; padded rows: Megatron's [seq, rows] order."""
     real = batch.attention_mask.bool()
-    chosen = routes[:, :, layer][real]  # [tokens, k] in packed order
-    return torch.zeros(chosen.size(0), num_experts, dtype=torch.bool).scatter(1, chosen, True)
+    num_experts = routing_map.size(-1)
+    if not packed:
+        rows, seq = real.shape
+        routing_map = routing_map.view(seq, rows, num_experts).transpose(0, 1)[real]
+    chosen = routes[:, :, layer][real]  # [real tokens, k], row by row
+    return int((routing_map != torch.zeros_like(routing_map).scatter(1, chosen, True)).sum())
 
 
-def replay_case() -> dict[str, float]:
+def replay_case(packed: bool = True) -> dict[str, float]:
     """R2 at EP=2: the recording pass returns what the routers chose (checked against hooks on the
     routers), replaying it reproduces the logprobs, and after an update the replayed routing equals the
     recorded one on every layer and token, where free routing has drifted."""
@@ -460,18 +465,17 @@ def replay_case() -> dict[str, float]:
     hf = tiny_mixtral(num_hidden_layers=3)
     ensure_process_group()
     ctx = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=2), seed=SEED)
-    batching = MicroBatching(micro_batch_size=2, use_remove_padding=True)
+    batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
     opt = OptimConfig(lr=0.05, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, lr_decay_style="constant")
     worker = MegatronWorker(
         hf, ctx=ctx, role="actor", batching=batching, optim=opt, total_steps=4, router_replay="R2"
     )
     batch = dp_shard(make_batch(), ctx)
-    experts = hf.num_local_experts
     maps, handles = _routing_maps(worker)
     first = worker.compute_log_prob(batch)
     routes = first.routed_experts.cpu()
-    recorded_vs_router = max(
-        int((maps[layer][0].cpu() != _expected_map(routes, batch, layer, experts)).sum()) for layer in maps
+    recorded_vs_router = sum(
+        _map_mismatch(maps[layer][0].cpu(), routes, batch, layer, packed) for layer in maps
     )
     batch.routed_experts = routes
     maps.clear()
@@ -481,9 +485,7 @@ def replay_case() -> dict[str, float]:
     worker.update(batch, policy_loss(float(batch.response_mask.sum())))
     maps.clear()
     replayed = worker.compute_log_prob(batch)  # replay after the update
-    replay_mismatch = sum(
-        int((maps[layer][0].cpu() != _expected_map(routes, batch, layer, experts)).sum()) for layer in maps
-    )
+    replay_mismatch = sum(_map_mismatch(maps[layer][0].cpu(), routes, batch, layer, packed) for layer in maps)
     free = worker.compute_log_prob(replace(batch, routed_experts=None))  # record: the routers choose
     real = batch.attention_mask.bool()
     agree_free = float(

@@ -9,8 +9,9 @@ from megatron_cases import replay_case
 pytestmark = pytest.mark.dist
 
 
-def test_r2_replays_recorded_routing_exactly_at_ep2() -> None:
-    for rank, r in enumerate(run_ranks(replay_case, 2)):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded_rows"])
+def test_r2_replays_recorded_routing_exactly_at_ep2(packed: bool) -> None:
+    for rank, r in enumerate(run_ranks(replay_case, 2, packed)):
         print(f"rank {rank}: {r}")
         assert r["layers"] == 3
         assert r["recorded_vs_router"] == 0, "the recorded routes are not what the routers chose"
