@@ -54,6 +54,10 @@ class TokenBatch:
     sampled_mask: torch.Tensor | None = None
     """[batch, response_len] 1 on the tokens the policy sampled, where a multi-turn response also holds
     tool or environment tokens (attended to, never trained on); None: every real response token."""
+    routed_experts: torch.Tensor | None = None
+    """[batch, seq, num_layers, top_k] long: the experts each token was routed to in each layer (MoE
+    routing replay, ``router_replay.mode``), aligned with ``input_ids``; dense layers' slots and padding
+    are ignored. None: the routers choose."""
 
     @property
     def batch_size(self) -> int:
@@ -70,7 +74,7 @@ class TokenBatch:
         """The rows at ``index`` (in that order), every set loss input sliced alike."""
         idx = torch.tensor(index, dtype=torch.long, device=self.input_ids.device)
         inputs = {}
-        for name in (*LOSS_INPUTS, "sampled_mask"):
+        for name in (*LOSS_INPUTS, "sampled_mask", "routed_experts"):
             value = getattr(self, name)
             if value is not None:
                 inputs[name] = value[idx.to(value.device)]
@@ -87,6 +91,9 @@ class ModelOutput:
     """Entropy of the next-token distribution at the same positions (actor / reference)."""
     values: torch.Tensor | None = None
     """Critic value at the same positions."""
+    routed_experts: torch.Tensor | None = None
+    """[batch, seq, num_layers, top_k] long: the experts the routers chose for every token (a recording
+    pass of routing replay), 0 on padding and in dense layers' slots; None otherwise."""
 
 
 class LossFn(Protocol):

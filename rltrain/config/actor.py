@@ -70,6 +70,21 @@ class PolicyLossConfig:
         return problems
 
 
+RouterReplayMode = Literal["disabled", "R2", "R3"]
+
+
+@dataclass
+class RouterReplayConfig:
+    """verl's ``actor.router_replay``: MoE routing replay, so that the trainer's routers send each token
+    to the experts chosen once instead of choosing again in every pass."""
+
+    mode: RouterReplayMode = "disabled"
+    """``disabled``: every pass routes by itself. ``R2``: the actor records its routing in the
+    old-logprob pass and replays it in the reference and update passes of the step. ``R3``: the
+    rollout engine returns the experts it routed each token to and the old-logprob, reference and
+    update passes replay them."""
+
+
 @dataclass
 class ActorConfig:
     ppo_mini_batch_size: PositiveInt = 64
@@ -160,8 +175,16 @@ class ActorConfig:
     optimizer_offload: bool = False
     """Keep optimizer state in host memory while the role is idle (GPU only; no effect on CPU)."""
 
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """MoE routing replay (``router_replay.mode``: disabled, R2, R3)."""
+
     def validate(self, prefix: str) -> list[str]:
         problems = [*self.optim.validate(f"{prefix}.optim")]
+        if self.router_replay.mode != "disabled" and self.recompute_activations:
+            problems.append(
+                f"{prefix}.router_replay.mode={self.router_replay.mode} with {prefix}.recompute_activations: "
+                "the recomputed forward would route again"
+            )
         problems += self.policy_loss.validate(f"{prefix}.policy_loss")
         problems += _check_batching(self, prefix)
         if self.clip_ratio_c <= 1.0:

@@ -49,6 +49,9 @@ from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 from rltrain.megatron.parallel import ParallelContext
 
 Outputs = Literal["logprobs", "values", "scores"]
+Replay = Literal["record", "replay"]
+"""Routing replay of a pass: ``record`` the routers' top-k per token (returned as
+``ModelOutput.routed_experts``), or ``replay`` ``batch.routed_experts`` instead of choosing."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,10 @@ class _ModelInputs:
     response token (``source_index`` is 0 where not); None without CP."""
     last_held: torch.Tensor | None = None
     """CP > 1: [batch] bool, whether this CP rank holds each row's last token; None without CP."""
+    layout_index: torch.Tensor | None = None
+    """[batch, seq] flat index into [rows × tokens] of each real token of ``batch`` (-1 on padding)."""
+    recorded: torch.Tensor | None = None
+    """Routing replay ``record``: [batch, seq, num_layers, top_k] routes this rank's routers chose."""
 
 
 def _prepare(
@@ -196,8 +203,20 @@ def _prepare(
         )
         source = packed.token_index[:, predictor_cols].clamp(min=0)
         last = packed.token_index[rows, last_cols].clamp(min=0)
-        return _ModelInputs(batch, packed.input_ids, packed.position_ids, None, params, source * valid, last)
+        return _ModelInputs(
+            batch,
+            packed.input_ids,
+            packed.position_ids,
+            None,
+            params,
+            source * valid,
+            last,
+            layout_index=packed.token_index.to(device),
+        )
     source = (rows.unsqueeze(1) * seq + predictor_cols.unsqueeze(0)) * valid
+    extra = seq - batch.input_ids.size(1)
+    cols = torch.arange(extra, seq, device=device)
+    layout = rows.unsqueeze(1) * seq + cols.unsqueeze(0)
     return _ModelInputs(
         batch,
         input_ids,
@@ -206,6 +225,7 @@ def _prepare(
         None,
         source,
         rows * seq + last_cols,
+        layout_index=torch.where(attention_mask[:, extra:].bool(), layout, -1),
     )
 
 
@@ -383,14 +403,24 @@ def _forward_step(
     loss_fn: LossFn | None,
     loss_scale: float,
     fused: tuple[FusedHead, _HiddenStatesOut] | None = None,
+    replay: Replay | None = None,
 ) -> tuple[torch.Tensor, Callable]:
     inputs: _ModelInputs = next(data_iterator)
+    routers = _routers(model) if replay else []
+    if replay == "replay":
+        _set_replay_targets(routers, inputs, ctx=ctx)
     output = model(
         input_ids=inputs.input_ids,
         position_ids=inputs.position_ids,
         attention_mask=inputs.attention_mask,
         packed_seq_params=inputs.packed_seq_params,
     )
+    if replay == "record":
+        if inputs.recorded is None:
+            config = _gpt_model(model).config
+            shape = (*inputs.batch.input_ids.shape, config.num_layers, config.moe_router_topk)
+            inputs.recorded = torch.zeros(shape, dtype=torch.long, device=ctx.device)
+        _collect_recorded(routers, inputs, ctx=ctx)
 
     def loss_func(output_tensor: torch.Tensor) -> tuple:
         if outputs == "scores":
@@ -407,6 +437,85 @@ def _forward_step(
         return loss * loss_scale, torch.tensor(1, dtype=torch.int), reduced
 
     return output, loss_func
+
+
+def _routers(model: torch.nn.Module) -> list[tuple[int, Any]]:
+    """(0-based global layer, RouterReplay) of each MoE router in ``model`` (this stage's layers)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [
+        (m.layer_number - 1, m.router_replay)
+        for m in model.modules()
+        if isinstance(m, TopKRouter) and m.router_replay is not None
+    ]
+
+
+def _router_order(inputs: _ModelInputs, *, ctx: ParallelContext) -> tuple[torch.Tensor, int, int]:
+    """[batch, seq] index of each real token in the routers' token order over the whole sequence
+    (Megatron flattens [tokens, rows] sequence-first), -1 on padding; plus this TP rank's share of
+    that order under sequence parallelism as (start, count)."""
+    rows, tokens = inputs.input_ids.shape
+    p = inputs.layout_index
+    order = torch.where(p >= 0, (p % tokens) * rows + p // tokens, -1)
+    total = rows * tokens
+    if ctx.parallel.sequence_parallel and ctx.tp_size > 1:
+        share = total // ctx.tp_size
+        return order, ctx.tp_rank * share, share
+    return order, 0, total
+
+
+def _set_replay_targets(routers: list, inputs: _ModelInputs, *, ctx: ParallelContext) -> None:
+    """Point every router of this chunk at ``inputs.batch.routed_experts`` in its token order;
+    padding positions get experts 0..k-1 (they are masked out of attention and the loss)."""
+    routes = inputs.batch.routed_experts
+    if routes is None:
+        raise ValueError("routing replay: the batch has no routed_experts to replay")
+    order, start, count = _router_order(inputs, ctx=ctx)
+    valid = order >= 0
+    routes = routes.to(ctx.device)
+    rows, tokens = inputs.input_ids.shape
+    top_k = routes.size(-1)
+    for layer, replay in routers:
+        target = torch.arange(top_k, device=ctx.device).expand(rows * tokens, top_k).clone()
+        target[order[valid]] = routes[:, :, layer][valid]
+        replay.clear_indices()
+        replay.set_target_indices(target[start : start + count])
+        replay.set_router_replay_action(_action("REPLAY_FORWARD"))
+
+
+def _collect_recorded(routers: list, inputs: _ModelInputs, *, ctx: ParallelContext) -> None:
+    """Copy what this chunk's routers recorded into ``inputs.recorded`` ([batch, seq, layers, k])."""
+    order, start, count = _router_order(inputs, ctx=ctx)
+    valid = order >= 0
+    rows, tokens = inputs.input_ids.shape
+    for layer, replay in routers:
+        chosen = replay.get_recorded_indices()
+        full = torch.zeros(rows * tokens, chosen.size(-1), dtype=torch.long, device=ctx.device)
+        full[start : start + count] = chosen
+        inputs.recorded[:, :, layer][valid] = full[order[valid]]
+        replay.clear_indices()
+
+
+def _action(name: str) -> Any:
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    return getattr(RouterReplayAction, name)
+
+
+def _arm_routers(chunks: list[torch.nn.Module], replay: Replay | None) -> list:
+    """Set the routers' replay action for a pass (``record`` here; ``replay`` per micro-batch)."""
+    routers = [r for chunk in chunks for r in _routers(chunk)] if replay else []
+    if replay and not routers and _any_moe_config(chunks):
+        raise ValueError("routing replay: no router of this model has a RouterReplay")
+    for _, router in routers:
+        router.clear_indices()
+        if replay == "record":
+            router.set_router_replay_action(_action("RECORD"))
+    return routers
+
+
+def _any_moe_config(chunks: list[torch.nn.Module]) -> bool:
+    return any(getattr(_gpt_model(c).config, "num_moe_experts", None) for c in chunks)
 
 
 @dataclass
@@ -433,6 +542,7 @@ def run_model(
     loss_fn: LossFn | None = None,
     vocab_size: int | None = None,
     fused: FusedHead | None = None,
+    router_replay: Replay | None = None,
 ) -> ForwardResult:
     """Forward (``loss_fn=None``, no grad) or forward-backward of ``batch`` through ``chunks``.
 
@@ -441,6 +551,9 @@ def run_model(
     the model's is padded (None: not padded). ``fused`` (``outputs="logprobs"``): the last stage's LM
     head runs inside the fused kernel on the response tokens' hidden states, never materialising
     [tokens, vocab] logits (the chunks' ``output_layer`` is swapped for the pass and put back).
+    ``router_replay`` (MoE): ``record`` returns the experts every router chose for every token as
+    ``output.routed_experts`` ([batch, seq, num_layers, top_k], the same on every TP/PP rank);
+    ``replay`` makes every router use ``batch.routed_experts`` instead of its own top-k.
     """
     if fused is not None and outputs == "logprobs":
         heads = [m for m in map(_gpt_model, chunks) if getattr(m, "output_layer", None) is not None]
@@ -453,6 +566,7 @@ def run_model(
                 outputs=outputs,
                 loss_fn=loss_fn,
                 vocab_size=vocab_size,
+                router_replay=router_replay,
             )
         (model,) = heads  # one last stage (the VPP chunk with the head)
         layer = model.output_layer
@@ -467,11 +581,19 @@ def run_model(
                 loss_fn=loss_fn,
                 vocab_size=vocab_size,
                 fused=(fused, model.output_layer),
+                router_replay=router_replay,
             )
         finally:
             model.output_layer = layer
     return _run_model(
-        chunks, batch, ctx=ctx, batching=batching, outputs=outputs, loss_fn=loss_fn, vocab_size=vocab_size
+        chunks,
+        batch,
+        ctx=ctx,
+        batching=batching,
+        outputs=outputs,
+        loss_fn=loss_fn,
+        vocab_size=vocab_size,
+        router_replay=router_replay,
     )
 
 
@@ -485,6 +607,7 @@ def _run_model(
     loss_fn: LossFn | None,
     vocab_size: int | None,
     fused: tuple[FusedHead, _HiddenStatesOut] | None = None,
+    router_replay: Replay | None = None,
 ) -> ForwardResult:
     if outputs not in _OUTPUT_NAMES:
         raise ValueError(f"outputs={outputs!r}; expected one of {', '.join(_OUTPUT_NAMES)}")
@@ -510,25 +633,50 @@ def _run_model(
         loss_fn=loss_fn,
         loss_scale=float(len(micro) * ctx.dp_size * ctx.cp_size),
         fused=fused,
+        replay=router_replay,
     )
     iterators: Any = [iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro)
     for chunk in chunks:
         chunk.train(not forward_only)
-    with torch.set_grad_enabled(not forward_only):
-        stored = get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=iterators,
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(micro),
-            seq_length=max(m.input_ids.size(1) for m in micro),
-            micro_batch_size=max(m.input_ids.size(0) for m in micro),
-            forward_only=forward_only,
-        )
+    routers = _arm_routers(chunks, router_replay)
+    try:
+        with torch.set_grad_enabled(not forward_only):
+            stored = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iterators,
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(micro),
+                seq_length=max(m.input_ids.size(1) for m in micro),
+                micro_batch_size=max(m.input_ids.size(0) for m in micro),
+                forward_only=forward_only,
+            )
+    finally:
+        for _, router in routers:
+            router.clear_indices()
+            router.clear_router_replay_action()
+    routes = _gather_routes(micro, splits, batch, ctx=ctx) if router_replay == "record" else None
     if not forward_only:
-        return ForwardResult(output=ModelOutput(), metrics=_sum_metrics(stored, ctx=ctx))
+        return ForwardResult(output=ModelOutput(routed_experts=routes), metrics=_sum_metrics(stored, ctx=ctx))
     gathered = _gather_outputs(stored, splits, batch, ctx=ctx, outputs=outputs)
     scores = gathered.pop("scores", None)
-    return ForwardResult(output=ModelOutput(**gathered), metrics={}, scores=scores)
+    return ForwardResult(output=ModelOutput(**gathered, routed_experts=routes), metrics={}, scores=scores)
+
+
+def _gather_routes(
+    micro: list[_ModelInputs], splits: list[list[int]], batch: TokenBatch, *, ctx: ParallelContext
+) -> torch.Tensor:
+    """The recorded routes of every micro-batch in sample order, completed over the TP ranks
+    (sequence-parallel shares) and the pipeline stages (their layers): a max, the missing entries
+    being 0 and expert ids non-negative."""
+    recorded = torch.cat([m.recorded for m in micro])
+    order = torch.tensor([i for idx in splits for i in idx], device=ctx.device)
+    routes = torch.empty_like(recorded)
+    routes[order] = recorded
+    if ctx.tp_size > 1:
+        dist.all_reduce(routes, op=dist.ReduceOp.MAX, group=ctx.groups.tp)
+    if ctx.pp_size > 1:
+        dist.all_reduce(routes, op=dist.ReduceOp.MAX, group=ctx.groups.pp)
+    return routes
 
 
 def _micro_batches(

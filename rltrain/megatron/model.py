@@ -235,6 +235,9 @@ def _moe_kwargs(moe: MoEFacts, *, model_type: str) -> dict[str, Any]:
         moe_router_load_balancing_type="aux_loss",
         moe_grouped_gemm=torch.cuda.is_available(),
         moe_router_dtype="fp32",
+        # Routing replay (router_replay.mode): each router gets a RouterReplay; with no action set it
+        # computes its top-k as usual.
+        moe_enable_routing_replay=True,
     )
     if moe.shared_expert_ffn_hidden_size:
         kwargs.update(

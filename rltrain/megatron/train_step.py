@@ -149,9 +149,11 @@ def train_step(
     vocab_size: int | None = None,
     fused: FusedHead | None = None,
     router_stats: RouterStats | None = None,
+    router_replay: bool = False,
 ) -> TrainStepResult:
     """Forward-backward over ``batch``, then one (possibly skipped) optimizer step (``fused``: the
-    actor's log-probs by the fused LM head, :func:`~rltrain.megatron.forward.run_model`).
+    actor's log-probs by the fused LM head, :func:`~rltrain.megatron.forward.run_model`;
+    ``router_replay``: the MoE routers replay ``batch.routed_experts``).
 
     With experts, Megatron's grad finalization (end of the forward-backward) also moves the
     aux-loss-free expert bias by the step's loads, as Megatron's own training loop does, also when
@@ -169,6 +171,7 @@ def train_step(
             loss_fn=loss_fn,
             vocab_size=vocab_size,
             fused=None if critic else fused,
+            router_replay="replay" if router_replay else None,
         )
     moe_metrics = router_stats.metrics(ctx) if router_stats else {}
     lr = optimizer.param_groups[0]["lr"]

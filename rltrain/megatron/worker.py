@@ -67,7 +67,27 @@ class MegatronWorker:
         make_vocab_size_divisible_by: int = 1,
         fused: FusedHead | None = None,
         moe: MoEConfig | None = None,
+        router_replay: str = "disabled",
     ) -> None:
+        if router_replay not in ("disabled", "R2", "R3"):
+            raise ValueError(f"router_replay.mode={router_replay!r}; expected disabled, R2 or R3")
+        if router_replay != "disabled" and recompute_activations:
+            raise ValueError(
+                f"router_replay.mode={router_replay} with recompute_activations: the recomputed forward "
+                "would not replay the routes"
+            )
+        if (
+            router_replay != "disabled"
+            and not getattr(hf_config, "num_local_experts", None)
+            and not getattr(hf_config, "num_experts", None)
+        ):
+            raise ValueError(
+                f"router_replay.mode={router_replay} on {hf_config.model_type}, which has no experts"
+            )
+        self.router_replay = router_replay
+        """MoE routing replay (verl's ``router_replay.mode``): R2 records the actor's routing in its
+        first (old-logprob) pass and replays it in the reference and update passes; R3 replays the
+        engine's routes (``batch.routed_experts``) in all three."""
         self.ctx = ctx
         self.vocab_size: int = hf_config.vocab_size
         """The real vocabulary; the model's is padded to a multiple of make_vocab_size_divisible_by × TP."""
@@ -109,9 +129,24 @@ class MegatronWorker:
                 yield f"chunk{i}.{name}", param
 
     def compute_log_prob(self, batch: TokenBatch) -> ModelOutput:
-        """Per-response-token log-probabilities and entropy, [batch, response_len] (no grad)."""
+        """Per-response-token log-probabilities and entropy, [batch, response_len] (no grad).
+
+        Routing replay: with ``batch.routed_experts`` set the routers replay them; otherwise under R2
+        the actor records its routing into ``routed_experts`` of the result (R3 needs the engine's)."""
         if self.role in SCALAR_HEAD_ROLES:
             raise ValueError(f"compute_log_prob on role={self.role!r}, which has a scalar head, no LM head")
+        replay = None
+        if self.router_replay != "disabled":
+            if batch.routed_experts is not None:
+                replay = "replay"
+            elif self.router_replay == "R2" and self.role == "actor":
+                replay = "record"
+            else:
+                raise ValueError(
+                    f"router_replay.mode={self.router_replay}: role={self.role!r} got a batch without "
+                    "routed_experts"
+                    + (" (R3 replays the rollout engine's routes)" if self.router_replay == "R3" else "")
+                )
         return run_model(
             self.model,
             batch,
@@ -119,6 +154,7 @@ class MegatronWorker:
             batching=self.batching,
             vocab_size=self.vocab_size,
             fused=self.fused,
+            router_replay=replay,
         ).output
 
     def compute_values(self, batch: TokenBatch) -> torch.Tensor:
@@ -144,6 +180,11 @@ class MegatronWorker:
         on logprobs/entropy; critic: value loss on values)."""
         if self.optimizer is None:
             raise ValueError(f"role={self.role!r} has no optimizer (constructed with optim=None)")
+        replay = self.router_replay != "disabled" and self.role == "actor"
+        if replay and batch.routed_experts is None:
+            raise ValueError(
+                f"router_replay.mode={self.router_replay}: the update batch has no routed_experts"
+            )
         return train_step(
             self.model,
             self.optimizer,
@@ -156,6 +197,7 @@ class MegatronWorker:
             vocab_size=self.vocab_size,
             fused=self.fused,
             router_stats=self.router_stats,
+            router_replay=replay,
         )
 
     def save_checkpoint(self, root: str | Path, *, step: int) -> Path:

@@ -21,6 +21,7 @@ import torch
 
 _PER_SAMPLE_TENSORS = (
     "input_ids",
+    "routed_experts",
     "attention_mask",
     "group_ids",
     "rollout_logprobs",
@@ -103,6 +104,11 @@ class StepBatch:
     reward_baselines: torch.Tensor | None = None
     """[batch] float: the reward of the greedy response to the sample's prompt (``remax``); None
     otherwise."""
+
+    routed_experts: torch.Tensor | None = None
+    """[batch, seq, num_layers, top_k] long: the experts each token went to in each MoE layer, aligned
+    with ``input_ids`` (``actor.router_replay``: R2 the actor's old-logprob pass, R3 the engine);
+    the reference and update passes replay them. None without routing replay."""
 
     extra_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics produced while building the batch (e.g. over-long prompt counts)."""

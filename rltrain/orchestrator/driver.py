@@ -210,7 +210,9 @@ class PPOTrainer(RolloutSide):
             if cfg.algorithm.adv_estimator == "remax":  # as generate and reward too
                 batch.reward_baselines = self.greedy_baselines(prompts, step).repeat_interleave(cfg.rollout.n)
             with timer.stage("old_logprob"):
-                batch.old_logprobs, entropy = policy.compute_log_prob(batch)
+                batch.old_logprobs, entropy, routes = policy.compute_log_prob(batch)
+                if routes is not None:  # router_replay R2: the reference and update passes replay them
+                    batch.routed_experts = routes
             if self.uses_reference():
                 with timer.stage("ref"):
                     batch.ref_logprobs = policy.compute_ref_log_prob(batch)

@@ -138,9 +138,11 @@ class PolicyRole(_DataParallelRole):
         keys = self.separate.call_each("queue_batch", _engine_args(prompts, sampling, engines, self.separate))
         return QueuedRollout(self.separate, keys, n=sampling.n)
 
-    def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(old log-probs, entropy, the actor's recorded routes or None: ``router_replay.mode=R2``)."""
         parts = self._dispatch("compute_log_prob", batch)
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        routes = None if parts[0][2] is None else torch.cat([p[2] for p in parts])
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), routes
 
     def compute_ref_log_prob(self, batch: StepBatch) -> torch.Tensor:
         return torch.cat(self._dispatch("compute_ref_log_prob", batch))

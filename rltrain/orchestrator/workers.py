@@ -73,6 +73,7 @@ def _token_batch(batch: StepBatch, loss_inputs: tuple[str, ...] = ()) -> TokenBa
         attention_mask=batch.attention_mask,
         response_len=batch.response_len,
         sampled_mask=batch.sampled_mask,
+        routed_experts=batch.routed_experts,
         **tensors,
     )
 
@@ -232,6 +233,7 @@ class PolicyWorker(_MegatronRankBase):
             params_dtype=dtype,
             fused=fused,
             moe=config.model.moe,
+            router_replay=actor.router_replay.mode,
         )
         load_hf_into(self.actor, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.ref = None
@@ -245,6 +247,7 @@ class PolicyWorker(_MegatronRankBase):
                 params_dtype=dtype,
                 fused=fused,
                 moe=config.model.moe,
+                router_replay=actor.router_replay.mode,
             )
             load_hf_into(self.ref, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.engine = build_engine(config, model_dir) if engine_rank else None
@@ -318,10 +321,11 @@ class PolicyWorker(_MegatronRankBase):
         return self._weight_sender().sync()
 
     # ---- trainer forward / update ---------------------------------------------------------------
-    def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(old log-probs, entropy), each [batch, response_len]."""
+    def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(old log-probs, entropy), each [batch, response_len], and the routes the actor recorded
+        ([batch, seq, layers, top_k]; ``actor.router_replay.mode=R2``, else None)."""
         out = self.actor.compute_log_prob(_token_batch(batch))
-        return out.logprobs, out.entropy
+        return out.logprobs, out.entropy, getattr(out, "routed_experts", None)
 
     def compute_ref_log_prob(self, batch: StepBatch) -> torch.Tensor:
         if self.ref is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import replace
 
 import torch
 from megatron_fixtures import (
@@ -423,3 +424,81 @@ def bf16_hf_load_case(tmp: str) -> dict[str, float]:
         )
         ctx.destroy()
     return out
+
+
+def _routing_maps(worker: MegatronWorker) -> tuple[dict[int, list[torch.Tensor]], list]:
+    """Forward hooks on every MoE router: the routing maps ([tokens, experts] bool) each layer produced."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    maps: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for chunk in worker.chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                layer = module.layer_number - 1
+                handles.append(
+                    module.register_forward_hook(
+                        lambda _m, _i, out, layer=layer: maps.setdefault(layer, []).append(out[1].detach())
+                    )
+                )
+    return maps, handles
+
+
+def _map_mismatch(routing_map: torch.Tensor, routes: torch.Tensor, batch, layer: int, packed: bool) -> int:
+    """Tokens × experts where a router's map of one micro-batch (all rows) differs from ``routes``.
+    Packed: the real tokens concatenated row by row; padded rows: Megatron's [seq, rows] order."""
+    real = batch.attention_mask.bool()
+    num_experts = routing_map.size(-1)
+    if not packed:
+        rows, seq = real.shape
+        routing_map = routing_map.view(seq, rows, num_experts).transpose(0, 1)[real]
+    chosen = routes[:, :, layer][real]  # [real tokens, k], row by row
+    return int((routing_map != torch.zeros_like(routing_map).scatter(1, chosen, True)).sum())
+
+
+def replay_case(packed: bool = True) -> dict[str, float]:
+    """R2 at EP=2: the recording pass returns what the routers chose (checked against hooks on the
+    routers), replaying it reproduces the logprobs, and after an update the replayed routing equals the
+    recorded one on every layer and token, where free routing has drifted."""
+    from rltrain.config.optim import OptimConfig
+
+    hf = tiny_mixtral(num_hidden_layers=3)
+    ensure_process_group()
+    ctx = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=2), seed=SEED)
+    batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
+    opt = OptimConfig(lr=0.05, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, lr_decay_style="constant")
+    worker = MegatronWorker(
+        hf, ctx=ctx, role="actor", batching=batching, optim=opt, total_steps=4, router_replay="R2"
+    )
+    batch = dp_shard(make_batch(), ctx)
+    maps, handles = _routing_maps(worker)
+    first = worker.compute_log_prob(batch)
+    routes = first.routed_experts.cpu()
+    recorded_vs_router = sum(
+        _map_mismatch(maps[layer][0].cpu(), routes, batch, layer, packed) for layer in maps
+    )
+    batch.routed_experts = routes
+    maps.clear()
+    again = worker.compute_log_prob(batch)
+    replay_logprob_diff = float((again.logprobs - first.logprobs).abs().max())
+    batch.old_logprobs = first.logprobs
+    worker.update(batch, policy_loss(float(batch.response_mask.sum())))
+    maps.clear()
+    replayed = worker.compute_log_prob(batch)  # replay after the update
+    replay_mismatch = sum(_map_mismatch(maps[layer][0].cpu(), routes, batch, layer, packed) for layer in maps)
+    free = worker.compute_log_prob(replace(batch, routed_experts=None))  # record: the routers choose
+    real = batch.attention_mask.bool()
+    agree_free = float(
+        (free.routed_experts.cpu().sort(-1).values == routes.sort(-1).values).all(-1)[real].float().mean()
+    )
+    for handle in handles:
+        handle.remove()
+    ctx.destroy()
+    return {
+        "layers": len(maps),
+        "recorded_vs_router": recorded_vs_router,
+        "replay_logprob_diff": replay_logprob_diff,
+        "replay_mismatch_after_update": replay_mismatch,
+        "free_agreement_after_update": agree_free,
+        "replayed_logprob_shift": float((replayed.logprobs - free.logprobs).abs().max()),
+    }
