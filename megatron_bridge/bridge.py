@@ -85,7 +85,13 @@ class Bridge:
         """Wildcard values of the mapping's units: (), (layer,) or (layer, expert)."""
         grouped = isinstance(mapping, GroupedExperts)
         n = num_wildcards(mapping.megatron) - (1 if grouped else 0)
-        layers = range(self.dims.num_layers)
+        dense = set(self.dims.dense_layers)
+        kind = mapping.layers
+        layers = [
+            layer
+            for layer in range(self.dims.num_layers)
+            if kind == "all" or (kind == "dense") == (layer in dense)
+        ]
         per_expert = mapping.is_expert and not grouped
         if n == 0 and not per_expert:
             return [()]

@@ -31,6 +31,8 @@ class ModelDims:
     padded_vocab_size: int
     tie_word_embeddings: bool
     num_experts: int = 0
+    dense_layers: tuple[int, ...] = ()
+    """Layers of an MoE model whose MLP is dense (DeepSeek's first ``first_k_dense_replace``)."""
 
     @classmethod
     def from_hf_config(
@@ -40,16 +42,20 @@ class ModelDims:
         model_type = get("model_type")
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
-        num_experts = get("num_local_experts") or get("num_experts") or 0
+        num_experts = get("num_local_experts") or get("num_experts") or get("n_routed_experts") or 0
         if num_experts and (get("mlp_only_layers") or (get("decoder_sparse_step") or 1) != 1):
             raise NotImplementedError(
                 f"{model_type}: mlp_only_layers={get('mlp_only_layers')!r} / decoder_sparse_step="
                 f"{get('decoder_sparse_step')!r} mix dense and MoE layers; the bridge supports all-MoE decoders"
             )
         vocab = get("vocab_size")
+        num_layers = get("num_hidden_layers")
+        first_dense = (get("first_k_dense_replace") or 0) if num_experts else 0
+        if first_dense > num_layers:
+            raise ValueError(f"first_k_dense_replace={first_dense} exceeds num_hidden_layers={num_layers}")
         return cls(
             model_type=model_type,
-            num_layers=get("num_hidden_layers"),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_attention_heads=heads,
             num_query_groups=get("num_key_value_heads") or heads,
@@ -60,6 +66,7 @@ class ModelDims:
             ),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             num_experts=int(num_experts),
+            dense_layers=tuple(range(first_dense)),
         )
 
     def with_padded_vocab(self, padded: int) -> ModelDims:

@@ -47,6 +47,31 @@ class MoEFacts:
     """The shared expert's output is scaled by a learned per-token sigmoid gate (Qwen2-MoE)."""
     dense_layers: tuple[int, ...] = ()
     """Layer numbers whose MLP is a dense MLP instead of experts (empty: every layer is MoE)."""
+    score_function: str = "softmax"
+    """``"softmax"`` over the router logits, or ``"sigmoid"`` of each logit (DeepSeek-V3)."""
+    num_groups: int | None = None
+    """Experts form this many groups; a token picks ``group_topk`` groups first (DeepSeek's ``n_group``)."""
+    group_topk: int | None = None
+    """Groups each token may route into (``topk_group``)."""
+    topk_scaling_factor: float | None = None
+    """The chosen experts' weights are multiplied by this (``routed_scaling_factor``)."""
+    expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing experts only, not for their weights
+    (DeepSeek-V3's ``e_score_correction_bias``; aux-loss-free load balancing)."""
+
+
+@dataclass(frozen=True)
+class MLAFacts:
+    """Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents."""
+
+    q_lora_rank: int | None
+    """Rank of the query latent (``None``: a direct query projection)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    """Per-head query/key dimensions without RoPE."""
+    qk_rope_head_dim: int
+    """Per-head query/key dimensions with RoPE (the key's are shared by all heads)."""
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -61,6 +86,8 @@ class ArchitectureFacts:
     """The LM head reuses the input embedding matrix."""
     moe: MoEFacts | None = None
     """Routed experts; ``None`` for a dense decoder."""
+    mla: MLAFacts | None = None
+    """Multi-latent attention instead of (grouped-query) multi-head attention."""
 
 
 @dataclass(frozen=True)

@@ -86,13 +86,23 @@ def bridge_for_chunks(
     return bridge
 
 
+def mapped_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s parameters and its persistent buffers (a router's ``expert_bias``, which
+    DeepSeek-V3 checkpoints hold as ``e_score_correction_bias``): every tensor the bridge maps."""
+    yield from module.named_parameters()
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, buffer in module.named_buffers():
+        if name in persistent:
+            yield name, buffer
+
+
 def _local_params(
     chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge
 ) -> list[tuple[str, str, torch.Tensor]]:
     """(canonical name, local name, parameter) of every parameter of this rank's chunks."""
     out = []
     for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
-        for local, param in _unwrap(chunk).named_parameters():
+        for local, param in mapped_tensors(_unwrap(chunk)):
             out.append((naming.to_canonical(local), local, param))
     return out
 

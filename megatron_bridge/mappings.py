@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -25,6 +26,7 @@ from megatron_bridge.dims import ModelDims
 from megatron_bridge.naming import fill, num_wildcards
 
 Tensor = torch.Tensor
+LayerKind = Literal["all", "dense", "moe"]
 
 
 def _check_split(size: int, parts: int, what: str) -> None:
@@ -34,11 +36,16 @@ def _check_split(size: int, parts: int, what: str) -> None:
 
 @dataclass(frozen=True)
 class Mapping:
-    """A 1:1 rename with a TP split dimension (``tp_dim=None``: replicated on every TP rank)."""
+    """A 1:1 rename with a TP split dimension (``tp_dim=None``: replicated on every TP rank).
+
+    ``layers``: which decoder layers have the tensor in a model mixing dense and MoE layers
+    (``"dense"``: only layers with a dense MLP, ``"moe"``: only MoE layers, ``"all"``: every layer).
+    """
 
     megatron: str
     hf: str
     tp_dim: int | None = None
+    layers: LayerKind = "all"
 
     is_expert = False
 
@@ -212,6 +219,7 @@ class PerExpert:
     inner: Mapping
 
     is_expert = True
+    layers: LayerKind = "moe"
 
     @property
     def megatron(self) -> str:
@@ -254,6 +262,7 @@ class GroupedExperts:
     inner: Mapping
 
     is_expert = True
+    layers: LayerKind = "moe"
 
     @property
     def megatron(self) -> str:

@@ -21,6 +21,9 @@ DEFAULT_PACKED_MODULES: dict[str, str] = {
     "v_proj": "qkv_proj",
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
+    # DeepSeek-V2/V3 (MLA with a query latent): vLLM stacks the two down projections.
+    "q_a_proj": "fused_qkv_a_proj",
+    "kv_a_proj_with_mqa": "fused_qkv_a_proj",
 }
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 

@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_bridge.live import mapped_tensors
 from rltrain.megatron.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -266,7 +267,8 @@ def checkpoint_keys(chunks: list[torch.nn.Module]) -> list[dict[str, tuple[str, 
     for chunk in chunks:
         while hasattr(chunk, "module"):
             chunk = chunk.module
-        by_storage = {p.untyped_storage()._cdata: n for n, p in chunk.named_parameters()}
+        # Parameters and persistent buffers (a router's expert_bias), as the bridge maps them.
+        by_storage = {p.untyped_storage()._cdata: n for n, p in mapped_tensors(chunk)}
         found: dict[str, tuple[str, tuple[int, ...]]] = {}
         for sh in leaves(chunk.sharded_state_dict()):
             name = by_storage.get(sh.data.untyped_storage()._cdata)

@@ -274,6 +274,17 @@ REPLACEMENTS: tuple[Replacement, ...] = (
         "if te_general_gemm is not None",
         lambda _orig: None,
     ),
+    # MLA without Transformer Engine: megatron.core.extensions.transformer_engine defines its TE
+    # classes over a MagicMock, so MLA's HAVE_TE is True and its TELinear check fails:
+    #   TypeError: isinstance() arg 2 must be a type, a tuple of types, or a union
+    #   when instantiating MLASelfAttention
+    Replacement(
+        f"{_MC}.transformer.multi_latent_attention",
+        "HAVE_TE",
+        f"{_MC}.transformer.multi_latent_attention:MultiLatentAttention.__init__",
+        "and isinstance(self.linear_proj, TELinear)",
+        lambda _orig: False,
+    ),
     # MoEAlltoAllTokenDispatcher: RuntimeError: torch.cuda.Stream requires CUDA support
     Replacement(
         f"{_MC}.transformer.moe.token_dispatcher",

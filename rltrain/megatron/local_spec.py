@@ -33,6 +33,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from rltrain.data.packing import context_parallel_index
 from rltrain.megatron.packed_attention import context_parallel_causal_attention, packed_causal_attention
@@ -85,11 +86,23 @@ class PackedDotProductAttention(DotProductAttention):
     """``DotProductAttention`` that also takes THD-packed rows (``packed_seq_params.qkv_format='thd'``),
     with or without context parallelism."""
 
-    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *args: Any,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         # The parent refuses CP > 1 (it has no CP attention); this class brings its own.
         single = copy.copy(config)
         single.context_parallel_size = 1
+        # MLA passes its query/key and value head sizes, which the parent does not take:
+        #   TypeError: DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'
+        # It also passes softmax_scale (from the q/k head size); the output has v_channels per head.
         super().__init__(single, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
         self.config = config
         self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
 
@@ -163,16 +176,39 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def local_block_spec(config: TransformerConfig, *, vp_stage: int | None) -> TransformerBlockSubmodules:
-    """The decoder-block spec of this pipeline stage (or virtual stage) for a CPU run."""
+def _local_layer_spec(config: TransformerConfig, *, num_experts: int | None) -> Any:
+    mla = bool(getattr(config, "multi_latent_attention", False))
     layer = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+        num_experts=num_experts,
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=mla,
+        normalization="RMSNorm",
     )
-    layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    attention = layer.submodules.self_attention.submodules
+    attention.core_attention = PackedDotProductAttention
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:
-        layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
-        layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
+        attention.q_layernorm = RMSNorm
+        if mla:
+            attention.kv_layernorm = RMSNorm
+        else:
+            attention.k_layernorm = RMSNorm
+    return layer
+
+
+def local_block_spec(config: TransformerConfig, *, vp_stage: int | None) -> TransformerBlockSubmodules:
+    """The decoder-block spec of this pipeline stage (or virtual stage) for a CPU run; with a
+    per-layer ``moe_layer_freq`` list, layers marked 0 get a dense MLP."""
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
+    pattern = config.moe_layer_freq
+    if config.num_moe_experts and isinstance(pattern, list):
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        specs = {
+            kind: _local_layer_spec(config, num_experts=config.num_moe_experts if kind else None)
+            for kind in set(pattern)
+        }
+        layers = [specs[pattern[offset + i]] for i in range(num_layers)]
+    else:
+        layers = [_local_layer_spec(config, num_experts=config.num_moe_experts)] * num_layers
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -198,11 +198,42 @@ def transformer_config_from_hf(
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if facts.moe:
-        kwargs.update(_moe_kwargs(facts.moe, model_type=model_type))
-        kwargs.update(_router_option_kwargs(moe_options or MoEConfig()))
+        kwargs.update(_moe_kwargs(facts.moe, model_type=model_type, num_layers=hf_config.num_hidden_layers))
+        router = _router_option_kwargs(moe_options or MoEConfig())
+        # A family whose checkpoints hold the expert bias (DeepSeek-V3) always has it.
+        router["moe_router_enable_expert_bias"] = (
+            router["moe_router_enable_expert_bias"] or facts.moe.expert_bias
+        )
+        kwargs.update(router)
     elif moe_options is not None and moe_options != MoEConfig():
         changed = [k for k, v in vars(moe_options).items() if v != getattr(MoEConfig(), k)]
         raise ValueError(f"model.moe.{changed[0]} is set but {model_type} has no experts")
+    if facts.mla:
+        mla = facts.mla
+        rope_type = _rope(hf_config)["rope_type"]
+        if rope_type != "default":
+            # MLA applies its own RoPE; GPTModel's linear / llama3 scaling would not reach it.
+            raise NotImplementedError(
+                f"{model_type}: rope_parameters.rope_type={rope_type!r} with multi-latent attention "
+                "is not supported (default only)"
+            )
+        kwargs.update(
+            q_lora_rank=mla.q_lora_rank,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_head_dim=mla.qk_nope_head_dim,
+            qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+            # The latent norms (HF's q_a_layernorm / kv_a_layernorm).
+            qk_layernorm=True,
+            # Plain RoPE on the rotary dims (``gpt_options`` refuses other rope types for MLA);
+            # scaling factor 1 makes Megatron's YaRN softmax mscale 1, HF's 1/sqrt(qk_head_dim).
+            rope_type="rope",
+            rotary_base=float(_rope(hf_config)["rope_theta"]),
+            rotary_scaling_factor=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        )
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -218,8 +249,8 @@ def _router_option_kwargs(options: MoEConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _moe_kwargs(moe: MoEFacts, *, model_type: str) -> dict[str, Any]:
-    if moe.dense_layers:
+def _moe_kwargs(moe: MoEFacts, *, model_type: str, num_layers: int) -> dict[str, Any]:
+    if moe.dense_layers and not any(row.layers == "dense" for row in get_family(model_type).mappings):
         dense = list(moe.dense_layers)
         raise NotImplementedError(
             f"{model_type}: dense layers between MoE layers are not supported ({dense})"
@@ -232,13 +263,23 @@ def _moe_kwargs(moe: MoEFacts, *, model_type: str) -> dict[str, Any]:
         # keeping the full-softmax probabilities of the top k is Megatron's pre-softmax routing.
         moe_router_pre_softmax=not moe.renormalize_topk,
         moe_aux_loss_coeff=moe.aux_loss_coeff,
-        moe_router_load_balancing_type="aux_loss",
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none",
         moe_grouped_gemm=torch.cuda.is_available(),
         moe_router_dtype="fp32",
         # Routing replay (router_replay.mode): each router gets a RouterReplay; with no action set it
         # computes its top-k as usual.
         moe_enable_routing_replay=True,
+        moe_router_score_function=moe.score_function,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
+        moe_router_enable_expert_bias=moe.expert_bias,
     )
+    if moe.dense_layers:
+        # Megatron's per-layer pattern: 1 = MoE layer, 0 = dense MLP (of ffn_hidden_size).
+        kwargs["moe_layer_freq"] = [0 if i in moe.dense_layers else 1 for i in range(num_layers)]
+    if moe.score_function == "sigmoid":
+        kwargs["moe_router_pre_softmax"] = False
     if moe.shared_expert_ffn_hidden_size:
         kwargs.update(
             moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
@@ -251,8 +292,13 @@ def layer_spec(config: TransformerConfig, *, vp_stage: int | None) -> ModuleSpec
     """Transformer Engine layers on GPU; Megatron's local layers (packed-capable attention, an RMSNorm
     that supports sequence parallelism) on CPU."""
     if torch.cuda.is_available():
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
 
+        if config.multi_latent_attention or isinstance(config.moe_layer_freq, list):
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts,
             moe_grouped_gemm=config.moe_grouped_gemm,

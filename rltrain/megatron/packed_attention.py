@@ -78,7 +78,8 @@ def packed_causal_attention(
     scale: float,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """query [tokens, heads, dim], key/value [tokens, groups, dim] → [tokens, heads, dim].
+    """query/key [tokens, heads|groups, dim], value [tokens, groups, v_dim] → [tokens, heads, v_dim]
+    (``v_dim`` differs from ``dim`` under multi-latent attention).
 
     ``dropout_p`` drops attention probabilities (scaled by 1/(1-p)) as Megatron's attention dropout
     does, drawing from torch's default generator of the device.
@@ -86,7 +87,12 @@ def packed_causal_attention(
     tokens, heads, _ = query.shape
     if int(cu_seqlens[-1]) != tokens:
         raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])} but the packed row has {tokens} tokens")
-    if key.shape != value.shape or key.size(0) != tokens or heads % key.size(1):
+    if (
+        key.shape[:2] != value.shape[:2]
+        or key.size(-1) != query.size(-1)
+        or key.size(0) != tokens
+        or heads % key.size(1)
+    ):
         raise ValueError(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit query {tuple(query.shape)}"
         )
@@ -120,7 +126,12 @@ def context_parallel_causal_attention(
     order), key/value [tokens, groups, dim] (the whole row, packed order), cu_seqlens of the whole
     row (every segment a multiple of 2·cp_size) → [tokens / cp_size, heads, dim]."""
     tokens = int(cu_seqlens[-1])
-    if key.shape != value.shape or key.size(0) != tokens or query.size(1) % key.size(1):
+    if (
+        key.shape[:2] != value.shape[:2]
+        or key.size(-1) != query.size(-1)
+        or key.size(0) != tokens
+        or query.size(1) % key.size(1)
+    ):
         raise ValueError(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit cu_seqlens (ends at {tokens})"
             f" and query {tuple(query.shape)}"

@@ -60,14 +60,14 @@ class PlannedExport:
     """Slice-granular export of one trainer model's weights to engine ranks (see the module docstring)."""
 
     def __init__(self, chunks: list[torch.nn.Module], ctx: Any, bridge: Any) -> None:
-        from megatron_bridge.live import chunk_namings, comm_device, hf_plan
+        from megatron_bridge.live import chunk_namings, comm_device, hf_plan, mapped_tensors
 
         self.ctx, self.bridge = ctx, bridge
         self.device = comm_device()
         """Where regions travel and are assembled (CUDA under NCCL, else CPU; ``comm_device``)."""
         self.params: dict[str, torch.Tensor] = {}
         for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
-            for local, param in _unwrap(chunk).named_parameters():
+            for local, param in mapped_tensors(_unwrap(chunk)):
                 self.params[naming.to_canonical(local)] = param
         exported = hf_plan(chunks, ctx, bridge)
         self.shapes = {name: shape for name, shape, _ in exported}

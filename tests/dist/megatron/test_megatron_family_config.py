@@ -35,6 +35,8 @@ EXPECTED = {
     "mixtral":   (False,   False,   128, 4,      128,  2,    False,       0.01,  None, False, False),
     "qwen2_moe": (True,    False,   256, 4,      128,  2,    True,        0.001, 128,  True,  False),
     "qwen3_moe": (False,   True,    256, 4,      128,  2,    False,       0.001, None, False, False),
+    # qk_layernorm: MLA's latent norms (q_a_layernorm, kv_a_layernorm)
+    "deepseek_v3": (False, True,    128, 4,      32,   2,    False,       0.0,   32,   False, False),
 }
 # fmt: on
 
@@ -68,5 +70,36 @@ def test_dense_layers_between_moe_layers_are_refused_naming_them() -> None:
 def test_unsupported_model_type_lists_the_families() -> None:
     from transformers import GPTNeoXConfig
 
-    with pytest.raises(NotImplementedError, match=r"gpt_neox.*supported: llama, mixtral, qwen2, qwen2_moe"):
+    with pytest.raises(
+        NotImplementedError, match=r"gpt_neox.*supported: deepseek_v3, llama, mixtral, qwen2, qwen2_moe"
+    ):
         transformer_config_from_hf(GPTNeoXConfig(), parallel=ParallelConfig(), params_dtype=torch.float32)
+
+
+def test_deepseek_v3_translates_to_mla_and_a_per_layer_moe_pattern() -> None:
+    hf = tiny_hf_config("deepseek_v3", vocab_size=448)
+    config = transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert config.multi_latent_attention and config.qk_layernorm
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim) == (32, 32, 32)
+    assert (config.qk_pos_emb_head_dim, config.v_head_dim, config.rope_type) == (16, 32, "rope")
+    assert config.moe_layer_freq == [0, 0, 1, 1] and config.ffn_hidden_size == 128
+    assert (config.num_moe_experts, config.moe_ffn_hidden_size, config.moe_router_topk) == (4, 32, 2)
+    assert config.moe_shared_expert_intermediate_size == 32 and not config.moe_shared_expert_gate
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+    assert config.moe_router_topk_scaling_factor == 2.5
+    assert config.moe_router_load_balancing_type == "none"
+    yarn = tiny_hf_config(
+        "deepseek_v3",
+        vocab_size=448,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    )
+    with pytest.raises(
+        NotImplementedError, match=r"deepseek_v3: rope_parameters.rope_type='yarn' with multi-latent"
+    ):
+        transformer_config_from_hf(yarn, parallel=ParallelConfig(), params_dtype=torch.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from megatron_cases import ep2_case, pp2_case
+from megatron_cases import ep2_case, ep2_mixed_case, pp2_case
 
 pytestmark = pytest.mark.dist
 TOL = 1e-5
@@ -30,3 +30,9 @@ def test_pp2_and_vpp_match_single_stage(tmp_path) -> None:
 
 def test_ep2_moe_matches_single_rank(tmp_path) -> None:
     _check(run_ranks(ep2_case, 2, str(tmp_path)))
+
+
+def test_ep2_mixed_dense_and_moe_layers_match_single_rank(tmp_path) -> None:
+    """Layers 0-1 dense, 2-3 MoE (DeepSeek-V3 tiny preset): loss, grad norm and the logprobs after
+    the update agree with a single rank to 1e-5."""
+    _check(run_ranks(ep2_mixed_case, 2, str(tmp_path)))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import megatron_bridge.models
-from megatron_bridge.family import ArchitectureFacts, ModelFamily, MoEFacts
+from megatron_bridge.family import ArchitectureFacts, MLAFacts, ModelFamily, MoEFacts
 from megatron_bridge.models.common import dense_layers
 from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.models.tiny import tiny_hf_config
@@ -51,12 +51,34 @@ TINY_FACTS = {
     "mixtral": _facts(False, False, False, _moe(4, 2, 128, True, 0.01)),
     "qwen2_moe": _facts(True, False, False, _moe(4, 2, 128, False, 0.001, shared=128, gate=True)),
     "qwen3_moe": _facts(False, True, False, _moe(4, 2, 128, True, 0.001)),
+    "deepseek_v3": ArchitectureFacts(
+        qkv_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        moe=MoEFacts(
+            num_experts=4,
+            top_k=2,
+            ffn_hidden_size=32,
+            renormalize_topk=True,
+            aux_loss_coeff=0.0,
+            shared_expert_ffn_hidden_size=32,
+            dense_layers=(0, 1),
+            score_function="sigmoid",
+            num_groups=2,
+            group_topk=1,
+            topk_scaling_factor=2.5,
+            expert_bias=True,
+        ),
+        mla=MLAFacts(
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
+        ),
+    ),
 }
 
 
 def test_every_family_file_registers_its_family():
     files = {m.name for m in pkgutil.iter_modules(megatron_bridge.models.__path__)} - {"common"}
-    assert files == {"llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+    assert files == {"deepseek_v3", "llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
     assert supported_model_types() == sorted(files)
     for name in files:
         module = importlib.import_module(f"megatron_bridge.models.{name}")
@@ -88,6 +110,26 @@ def test_released_config_defaults_give_the_released_architectures():
     assert get_family("qwen2").facts({"tie_word_embeddings": False}).qkv_bias  # no switch: always biased
 
 
+def test_deepseek_v3_released_config_and_refusals():
+    from transformers import DeepseekV3Config
+
+    facts = get_family("deepseek_v3").facts(DeepseekV3Config())  # DeepSeek-V3 (671B)
+    assert facts.moe.dense_layers == (0, 1, 2) and facts.moe.num_experts == 256 and facts.moe.top_k == 8
+    assert (facts.moe.num_groups, facts.moe.group_topk, facts.moe.topk_scaling_factor) == (8, 4, 2.5)
+    assert facts.moe.shared_expert_ffn_hidden_size == 2048
+    assert facts.mla == MLAFacts(1536, 512, 128, 64, 128)
+    family = get_family("deepseek_v3")
+    for overrides, message in [
+        ({"q_lora_rank": None}, r"deepseek_v3: q_lora_rank=None"),
+        ({"topk_group": 2}, r"deepseek_v3: num_experts_per_tok=2 / topk_group=2 must be 2"),
+        ({"norm_topk_prob": False}, r"deepseek_v3: norm_topk_prob=false"),
+        ({"rms_norm_eps": 1e-5}, r"deepseek_v3: rms_norm_eps=1e-05"),
+        ({"rope_interleave": False}, r"deepseek_v3: rope_interleave=false"),
+    ]:
+        with pytest.raises(NotImplementedError, match=message):
+            family.facts(tiny_hf_config("deepseek_v3", vocab_size=448, **overrides))
+
+
 def test_dense_layers_follow_hf_sparse_step_and_mlp_only_layers():
     assert dense_layers({"num_hidden_layers": 4}) == ()
     assert dense_layers({"num_hidden_layers": 4, "decoder_sparse_step": 2}) == (0, 2)
@@ -109,7 +151,9 @@ def test_a_config_without_experts_is_dense():
 def test_tiny_preset_is_read_only_and_unknown_types_are_named():
     with pytest.raises(TypeError):
         get_family("llama").tiny_preset["hidden_size"] = 1  # type: ignore[index]
-    with pytest.raises(ValueError, match=r"no tiny preset for model_type='gpt_neox'; known: \['llama'"):
+    with pytest.raises(
+        ValueError, match=r"no tiny preset for model_type='gpt_neox'; known: \['deepseek_v3', 'llama'"
+    ):
         tiny_hf_config("gpt_neox", vocab_size=64)
 
 

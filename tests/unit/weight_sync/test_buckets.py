@@ -28,6 +28,13 @@ def test_fused_group_names():
     assert fused_group("model.layers.3.mlp.down_proj.weight") == "model.layers.3.mlp.down_proj"
     assert fused_group("model.layers.1.mlp.experts.7.down_proj.weight") == "model.layers.1.mlp.experts"
     assert fused_group("lm_head.weight") == "lm_head"
+    # DeepSeek's MLA down projections load into vLLM's fused_qkv_a_proj together (its mla_params_mapping)
+    for name in ("q_a_proj", "kv_a_proj_with_mqa"):
+        assert (
+            fused_group(f"model.layers.0.self_attn.{name}.weight")
+            == "model.layers.0.self_attn.fused_qkv_a_proj"
+        )
+    assert fused_group("model.layers.2.mlp.gate.e_score_correction_bias") == "model.layers.2.mlp.gate"
 
 
 def test_buckets_never_split_a_fused_group_and_keep_order():

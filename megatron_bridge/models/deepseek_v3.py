@@ -1,0 +1,156 @@
+"""DeepSeek-V3: multi-latent attention, sigmoid-scored group-limited routing with an expert bias, a
+shared expert, and dense MLPs in the first ``first_k_dense_replace`` layers.
+
+Attention (MLA): ``q_a_proj`` → ``q_a_layernorm`` → ``q_b_proj`` for queries; ``kv_a_proj_with_mqa``
+gives the key/value latent and the RoPE key shared by all heads, ``kv_a_layernorm`` →
+``kv_b_proj`` the per-head keys (without RoPE) and values. Megatron's ``MLASelfAttention`` has the
+same layout (``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
+``linear_kv_up_proj``), so every row is a 1:1 rename; the down projections are column-parallel in
+Megatron's local spec (gathered before use), the up projections split by heads.
+
+Routing: ``sigmoid(logits) + e_score_correction_bias`` chooses the groups (sum of each group's top-2
+scores) and then the experts; the chosen experts' unbiased scores are renormalized and multiplied
+by ``routed_scaling_factor``. That is Megatron's sigmoid router with ``expert_bias`` when top-k over
+the chosen groups is 2 per group; configs Megatron computes differently are refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from megatron_bridge.family import ArchitectureFacts, MLAFacts, ModelFamily, MoEFacts, config_value
+from megatron_bridge.mappings import AnyMapping, ColumnParallel, Replicated, RowParallel
+from megatron_bridge.models.common import H, L, embeddings_and_head, gated_mlp, routed_experts
+from megatron_bridge.registry import register
+
+
+def mla_attention() -> tuple[AnyMapping, ...]:
+    """Norms around the attention and the MLA projections (with a query latent, ``q_lora_rank`` set)."""
+    a, s = L + "self_attention.", H + "self_attn."
+    return (
+        Replicated(L + "input_layernorm.weight", H + "input_layernorm.weight"),
+        ColumnParallel(a + "linear_q_down_proj.weight", s + "q_a_proj.weight"),
+        Replicated(a + "q_layernorm.weight", s + "q_a_layernorm.weight"),
+        ColumnParallel(a + "linear_q_up_proj.weight", s + "q_b_proj.weight"),
+        ColumnParallel(a + "linear_kv_down_proj.weight", s + "kv_a_proj_with_mqa.weight"),
+        Replicated(a + "kv_layernorm.weight", s + "kv_a_layernorm.weight"),
+        ColumnParallel(a + "linear_kv_up_proj.weight", s + "kv_b_proj.weight"),
+        RowParallel(a + "linear_proj.weight", s + "o_proj.weight"),
+        Replicated(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
+    )
+
+
+def deepseek_moe() -> tuple[AnyMapping, ...]:
+    """Dense MLP rows (first layers), and router, expert bias, experts and shared expert (MoE layers)."""
+    experts = routed_experts(
+        hf_router=H + "mlp.gate.weight",
+        hf_expert=H + "mlp.experts.*.",
+        gate="gate_proj.weight",
+        up="up_proj.weight",
+        down="down_proj.weight",
+    )
+    return (
+        *(replace(row, layers="dense") for row in gated_mlp(L + "mlp.", H + "mlp.")),
+        *(replace(row, layers="moe") if not row.is_expert else row for row in experts),
+        Replicated(L + "mlp.router.expert_bias", H + "mlp.gate.e_score_correction_bias", layers="moe"),
+        *(
+            replace(row, layers="moe")
+            for row in gated_mlp(L + "mlp.shared_experts.", H + "mlp.shared_experts.")
+        ),
+    )
+
+
+def deepseek_facts(config: Any) -> ArchitectureFacts:
+    """Facts of a DeepSeek-V3 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
+    get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
+    if get("q_lora_rank") is None:
+        raise NotImplementedError(
+            "deepseek_v3: q_lora_rank=None (a direct query projection) is not supported"
+        )
+    if get("attention_bias", default=False):
+        raise NotImplementedError("deepseek_v3: attention_bias=true is not supported")
+    if not get("rope_interleave", default=True):
+        raise NotImplementedError(
+            "deepseek_v3: rope_interleave=false is not supported (Megatron's MLA interleaves)"
+        )
+    if float(get("rms_norm_eps")) != 1e-6:
+        # HF's q_a_layernorm / kv_a_layernorm keep eps=1e-6 whatever rms_norm_eps says; Megatron uses one eps.
+        raise NotImplementedError(
+            f"deepseek_v3: rms_norm_eps={get('rms_norm_eps')} (only 1e-6, the latent norms' eps)"
+        )
+    top_k = get("num_experts_per_tok")
+    groups, group_topk = get("n_group", default=1), get("topk_group", default=1)
+    if top_k % group_topk or top_k // group_topk != 2:
+        # HF scores a group by its top-2 experts; Megatron by its top (num_experts_per_tok / topk_group).
+        raise NotImplementedError(
+            f"deepseek_v3: num_experts_per_tok={top_k} / topk_group={group_topk} must be 2 "
+            "(HF ranks groups by their top-2 experts, Megatron by their top num_experts_per_tok/topk_group)"
+        )
+    if not get("norm_topk_prob", default=True) and top_k > 1:
+        raise NotImplementedError(
+            "deepseek_v3: norm_topk_prob=false is not supported (Megatron's sigmoid router renormalizes)"
+        )
+    moe_ffn = get("moe_intermediate_size")
+    return ArchitectureFacts(
+        qkv_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        moe=MoEFacts(
+            num_experts=get("n_routed_experts", "num_local_experts"),
+            top_k=top_k,
+            ffn_hidden_size=moe_ffn,
+            renormalize_topk=True,
+            aux_loss_coeff=0.0,
+            shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts", default=0),
+            dense_layers=tuple(range(get("first_k_dense_replace", default=0))),
+            score_function="sigmoid",
+            num_groups=groups,
+            group_topk=group_topk,
+            topk_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
+            expert_bias=True,
+        ),
+        mla=MLAFacts(
+            q_lora_rank=get("q_lora_rank"),
+            kv_lora_rank=get("kv_lora_rank"),
+            qk_nope_head_dim=get("qk_nope_head_dim"),
+            qk_rope_head_dim=get("qk_rope_head_dim"),
+            v_head_dim=get("v_head_dim"),
+        ),
+    )
+
+
+DEEPSEEK_V3 = register(
+    ModelFamily(
+        name="deepseek_v3",
+        model_types=("deepseek_v3",),
+        mappings=(*embeddings_and_head(), *mla_attention(), *deepseek_moe()),
+        facts=deepseek_facts,
+        tiny_preset={
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "first_k_dense_replace": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "num_mtp_layers": 0,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "tie_word_embeddings": False,
+        },
+    )
+)
