@@ -36,7 +36,7 @@ def test_select_slices_rows_and_every_set_loss_input_in_the_given_order():
 
 def test_loss_inputs_name_every_optional_field():
     optional = [f.name for f in fields(TokenBatch) if f.default is None]
-    assert [*LOSS_INPUTS, "sampled_mask"] == optional
+    assert [*LOSS_INPUTS, "sampled_mask", "routed_experts"] == optional
     batch = make_batch()
     full = TokenBatch(
         input_ids=batch.input_ids,
@@ -47,6 +47,12 @@ def test_loss_inputs_name_every_optional_field():
     part = full.select([1])
     for i, name in enumerate(LOSS_INPUTS):
         assert getattr(part, name).tolist() == [[2.0 + 10 * i, 3.0 + 10 * i]], name
+    # routing replay's routes [batch, seq, layers, top_k] follow their rows too
+    routes = torch.arange(3 * 4 * 2 * 2).view(3, 4, 2, 2)
+    routed = TokenBatch(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, response_len=2, routed_experts=routes
+    )
+    assert torch.equal(routed.select([2, 0]).routed_experts, routes[[2, 0]])
 
 
 def test_sampled_mask_replaces_the_response_mask_and_is_sliced_with_the_rows():
