@@ -80,6 +80,9 @@ class PlannedExport:
             ep=ctx.ep_size,
             etp=ctx.etp_size,
             num_layers=dims.num_layers,
+            vpp=ctx.vpp_size or 1,
+            first_stage_layers=ctx.parallel.num_layers_in_first_pipeline_stage,
+            last_stage_layers=ctx.parallel.num_layers_in_last_pipeline_stage,
             num_experts=dims.num_experts,
             vocab_pad_multiple=dims.padded_vocab_size // ctx.tp_size,
         )
