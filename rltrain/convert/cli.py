@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 default=1,
                 help=f"{what}-parallel size of the {'target' if layout else 'logits-check'} layout",
             )
+        sub.add_argument(
+            "--etp",
+            type=_positive_int,
+            default=None,
+            help="expert tensor-parallel size of MoE experts (default: --tp)",
+        )
         for flag, which in (("first", "first"), ("last", "last")):
             sub.add_argument(
                 f"--decoder-{flag}-pipeline-num-layers",
@@ -101,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             first_stage_layers=args.decoder_first_pipeline_num_layers,
             last_stage_layers=args.decoder_last_pipeline_num_layers,
+            etp=args.etp,
         )
     except RuntimeError as err:  # ConversionError: one line; a bug: the failing rank's traceback
         print(f"convert {args.mode} failed: {err}", file=sys.stderr)

@@ -46,6 +46,7 @@ def check_inputs(
     overwrite: bool,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    etp: int | None = None,
 ) -> Path:
     if mode not in MODES:
         raise ConversionError(f"unknown conversion mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -67,9 +68,12 @@ def check_inputs(
         get_family(config.get("model_type"))
     except KeyError as err:
         raise ConversionError(f"{where}: {err.args[0]}") from None
-    problems = layout_problems(config, tp=tp, pp=pp, ep=ep, first=first_stage_layers, last=last_stage_layers)
+    problems = layout_problems(
+        config, tp=tp, pp=pp, ep=ep, etp=etp, first=first_stage_layers, last=last_stage_layers
+    )
     if problems:
-        stages = "".join(
+        stages = f" --etp {etp}" if etp is not None else ""
+        stages += "".join(
             f" --decoder-{which}-pipeline-num-layers {n}"
             for which, n in (("first", first_stage_layers), ("last", last_stage_layers))
             if n is not None

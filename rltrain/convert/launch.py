@@ -79,6 +79,7 @@ def run_conversion(
     timeout_s: float = 3600,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    etp: int | None = None,
 ) -> ConversionReport:
     """Run one conversion on ``tp × pp × ep`` spawned gloo ranks; raises ``ConversionError`` (one line)
     for a bad input or a failed verification, ``RuntimeError`` with the failing rank's traceback else.
@@ -87,6 +88,7 @@ def run_conversion(
     ``src/hf``, which conversions and the trainer's actor checkpoints carry). ``overwrite``: clear a
     non-empty ``dst`` first (refused otherwise). ``first_stage_layers`` / ``last_stage_layers``: decoder
     layers on the first / last pipeline stage (Megatron-Core's uneven PP; default an even split).
+    ``etp``: expert tensor-parallel size (default ``tp``), carved out of the same ``tp × pp × ep`` ranks.
     """
     src, dst = Path(src), Path(dst)
     hf_dir = check_inputs(
@@ -100,6 +102,7 @@ def run_conversion(
         overwrite=overwrite,
         first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers,
+        etp=etp,
     )
     if dst.exists():  # empty, or cleared with --overwrite: the staging directory takes its place
         shutil.rmtree(dst)
@@ -108,7 +111,7 @@ def run_conversion(
     if staging.exists():  # left by a conversion that was killed
         shutil.rmtree(staging)
     stages = (first_stage_layers, last_stage_layers)
-    args = (mode, str(src), str(staging), str(hf_dir), tp, pp, ep, verify, atol, stages)
+    args = (mode, str(src), str(staging), str(hf_dir), tp, pp, ep, verify, atol, stages, etp)
     try:
         report = _run_ranks(mode, args, tp * pp * ep, timeout_s)
         staging.rename(dst)

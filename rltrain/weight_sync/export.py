@@ -89,6 +89,7 @@ class PlannedExport:
         mine = {
             "rank": ctx.rank,
             "tp": ctx.tp_rank,
+            "etp": getattr(ctx, "etp_rank", ctx.tp_rank),
             # Under context parallelism the CP ranks of a replica hold the same weights: serve from one.
             "replica": getattr(ctx, "dp_cp_rank", ctx.dp_rank),
             "expert_replica": getattr(ctx, "expert_dp_rank", 0),
@@ -169,7 +170,9 @@ class PlannedExport:
             found = [
                 r["rank"]
                 for r in self._ranks
-                if r[replica] == 0 and r["tp"] == copy.source.tp and set(unit.megatron_names) <= r["names"]
+                if r[replica] == 0
+                and r["etp" if unit.is_expert else "tp"] == copy.source.tp
+                and set(unit.megatron_names) <= r["names"]
             ]
             if len(found) != 1:
                 raise KeyError(
