@@ -2,7 +2,8 @@
 
 Contract (torch and torch.distributed only; ``ctx`` is the caller's parallel context: anything with
 its rank and size attributes — ``rank``, ``world_size``, ``tp_rank``/``tp_size``, ``dp_rank``,
-``ep_rank``/``ep_size``, ``etp_size`` — and ``groups``):
+``ep_rank``/``ep_size``, ``etp_rank``/``etp_size`` (expert tensor parallelism, which may differ from
+TP) — and ``groups``):
 - ``bridge_for_chunks`` binds the family table to the model as built (its padded vocabulary);
   ``head="score"`` for a reward model, whose ``output_layer.weight`` [1, hidden] loads the
   ``score.weight`` of an HF ``*ForSequenceClassification`` checkpoint.
@@ -46,8 +47,6 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 def chunk_namings(chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge) -> list[ChunkNaming]:
     """Per chunk: layer offset from its first layer's global ``layer_number``, expert offset from EP."""
-    if ctx.etp_size != ctx.tp_size:
-        raise NotImplementedError(f"expert_tensor_parallel_size={ctx.etp_size} != tensor size {ctx.tp_size}")
     local_experts = bridge.dims.num_experts // ctx.ep_size if bridge.dims.num_experts else 0
     namings = []
     for chunk in chunks:
@@ -108,7 +107,15 @@ def _local_params(
 
 
 def _tp_coords(bridge: Bridge, canonical: str, ctx: Any) -> tuple[int, int]:
-    return ctx.tp_rank, ctx.tp_size  # expert-TP equals TP (checked in chunk_namings)
+    """(rank, size) of the group that splits ``canonical``: expert-TP for expert tensors, else TP."""
+    if bridge.unit_of_megatron(canonical)[0].is_expert:
+        return _etp(ctx)
+    return ctx.tp_rank, ctx.tp_size
+
+
+def _etp(ctx: Any) -> tuple[int, int]:
+    size = getattr(ctx, "etp_size", ctx.tp_size)
+    return getattr(ctx, "etp_rank", ctx.tp_rank if size == ctx.tp_size else 0), size
 
 
 def _checked_params(
@@ -279,9 +286,10 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone()
 
 
-def _source_of(owners: list[dict], canonical: str) -> list[tuple[int, int]]:
-    """(global rank, tp rank) of the replica-0 ranks holding ``canonical``, ordered by tp rank."""
-    found = sorted((o["tp_rank"], o["rank"]) for o in owners if o["replica"] == 0 and canonical in o["names"])
+def _source_of(owners: list[dict], canonical: str, tp_key: str = "tp_rank") -> list[tuple[int, int]]:
+    """(global rank, tp rank) of the replica-0 ranks holding ``canonical``, ordered by their rank
+    ``tp_key`` in the group that splits it (``etp_rank`` for an expert tensor)."""
+    found = sorted((o[tp_key], o["rank"]) for o in owners if o["replica"] == 0 and canonical in o["names"])
     return [(rank, tp) for tp, rank in found]
 
 
@@ -294,6 +302,7 @@ def export_hf_weights(
     mine = {
         "rank": ctx.rank,
         "tp_rank": ctx.tp_rank,
+        "etp_rank": _etp(ctx)[0],
         # Under context parallelism the CP ranks of a replica hold the same weights: serve from one.
         "replica": getattr(ctx, "dp_cp_rank", ctx.dp_rank),
         "expert_replica": is_expert_rank_replica,
@@ -307,7 +316,8 @@ def export_hf_weights(
         tensors = []
         for canonical in unit.megatron_names:
             key = "expert_replica" if unit.is_expert else "replica"
-            sources = _source_of([{**o, "replica": o[key]} for o in owners], canonical)
+            tp_key = "etp_rank" if unit.is_expert else "tp_rank"
+            sources = _source_of([{**o, "replica": o[key]} for o in owners], canonical, tp_key)
             if not sources:
                 raise KeyError(
                     f"no rank holds Megatron parameter {canonical!r} (for HF {list(unit.hf_names)})"

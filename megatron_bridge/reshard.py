@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from megatron_bridge import mappings as m
+from megatron_bridge.layout import stage_of_layer
 from megatron_bridge.naming import match
 
 SplitKind = Literal["replicated", "column", "row", "vocab", "kv_heads"]
@@ -62,6 +63,12 @@ class TrainerLayout:
     etp: int | None = None
     """Expert tensor-parallel size; None means ``tp``."""
     num_layers: int = 1
+    vpp: int = 1
+    """Virtual pipeline chunks per stage (interleaved schedule): stage s holds every pp-th chunk."""
+    first_stage_layers: int | None = None
+    """Decoder layers on the first PP stage (``num_layers_in_first_pipeline_stage``); None: even."""
+    last_stage_layers: int | None = None
+    """Decoder layers on the last PP stage (``num_layers_in_last_pipeline_stage``); None: even."""
     num_experts: int = 0
     vocab_pad_multiple: int = 128
     """Megatron's ``make_vocab_size_divisible_by``; the padded vocab is a multiple of it × TP."""
@@ -147,9 +154,14 @@ def engine_range(t: TensorLayout, engine: EngineLayout, rank: int) -> Range | No
 def _stage(t: TensorLayout, trainer: TrainerLayout) -> int:
     if t.layer is None:
         return trainer.pp - 1 if t.last_stage else 0
-    if trainer.num_layers % trainer.pp:
-        raise ValueError(f"num_layers={trainer.num_layers} does not split evenly over pp={trainer.pp}")
-    return t.layer // (trainer.num_layers // trainer.pp)
+    return stage_of_layer(
+        t.layer,
+        trainer.num_layers,
+        pp=trainer.pp,
+        vpp=trainer.vpp,
+        first=trainer.first_stage_layers,
+        last=trainer.last_stage_layers,
+    )
 
 
 def _full(shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -1,7 +1,7 @@
 """Where each canonical tensor lives in a TP × PP × EP layout, and its slice on one rank.
 
 Contract (pure torch, no Megatron):
-- ``RankPosition`` is one rank's coordinates; ``stage_layers`` is Megatron's even PP split.
+- ``RankPosition`` is one rank's coordinates; ``stage_layers`` is Megatron's PP split (even or uneven).
 - ``holds(bridge, pos, canonical)`` says whether the rank's model chunk has that parameter
   (embedding on the first stage, final norm and output layer on the last, experts on their EP rank).
 - ``shard``/``unshard`` apply the tensor's mapping with the TP (or expert-TP) rank and size.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_bridge.bridge import Bridge
+from megatron_bridge.layout import chunk_layers
 from megatron_bridge.naming import ChunkNaming
 
 
@@ -32,6 +33,10 @@ class RankPosition:
     ep_size: int = 1
     etp_rank: int | None = None
     etp_size: int | None = None
+    first_stage_layers: int | None = None
+    """Decoder layers on the first PP stage (``num_layers_in_first_pipeline_stage``); None: even."""
+    last_stage_layers: int | None = None
+    """Decoder layers on the last PP stage (``num_layers_in_last_pipeline_stage``); None: even."""
 
     def expert_tp(self) -> tuple[int, int]:
         size = self.tp_size if self.etp_size is None else self.etp_size
@@ -39,22 +44,44 @@ class RankPosition:
         return rank, size
 
 
-def all_positions(*, tp: int = 1, pp: int = 1, ep: int = 1) -> list[RankPosition]:
-    """Every (tp, pp, ep) coordinate with expert-TP = TP (the layout the tests use)."""
+def all_positions(
+    *, tp: int = 1, pp: int = 1, ep: int = 1, first: int | None = None, last: int | None = None
+) -> list[RankPosition]:
+    """Every (tp, pp, ep) coordinate with expert-TP = TP (the layout the tests use); ``first``/``last``:
+    decoder layers on the first/last PP stage (None: an even split)."""
     return [
-        RankPosition(tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, ep_rank=e, ep_size=ep)
+        RankPosition(
+            tp_rank=t,
+            tp_size=tp,
+            pp_rank=p,
+            pp_size=pp,
+            ep_rank=e,
+            ep_size=ep,
+            first_stage_layers=first,
+            last_stage_layers=last,
+        )
         for p in range(pp)
         for e in range(ep)
         for t in range(tp)
     ]
 
 
-def stage_layers(num_layers: int, *, pp_rank: int, pp_size: int) -> range:
-    """Global decoder layers of pipeline stage ``pp_rank`` (Megatron's even split)."""
-    if num_layers % pp_size:
-        raise ValueError(f"num_layers={num_layers} is not divisible by pipeline size {pp_size}")
-    per_stage = num_layers // pp_size
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+def stage_layers(
+    num_layers: int, *, pp_rank: int, pp_size: int, first: int | None = None, last: int | None = None
+) -> range:
+    """Global decoder layers of pipeline stage ``pp_rank`` (Megatron's split: even, or uneven with
+    ``first``/``last`` layers on the first/last stage)."""
+    return chunk_layers(num_layers, pp_rank=pp_rank, pp=pp_size, first=first, last=last)
+
+
+def _layers_of(bridge: Bridge, pos: RankPosition) -> range:
+    return stage_layers(
+        bridge.dims.num_layers,
+        pp_rank=pos.pp_rank,
+        pp_size=pos.pp_size,
+        first=pos.first_stage_layers,
+        last=pos.last_stage_layers,
+    )
 
 
 def chunk_naming(
@@ -67,7 +94,7 @@ def chunk_naming(
         )
     local_experts = dims.num_experts // pos.ep_size
     return ChunkNaming(
-        layer_offset=stage_layers(dims.num_layers, pp_rank=pos.pp_rank, pp_size=pos.pp_size).start,
+        layer_offset=_layers_of(bridge, pos).start,
         expert_offset=pos.ep_rank * local_experts,
         num_local_experts=local_experts,
         te_spec=te_spec,
@@ -86,7 +113,7 @@ def holds(bridge: Bridge, pos: RankPosition, canonical: str) -> bool:
         return last and not (unit.tied and first)
     if canonical.startswith("decoder.layers."):
         layer = int(canonical.split(".")[2])
-        if layer not in stage_layers(bridge.dims.num_layers, pp_rank=pos.pp_rank, pp_size=pos.pp_size):
+        if layer not in _layers_of(bridge, pos):
             return False
         if unit.is_expert:
             return chunk_naming(bridge, pos).owns_expert(canonical)

@@ -22,6 +22,13 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: PositiveInt | None = None
     """Interleaved-schedule model chunks per pipeline stage (VPP); null disables interleaving."""
 
+    num_layers_in_first_pipeline_stage: PositiveInt | None = None
+    """Decoder layers on the first pipeline stage (Megatron-Core's uneven PP); null: an even share.
+    The layers the first/last stage counts leave are split evenly over the other stages."""
+
+    num_layers_in_last_pipeline_stage: PositiveInt | None = None
+    """Decoder layers on the last pipeline stage (uneven PP, e.g. 61-layer DeepSeek-V3); null: an even share."""
+
     context_parallel_size: PositiveInt = 1
     """Context-parallel (CP) size: each sequence is split over this many ranks (padded to a multiple
     of 2·CP and cut into 2·CP chunks; rank r holds chunks r and 2·CP−1−r, which balances causal
@@ -58,6 +65,20 @@ class ParallelConfig:
                 f"{prefix}.virtual_pipeline_model_parallel_size={vpp} needs "
                 f"{prefix}.pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size})"
             )
+        for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            count = getattr(self, key)
+            if count is None:
+                continue
+            if self.pipeline_model_parallel_size < 2:
+                problems.append(
+                    f"{prefix}.{key}={count} needs {prefix}.pipeline_model_parallel_size >= 2 "
+                    f"(got {self.pipeline_model_parallel_size})"
+                )
+            elif vpp is not None and count % vpp:
+                problems.append(
+                    f"{prefix}.{key}={count} is not a multiple of "
+                    f"{prefix}.virtual_pipeline_model_parallel_size={vpp}"
+                )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             problems.append(f"{prefix}.sequence_parallel=true needs {prefix}.tensor_model_parallel_size > 1")
         if world_size is not None and not problems:

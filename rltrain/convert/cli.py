@@ -45,6 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 default=1,
                 help=f"{what}-parallel size of the {'target' if layout else 'logits-check'} layout",
             )
+        sub.add_argument(
+            "--etp",
+            type=_positive_int,
+            default=None,
+            help="expert tensor-parallel size of MoE experts (default: --tp)",
+        )
+        for flag, which in (("first", "first"), ("last", "last")):
+            sub.add_argument(
+                f"--decoder-{flag}-pipeline-num-layers",
+                type=_positive_int,
+                default=None,
+                help=f"decoder layers on the {which} pipeline stage (uneven PP; default an even split)",
+            )
         if mode != "hf-to-mcore":
             sub.add_argument(
                 "--hf-config",
@@ -92,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
             atol=None if args.no_logits else args.atol,
             hf_config_dir=getattr(args, "hf_config", None),
             overwrite=args.overwrite,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers,
+            etp=args.etp,
         )
     except RuntimeError as err:  # ConversionError: one line; a bug: the failing rank's traceback
         print(f"convert {args.mode} failed: {err}", file=sys.stderr)

@@ -44,6 +44,9 @@ def check_inputs(
     pp: int,
     ep: int,
     overwrite: bool,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    etp: int | None = None,
 ) -> Path:
     if mode not in MODES:
         raise ConversionError(f"unknown conversion mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -65,10 +68,18 @@ def check_inputs(
         get_family(config.get("model_type"))
     except KeyError as err:
         raise ConversionError(f"{where}: {err.args[0]}") from None
-    problems = layout_problems(config, tp=tp, pp=pp, ep=ep)
+    problems = layout_problems(
+        config, tp=tp, pp=pp, ep=ep, etp=etp, first=first_stage_layers, last=last_stage_layers
+    )
     if problems:
+        stages = f" --etp {etp}" if etp is not None else ""
+        stages += "".join(
+            f" --decoder-{which}-pipeline-num-layers {n}"
+            for which, n in (("first", first_stage_layers), ("last", last_stage_layers))
+            if n is not None
+        )
         raise ConversionError(
-            f"{where}: the {config['model_type']} model cannot take --tp {tp} --pp {pp} --ep {ep}: "
+            f"{where}: the {config['model_type']} model cannot take --tp {tp} --pp {pp} --ep {ep}{stages}: "
             + "; ".join(problems)
         )
     if mode == "hf-to-mcore":

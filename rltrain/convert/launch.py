@@ -77,17 +77,32 @@ def run_conversion(
     hf_config_dir: str | Path | None = None,
     overwrite: bool = False,
     timeout_s: float = 3600,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    etp: int | None = None,
 ) -> ConversionReport:
     """Run one conversion on ``tp × pp × ep`` spawned gloo ranks; raises ``ConversionError`` (one line)
     for a bad input or a failed verification, ``RuntimeError`` with the failing rank's traceback else.
 
     ``hf_config_dir``: for a Megatron source, where its HF config and tokenizer are (default
     ``src/hf``, which conversions and the trainer's actor checkpoints carry). ``overwrite``: clear a
-    non-empty ``dst`` first (refused otherwise).
+    non-empty ``dst`` first (refused otherwise). ``first_stage_layers`` / ``last_stage_layers``: decoder
+    layers on the first / last pipeline stage (Megatron-Core's uneven PP; default an even split).
+    ``etp``: expert tensor-parallel size (default ``tp``), carved out of the same ``tp × pp × ep`` ranks.
     """
     src, dst = Path(src), Path(dst)
     hf_dir = check_inputs(
-        mode, src, dst, hf_config_dir=hf_config_dir, tp=tp, pp=pp, ep=ep, overwrite=overwrite
+        mode,
+        src,
+        dst,
+        hf_config_dir=hf_config_dir,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        overwrite=overwrite,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+        etp=etp,
     )
     if dst.exists():  # empty, or cleared with --overwrite: the staging directory takes its place
         shutil.rmtree(dst)
@@ -95,7 +110,8 @@ def run_conversion(
     staging = staging_dir(dst)
     if staging.exists():  # left by a conversion that was killed
         shutil.rmtree(staging)
-    args = (mode, str(src), str(staging), str(hf_dir), tp, pp, ep, verify, atol)
+    stages = (first_stage_layers, last_stage_layers)
+    args = (mode, str(src), str(staging), str(hf_dir), tp, pp, ep, verify, atol, stages, etp)
     try:
         report = _run_ranks(mode, args, tp * pp * ep, timeout_s)
         staging.rename(dst)

@@ -53,13 +53,27 @@ Chunks = list[torch.nn.Module]
 
 
 def setup_rank(
-    hf_config_dir: Path, tp: int, pp: int, ep: int, *, meta: bool = False
+    hf_config_dir: Path,
+    tp: int,
+    pp: int,
+    ep: int,
+    *,
+    meta: bool = False,
+    stages: tuple[int | None, int | None] = (None, None),
+    etp: int | None = None,
 ) -> tuple[Any, ParallelContext, Callable[[], Chunks], Chunks, Bridge]:
-    """(HF config, context, a builder of the real model, this rank's chunks, their bridge)."""
+    """(HF config, context, a builder of the real model, this rank's chunks, their bridge); ``stages``:
+    decoder layers on the first and last pipeline stage (None: an even split); ``etp``: expert-TP size
+    (None: ``tp``)."""
     config = AutoConfig.from_pretrained(hf_config_dir)
     ctx = ParallelContext.initialize(
         ParallelConfig(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            num_layers_in_first_pipeline_stage=stages[0],
+            num_layers_in_last_pipeline_stage=stages[1],
         )
     )
     dtype = getattr(config, "dtype", None) or torch.float32
@@ -103,14 +117,24 @@ def _locations(
 
 
 def rank_main(
-    mode: str, src: str, dst: str, hf: str, tp: int, pp: int, ep: int, verify: bool, atol: float | None
+    mode: str,
+    src: str,
+    dst: str,
+    hf: str,
+    tp: int,
+    pp: int,
+    ep: int,
+    verify: bool,
+    atol: float | None,
+    stages: tuple[int | None, int | None] = (None, None),
+    etp: int | None = None,
 ) -> dict:
     if mode not in MODES:
         raise ValueError(
             f"unknown conversion mode {mode!r}; expected hf-to-mcore, mcore-to-hf, mcore-to-mcore"
         )
     src_p, dst_p, hf_dir = Path(src), Path(dst), Path(hf)
-    config, ctx, build, chunks, bridge = setup_rank(hf_dir, tp, pp, ep, meta=True)
+    config, ctx, build, chunks, bridge = setup_rank(hf_dir, tp, pp, ep, meta=True, stages=stages, etp=etp)
     locations = _locations(chunks, ctx, bridge)
     src_step = None
     if mode != "hf-to-mcore":

@@ -42,7 +42,10 @@ _TMP_PREFIX = ".tmp-"
 
 
 def _layout(ctx: ParallelContext) -> dict[str, int | None]:
-    return {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "ep": ctx.ep_size, "dp": ctx.dp_size}
+    layout = {"tp": ctx.tp_size, "pp": ctx.pp_size, "vpp": ctx.vpp_size, "ep": ctx.ep_size, "dp": ctx.dp_size}
+    if ctx.etp_size != ctx.tp_size:  # only then: checkpoints written before the key resume as before
+        layout["etp"] = ctx.etp_size
+    return layout
 
 
 def _rng_state() -> dict[str, Any]:
@@ -80,13 +83,17 @@ def _sharded_state(
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
-    state["rng_state"] = ShardedObject(
-        "rng_state",
-        _rng_state(),
-        (ctx.pp_size, ctx.tp_size, ctx.ep_size),
-        (ctx.pp_rank, ctx.tp_rank, ctx.ep_rank),
-        replica_id=ctx.expert_dp_rank,
-    )
+    if ctx.etp_size == ctx.tp_size:
+        shape, offset, replica = (
+            (ctx.pp_size, ctx.tp_size, ctx.ep_size),
+            (ctx.pp_rank, ctx.tp_rank, ctx.ep_rank),
+            ctx.expert_dp_rank,
+        )
+    else:
+        # Expert-TP != TP ties the EP rank to the TP rank (TP=2, expert-TP=1, EP=2: ranks hold
+        # (tp, ep) = (0, 0) and (1, 1) only), so (pp, tp, ep) has holes: every rank keeps its own.
+        shape, offset, replica = (ctx.world_size,), (ctx.rank,), 0
+    state["rng_state"] = ShardedObject("rng_state", _rng_state(), shape, offset, replica_id=replica)
     return state
 
 

@@ -79,6 +79,8 @@ def validate_layout(hf_config: Any, parallel: ParallelConfig, *, moe: MoEFacts |
         ep=parallel.expert_model_parallel_size,
         etp=parallel.expert_tensor_parallel_size,
         moe=moe,
+        first=parallel.num_layers_in_first_pipeline_stage,
+        last=parallel.num_layers_in_last_pipeline_stage,
     )
 
 
@@ -182,6 +184,8 @@ def transformer_config_from_hf(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size

@@ -52,6 +52,8 @@ class ParallelContext:
     weights (the copy a checkpoint or the weight sync reads is the one with 0)."""
     ep_rank: int
     ep_size: int
+    etp_rank: int
+    """Rank in the expert tensor-parallel group (splits each expert; equal to ``tp_rank`` when expert-TP = TP)."""
     etp_size: int
     expert_dp_rank: int
     """Rank among the replicas of this rank's experts (ranks with equal PP, TP and EP ranks)."""
@@ -115,6 +117,7 @@ class ParallelContext:
             dp_cp_rank=mpu.get_data_parallel_rank(with_context_parallel=True),
             ep_rank=mpu.get_expert_model_parallel_rank(),
             ep_size=mpu.get_expert_model_parallel_world_size(),
+            etp_rank=mpu.get_expert_tensor_parallel_rank(),
             etp_size=mpu.get_expert_tensor_parallel_world_size(),
             expert_dp_rank=mpu.get_expert_data_parallel_rank(),
             groups=ProcessGroupCollection.use_mpu_process_groups(),

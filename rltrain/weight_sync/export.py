@@ -80,12 +80,16 @@ class PlannedExport:
             ep=ctx.ep_size,
             etp=ctx.etp_size,
             num_layers=dims.num_layers,
+            vpp=ctx.vpp_size or 1,
+            first_stage_layers=ctx.parallel.num_layers_in_first_pipeline_stage,
+            last_stage_layers=ctx.parallel.num_layers_in_last_pipeline_stage,
             num_experts=dims.num_experts,
             vocab_pad_multiple=dims.padded_vocab_size // ctx.tp_size,
         )
         mine = {
             "rank": ctx.rank,
             "tp": ctx.tp_rank,
+            "etp": getattr(ctx, "etp_rank", ctx.tp_rank),
             # Under context parallelism the CP ranks of a replica hold the same weights: serve from one.
             "replica": getattr(ctx, "dp_cp_rank", ctx.dp_rank),
             "expert_replica": getattr(ctx, "expert_dp_rank", 0),
@@ -166,7 +170,9 @@ class PlannedExport:
             found = [
                 r["rank"]
                 for r in self._ranks
-                if r[replica] == 0 and r["tp"] == copy.source.tp and set(unit.megatron_names) <= r["names"]
+                if r[replica] == 0
+                and r["etp" if unit.is_expert else "tp"] == copy.source.tp
+                and set(unit.megatron_names) <= r["names"]
             ]
             if len(found) != 1:
                 raise KeyError(

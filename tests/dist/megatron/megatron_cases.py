@@ -74,6 +74,20 @@ def pp2_case(tmp: str) -> dict[str, dict[str, float]]:
     }
 
 
+def uneven_pp2_case(tmp: str) -> dict[str, dict[str, float]]:
+    """5 layers at PP=2 with 2 on the first stage and 3 on the last (Megatron-Core's uneven PP) load
+    the weights a single-stage run saved, then must match it (outputs, loss and grad norm of two steps)."""
+    hf = tiny_llama(num_hidden_layers=5)
+    batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+    ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
+    uneven = ParallelConfig(
+        pipeline_model_parallel_size=2,
+        num_layers_in_first_pipeline_stage=2,
+        num_layers_in_last_pipeline_stage=3,
+    )
+    return {"pp2_2+3": max_diffs(ref, actor_round(hf, uneven, batching, load_from=f"{tmp}/ref"))}
+
+
 def ep2_case(tmp: str) -> dict[str, dict[str, float]]:
     """MoE (4 experts, top-2, aux loss): EP=2 loads the weights an EP=1 run saved, then must match it."""
     hf = tiny_mixtral()

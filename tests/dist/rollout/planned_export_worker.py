@@ -1,11 +1,12 @@
 """One rank of the planner-driven export test (no vLLM: the reference is the bridge's full export).
 
 Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
-python planned_export_worker.py MODEL_DIR OUT LAYOUT   (LAYOUT: tp2 | pp2 | ep2 | cp2).
+python planned_export_worker.py MODEL_DIR OUT LAYOUT   (LAYOUT: tp2 | pp2 | pp2_1+2 | ep2 | cp2).
 The trainer model loads MODEL_DIR's HF weights at LAYOUT. For every destination rank, the planned
 stream of an engine at TP=1 must equal ``export_hf_weights`` (names, order, bits). For an engine at
 TP=2 (and EP=2 for MoE) every region each engine rank receives must equal that region of the full
-tensors, and the bytes it receives are counted against the full export's. Rank 0 writes the numbers.
+tensors, and the bytes it receives are counted against the full export's; the full export is compared
+with MODEL_DIR's tensors bit for bit. Rank 0 writes the numbers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import torch
 LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2},
     "pp2": {"pipeline_model_parallel_size": 2},
+    # uneven stages (3-layer model): 1 layer on the first stage, 2 on the last
+    "pp2_1+2": {
+        "pipeline_model_parallel_size": 2,
+        "num_layers_in_first_pipeline_stage": 1,
+        "num_layers_in_last_pipeline_stage": 2,
+    },
     "ep2": {"expert_model_parallel_size": 2},
     "cp2": {"context_parallel_size": 2},
 }
@@ -60,6 +67,9 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
             assert not differ, f"rank {dst}: planned TP=1 stream differs from the full export: {differ}"
             result["num_tensors"] = len(full)
     full = dict(export_hf_weights(chunks, ctx, bridge, dst=0))
+    if ctx.rank == 0:
+        reader = HFCheckpointReader(model_dir)
+        result["bit_exact_vs_checkpoint"] = sum(torch.equal(full[n], reader.get(n)) for n in reader.names())
     engine = EngineLayout(tp=2, ep=2 if bridge.dims.num_experts else 1)
     plan = planned.plan(engine)
     for engine_rank in range(engine.tp):

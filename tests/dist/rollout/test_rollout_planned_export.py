@@ -29,6 +29,18 @@ def test_planned_stream_equals_full_export_llama(tmp_path, layout):
         assert 0.45 < halves[engine_rank]["bytes"] / result["full_bytes"] < 0.55
 
 
+def test_planned_stream_with_uneven_pipeline_stages(tmp_path):
+    """3 layers at PP=2, 1 on the first stage and 2 on the last: the engine's tensors equal the HF ones."""
+    from rltrain.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "model", "llama", num_hidden_layers=3)
+    result = run_ranks(tmp_path, model_dir, "pp2_1+2")
+    assert result["num_tensors"] == 30 == result["bit_exact_vs_checkpoint"]  # 3 + 9 per layer
+    for engine_rank in ("0", "1"):
+        assert result["tp2"][engine_rank]["num_tensors"] == 30
+        assert 0.45 < result["tp2"][engine_rank]["bytes"] / result["full_bytes"] < 0.55
+
+
 def test_planned_stream_equals_full_export_moe_ep2(tmp_path):
     from rltrain.models.tiny import save_tiny_model
 

@@ -41,8 +41,18 @@ def full_tensor(t: TensorLayout) -> torch.Tensor:
 def reference_piece(t: TensorLayout, trainer: TrainerLayout, shard: ShardId) -> torch.Tensor:
     """The trainer shard's local piece, derived with torch.chunk over Megatron's padded tensor."""
     full = full_tensor(t)
-    layers_per_stage = trainer.num_layers // trainer.pp
-    stage = (trainer.pp - 1 if t.last_stage else 0) if t.layer is None else t.layer // layers_per_stage
+    if trainer.first_stage_layers is None and trainer.last_stage_layers is None:
+        stage_of = [i // (trainer.num_layers // trainer.pp) for i in range(trainer.num_layers)]
+    else:  # uneven, written out by hand for the cases below: first, then the middle stages, then last
+        first = trainer.first_stage_layers or 0
+        last = trainer.last_stage_layers or 0
+        middle_stages = trainer.pp - (first > 0) - (last > 0)
+        per_middle = (trainer.num_layers - first - last) // middle_stages if middle_stages else 0
+        stage_of = [0] * first if first else []
+        for s in range(middle_stages):
+            stage_of += [s + (first > 0)] * per_middle
+        stage_of += [trainer.pp - 1] * last
+    stage = (trainer.pp - 1 if t.last_stage else 0) if t.layer is None else stage_of[t.layer]
     assert shard.pp == stage, f"{t.hf_name} read from stage {shard.pp}, it lives on {stage}"
     if t.expert is not None:
         assert shard.ep == t.expert // (trainer.num_experts // trainer.ep), f"{t.hf_name} wrong EP rank"
@@ -126,6 +136,17 @@ def test_dense_tp_to_tp(trainer_tp, engine_tp):
 @pytest.mark.parametrize(("trainer_tp", "pp", "engine_tp"), [(1, 2, 4), (2, 2, 1), (2, 4, 8), (4, 2, 2)])
 def test_dense_with_pipeline_stages(trainer_tp, pp, engine_tp):
     check_plan(model(), TrainerLayout(tp=trainer_tp, pp=pp, num_layers=4), EngineLayout(tp=engine_tp))
+
+
+@pytest.mark.parametrize(
+    ("pp", "first", "last", "engine_tp"), [(2, 1, 3, 2), (2, 3, None, 1), (3, None, 2, 2), (3, 1, 1, 4)]
+)
+def test_uneven_pipeline_stages(pp, first, last, engine_tp):
+    trainer = TrainerLayout(tp=2, pp=pp, num_layers=4, first_stage_layers=first, last_stage_layers=last)
+    check_plan(model(), trainer, EngineLayout(tp=engine_tp))
+    stages = {c.source.pp for cs in plan_weight_sync(model(), trainer, EngineLayout(tp=1)).values() for c in cs
+              if c.hf_name == "model.layers.1.mlp.down_proj.weight"}  # fmt: skip
+    assert stages == {0 if (first or 0) >= 2 else 1}
 
 
 @pytest.mark.parametrize(("trainer_tp", "engine_tp"), [(1, 4), (2, 4), (2, 8), (1, 8)])

@@ -174,6 +174,24 @@ def test_parallel_switches_name_the_size_they_need(tmp_path):
     ]
 
 
+def test_uneven_pipeline_stages_need_a_pipeline(tmp_path):
+    assert problems(tmp_path, ["actor.parallel.num_layers_in_first_pipeline_stage=2"]) == [
+        "override 'actor.parallel.num_layers_in_first_pipeline_stage=2': "
+        "actor.parallel.num_layers_in_first_pipeline_stage=2 needs "
+        "actor.parallel.pipeline_model_parallel_size >= 2 (got 1)"
+    ]
+    vpp = [
+        "actor.parallel.pipeline_model_parallel_size=2",
+        "actor.parallel.virtual_pipeline_model_parallel_size=2",
+    ]
+    assert problems(tmp_path, [*vpp, "actor.parallel.num_layers_in_last_pipeline_stage=3"]) == [
+        "override 'actor.parallel.num_layers_in_last_pipeline_stage=3', "
+        "override 'actor.parallel.virtual_pipeline_model_parallel_size=2': "
+        "actor.parallel.num_layers_in_last_pipeline_stage=3 is not a multiple of "
+        "actor.parallel.virtual_pipeline_model_parallel_size=2"
+    ]
+
+
 def test_an_overlapping_pipeline_needs_engines_of_their_own_and_one_step_off_its_bound(tmp_path):
     assert problems(tmp_path, ["trainer.pipeline=one_step_off"]) == [
         "override 'trainer.pipeline=one_step_off': trainer.pipeline=one_step_off generates while the actor "

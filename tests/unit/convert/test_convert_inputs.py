@@ -96,7 +96,13 @@ def test_a_missing_tensor_is_named(capsys, hf, tmp_path):
     ("tp", "pp", "ep", "problem"),
     [
         (4, 1, 1, "tensor_model_parallel_size=4 does not divide num_key_value_heads=2"),
-        (1, 3, 1, "pipeline_model_parallel_size × virtual=3 does not divide num_hidden_layers=2"),
+        (
+            1,
+            3,
+            1,
+            "pipeline_model_parallel_size × virtual=3 does not divide num_hidden_layers=2 (set "
+            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for uneven stages)",
+        ),
         (1, 1, 2, "expert_model_parallel_size=2 does not divide num_experts=0"),
     ],
     ids=["tp-over-kv-heads", "pp-over-layers", "ep-without-experts"],
@@ -106,6 +112,15 @@ def test_a_layout_the_model_cannot_take_names_both_numbers(capsys, hf, tmp_path,
     assert _refusal(capsys, "hf-to-mcore", str(hf), str(tmp_path / "out"), *flags) == (
         f"convert hf-to-mcore failed: {hf / 'config.json'}: the qwen2 model cannot take "
         f"--tp {tp} --pp {pp} --ep {ep}: {problem}"
+    )
+
+
+def test_uneven_stages_that_do_not_add_up_are_refused(capsys, hf, tmp_path):
+    flags = ["--pp", "2", "--decoder-first-pipeline-num-layers", "3"]
+    assert _refusal(capsys, "hf-to-mcore", str(hf), str(tmp_path / "out"), *flags) == (
+        f"convert hf-to-mcore failed: {hf / 'config.json'}: the qwen2 model cannot take "
+        "--tp 1 --pp 2 --ep 1 --decoder-first-pipeline-num-layers 3: num_layers_in_first_pipeline_stage=3 "
+        "leaves -1 of num_hidden_layers=2 for the 1 middle stage(s) of pipeline_model_parallel_size=2"
     )
 
 
