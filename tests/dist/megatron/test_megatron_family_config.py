@@ -51,12 +51,10 @@ def test_family_facts_reach_the_transformer_config(model_type: str) -> None:
     config = transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
     *expected, tied = EXPECTED[model_type]
     assert {name: getattr(config, name) for name in FIELDS[:-1]} == dict(zip(FIELDS[:-1], expected))
-    assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == (
-        2,
-        128,
-        2,
-        32,
-    )
+    # layers, hidden, query groups, kv_channels (hidden / heads): the tiny presets' sizes; DeepSeek-V3's
+    # has 4 layers (2 dense + 2 MoE) of 64 with 4 heads, no GQA (MLA's own head dims are checked below)
+    shape = (4, 64, 4, 16) if model_type == "deepseek_v3" else (2, 128, 2, 32)
+    assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == shape
     assert gpt_options(hf, role="actor").tie_word_embeddings is tied
     assert gpt_options(hf, role="critic").tie_word_embeddings is False
 
