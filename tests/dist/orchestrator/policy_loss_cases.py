@@ -172,7 +172,7 @@ def policy_loss_updates(model_dir: str) -> dict[str, Any]:
     batch.advantages = ADVANTAGES.float()
     out: dict[str, Any] = {"splits": worker.actor.batching.split(_token_batch(batch)), "cases": {}}
     for case in CASES:
-        logprobs, entropy = worker.compute_log_prob(batch)
+        logprobs, entropy, _ = worker.compute_log_prob(batch)
         batch.old_logprobs = logprobs - LOG_RATIO.to(logprobs.dtype)
         batch.ref_logprobs = logprobs - REF_LOG_RATIO.to(logprobs.dtype)
         worker.config = _actor_config(base, case)

@@ -135,13 +135,13 @@ def _update(config: RLConfig, model_dir: str, batch: StepBatch, ctx=None) -> dic
         placement=rollout_placement(config, gpu=False),
         ctx=ctx,
     )
-    old, _ = worker.compute_log_prob(batch)
+    old, _, _ = worker.compute_log_prob(batch)
     batch.old_logprobs = old
     batch.rollout_logprobs = old - LOG_RATIO.to(old.dtype)
     role = _ActorUpdates(SPMDGroup("actor", worker))
     minis = [batch.select(list(range(i, i + MINI_BATCH))) for i in range(0, batch.batch_size, MINI_BATCH)]
     steps = role._update("update_actor", minis)
-    after, _ = worker.compute_log_prob(batch)
+    after, _, _ = worker.compute_log_prob(batch)
     # numpy, pickled by value: a tensor would cross the queue as a shared-memory handle that
     # vanishes when this process exits before the parent reads it
     return {"worker": worker, "old_logprobs": old.numpy(), "steps": steps, "logprobs_after": after.numpy()}
