@@ -555,46 +555,28 @@ def run_model(
     ``output.routed_experts`` ([batch, seq, num_layers, top_k], the same on every TP/PP rank);
     ``replay`` makes every router use ``batch.routed_experts`` instead of its own top-k.
     """
+    swapped = None  # (the last stage's model, its output_layer) while the fused head stands in
     if fused is not None and outputs == "logprobs":
         heads = [m for m in map(_gpt_model, chunks) if getattr(m, "output_layer", None) is not None]
-        if not heads:  # not a last pipeline stage: nothing to fuse here
-            return run_model(
-                chunks,
-                batch,
-                ctx=ctx,
-                batching=batching,
-                outputs=outputs,
-                loss_fn=loss_fn,
-                vocab_size=vocab_size,
-                router_replay=router_replay,
-            )
-        (model,) = heads  # one last stage (the VPP chunk with the head)
-        layer = model.output_layer
-        model.output_layer = _HiddenStatesOut(layer)
-        try:
-            return _run_model(
-                chunks,
-                batch,
-                ctx=ctx,
-                batching=batching,
-                outputs=outputs,
-                loss_fn=loss_fn,
-                vocab_size=vocab_size,
-                fused=(fused, model.output_layer),
-                router_replay=router_replay,
-            )
-        finally:
-            model.output_layer = layer
-    return _run_model(
-        chunks,
-        batch,
-        ctx=ctx,
-        batching=batching,
-        outputs=outputs,
-        loss_fn=loss_fn,
-        vocab_size=vocab_size,
-        router_replay=router_replay,
-    )
+        if heads:  # else not a last pipeline stage: nothing to fuse here
+            (model,) = heads  # one last stage (the VPP chunk with the head)
+            swapped = (model, model.output_layer)
+            model.output_layer = _HiddenStatesOut(model.output_layer)
+    try:
+        return _run_model(
+            chunks,
+            batch,
+            ctx=ctx,
+            batching=batching,
+            outputs=outputs,
+            loss_fn=loss_fn,
+            vocab_size=vocab_size,
+            fused=None if swapped is None else (fused, swapped[0].output_layer),
+            router_replay=router_replay,
+        )
+    finally:
+        if swapped is not None:
+            swapped[0].output_layer = swapped[1]
 
 
 def _run_model(
