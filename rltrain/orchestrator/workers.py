@@ -325,7 +325,7 @@ class PolicyWorker(_MegatronRankBase):
         """(old log-probs, entropy), each [batch, response_len], and the routes the actor recorded
         ([batch, seq, layers, top_k]; ``actor.router_replay.mode=R2``, else None)."""
         out = self.actor.compute_log_prob(_token_batch(batch))
-        return out.logprobs, out.entropy, getattr(out, "routed_experts", None)
+        return out.logprobs, out.entropy, out.routed_experts
 
     def compute_ref_log_prob(self, batch: StepBatch) -> torch.Tensor:
         if self.ref is None:
