@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rltrain.algo.token_batch import ModelOutput
 from rltrain.config import load_config
 from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptBatch
@@ -83,7 +84,7 @@ class FakeModel:
 
     def compute_log_prob(self, batch):
         shape = (batch.input_ids.size(0), batch.response_len)
-        return SimpleNamespace(logprobs=torch.zeros(shape), entropy=torch.zeros(shape))
+        return ModelOutput(logprobs=torch.zeros(shape), entropy=torch.zeros(shape))
 
     def update(self, batch, loss_fn):
         return SimpleNamespace(
