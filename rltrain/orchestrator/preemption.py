@@ -9,7 +9,9 @@ checkpoint written): on a request it saves the step if the schedule did not (wha
 ``trainer.save_freq`` says), and the run ends with :class:`Preempted`, which the command line
 turns into one line naming the checkpoint and how to resume, and exit code
 :data:`PREEMPTED_EXIT_CODE`. A request before the first step stops there without a save (the run
-resumes from where it started). A second signal changes nothing (said once the step is done); a
+resumes from where it started). A second signal changes nothing (said once the step is done;
+two signals that arrive while the main thread is inside one C call reach the handler in
+signal-number order, so SIGUSR1 is then named even if SIGTERM came first); a
 save in progress goes on, and checkpoints are atomic, so even a SIGKILL then leaves ``latest`` on a
 complete one. In the torchrun mode the ranks agree on the request (``agree``: a max over ranks), so
 every rank stops after the same step.

@@ -1,7 +1,7 @@
 """Preemption and a full disk for real, in the chain a preempted job may meet.
 
 ``rltrain train`` (its own private Ray, whose SIGTERM handler it replaces) gets SIGTERM after its
-first step, and SIGUSR1 a moment later (a second signal during the step or its save): it saves the
+first step, and SIGUSR1 once it has said so (a second signal, during its save): it saves the
 step although ``trainer.save_freq=0`` never would, and exits 75 with one line naming the checkpoint
 and the command to resume with (its own). The run's ``checkpoints/`` is a tmpfs (mounted by the test:
 root needed) with room for three checkpoints, two of them taken by other data: the resumed run's next
@@ -20,10 +20,9 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from fault_runs import RECIPE, STEPS, assert_same_metrics, fault_overrides, metrics_of, run_signalled
+from fault_runs import RECIPE, STEPS, assert_same_metrics, fault_overrides, metrics_of, run_signalled, wait_for
 
 from rltrain.config import load_config
 from rltrain.orchestrator.preemption import PREEMPTED_EXIT_CODE
@@ -60,8 +59,18 @@ def test_sigterm_saves_and_exits_75_then_a_full_disk_stops_the_resumed_save_then
         other_data.write_bytes(b"\0" * (2 * one))
 
         def sigterm_then_sigusr1(driver: subprocess.Popen) -> None:
+            # SIGUSR1 once the driver has taken SIGTERM (said at the step's end, before its save):
+            # two signals pending together reach Python's handlers in signal-number order, SIGUSR1
+            # (10) before SIGTERM (15), whatever order they were sent in (seen in CI with 0.3 s
+            # between them while the driver's main thread waited in a call to Ray).
             driver.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            taken = "SIGTERM received: saving a checkpoint"
+            wait_for(
+                lambda: taken in (run_dir / "rltrain.log").read_text(errors="replace")
+                or driver.poll() is not None,
+                timeout_s=300,
+                what="the driver's line that it took SIGTERM",
+            )
             driver.send_signal(signal.SIGUSR1)
 
         code, err = run_signalled(
