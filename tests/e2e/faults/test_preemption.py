@@ -22,7 +22,15 @@ import subprocess
 import sys
 
 import pytest
-from fault_runs import RECIPE, STEPS, assert_same_metrics, fault_overrides, metrics_of, run_signalled, wait_for
+from fault_runs import (
+    RECIPE,
+    STEPS,
+    assert_same_metrics,
+    fault_overrides,
+    metrics_of,
+    run_signalled,
+    wait_for,
+)
 
 from rltrain.config import load_config
 from rltrain.orchestrator.preemption import PREEMPTED_EXIT_CODE
@@ -66,8 +74,10 @@ def test_sigterm_saves_and_exits_75_then_a_full_disk_stops_the_resumed_save_then
             driver.send_signal(signal.SIGTERM)
             taken = "SIGTERM received: saving a checkpoint"
             wait_for(
-                lambda: taken in (run_dir / "rltrain.log").read_text(errors="replace")
-                or driver.poll() is not None,
+                lambda: (
+                    taken in (run_dir / "rltrain.log").read_text(errors="replace")
+                    or driver.poll() is not None
+                ),
                 timeout_s=300,
                 what="the driver's line that it took SIGTERM",
             )
