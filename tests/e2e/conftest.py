@@ -22,7 +22,7 @@ def local_ray():
     if started:
         ray.init(
             address="local",
-            num_cpus=4,  # logical: runs with a critic and a reward model on pools of their own take 3
+            num_cpus=4,  # logical: the reward-model e2e (actor 1, critic 1, reward model 2 ranks) takes all 4
             resources={STAND_IN_GPU: 4},
             include_dashboard=False,
             log_to_driver=False,
