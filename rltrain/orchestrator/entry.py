@@ -35,9 +35,19 @@ _ROLE_TITLES = {
 """What the status line calls each role while its workers start."""
 
 
+def _ranks_of(role: str, num_ranks: int) -> str:
+    return f"{_ROLE_TITLES.get(role, role)} ({num_ranks} rank{'s' if num_ranks > 1 else ''})"
+
+
 def role_stage(role: str, num_ranks: int):
     """The status lines around starting ``num_ranks`` ranks of ``role``."""
-    return stage(f"starting {_ROLE_TITLES.get(role, role)} ({num_ranks} rank{'s' if num_ranks > 1 else ''})")
+    return stage(f"starting {_ranks_of(role, num_ranks)}")
+
+
+def roles_stage(roles: list[tuple[str, int]]):
+    """The status lines around starting several roles at once: ``(role, num_ranks)`` each."""
+    named = [_ranks_of(role, n) for role, n in roles]
+    return stage("starting " + (f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]))
 
 
 @dataclass
@@ -226,42 +236,40 @@ class RunWorkers:
             device_resource=bundle.device_resource,
         )
 
-    def _start_group(self, role: str, cls: type, size: int, where, **kwargs):
-        """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)``; killed by :meth:`stop`."""
+    def _launch(self, role: str, cls: type, size: int, where, **kwargs):
+        """Start ``size`` ranks of ``cls(config, model_dir, **kwargs)`` building (killed by
+        :meth:`stop`); :meth:`RayWorkerGroup.started` waits for them."""
         from rltrain.orchestrator.worker_group import RayWorkerGroup
 
-        with role_stage(role, size):
-            group = RayWorkerGroup(
-                role,
-                cls,
-                world_size=size,
-                placement=where,
-                args=(self.config, self.model_dir),
-                kwargs=kwargs,
-                timeouts=self.config.trainer.timeouts,
-            )
+        group = RayWorkerGroup(
+            role,
+            cls,
+            world_size=size,
+            placement=where,
+            args=(self.config, self.model_dir),
+            kwargs=kwargs,
+            timeouts=self.config.trainer.timeouts,
+            wait=False,
+        )
         self.groups.append(group)
         return group
 
     def start(self):
-        """Start every role; the :class:`~rltrain.orchestrator.driver.Roles` over them."""
+        """Start every role; the :class:`~rltrain.orchestrator.driver.Roles` over them.
+
+        On CPU every role's ranks build at once (imports, model building and the engine's start
+        overlap: about 10 s less on the quickstart); on GPUs one role after the other, the policy
+        with its engine first, so that an engine sizing its KV cache by the device memory left
+        does not race another role's allocations."""
         from rltrain.orchestrator.driver import Roles
         from rltrain.orchestrator.roles import CriticRole, PolicyRole, RewardModelRole
         from rltrain.orchestrator.worker_group import Placement
         from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
 
         config, layout, world = self.config, self.layout, self.config.cluster.world_size()
-        policy_group = self._start_group(
-            "actor_rollout_ref",
-            PolicyWorker,
-            world,
-            self.placement_of("actor"),
-            total_steps=self.total_steps,
-            placement=layout,
-        )
-        rollout_group = None
+        launches = [("actor_rollout_ref", PolicyWorker, world, self.placement_of("actor"))]
+        policy_kwargs = {"total_steps": self.total_steps, "placement": layout}
         if layout.separate:
-            num_engines = layout.num_engines
             engine_bundle = layout.engine_bundles[0]
             engine_placement = Placement(
                 self.pg,
@@ -270,36 +278,49 @@ class RunWorkers:
                 num_gpus=float(engine_bundle.num_gpus),
                 device_resource=engine_bundle.device_resource,
             )
-            rollout_group = self._start_group("rollout", RolloutWorker, num_engines, engine_placement)
+            launches.append(("rollout", RolloutWorker, layout.num_engines, engine_placement))
+        if config.critic_enabled():
+            launches.append(
+                ("critic", CriticWorker, config.role_world("critic"), self.placement_of("critic"))
+            )
+        if config.reward.reward_model.enable:
+            launches.append(
+                (
+                    "reward_model",
+                    RewardModelWorker,
+                    config.role_world("reward_model"),
+                    self.placement_of("reward_model"),
+                )
+            )
+        kwargs = {
+            "actor_rollout_ref": policy_kwargs,
+            "critic": {"total_steps": self.total_steps},
+        }
+        groups = {}
+        if self.gpu:
+            for role, cls, size, where in launches:
+                with role_stage(role, size):
+                    groups[role] = self._launch(role, cls, size, where, **kwargs.get(role, {})).started()
+        else:
+            with roles_stage([(role, size) for role, _, size, _ in launches]):
+                for role, cls, size, where in launches:
+                    groups[role] = self._launch(role, cls, size, where, **kwargs.get(role, {}))
+                for group in groups.values():
+                    group.started()
+        policy_group, rollout_group = groups["actor_rollout_ref"], groups.get("rollout")
+        if rollout_group is not None:
+            num_engines = layout.num_engines
             address = policy_group.free_address()
             joining = rollout_group.submit("connect_weight_sync", address, num_engines)
             policy_group.call_each(
                 "connect_weight_sync", [(address if r == 0 else None, num_engines) for r in range(world)]
             )
             rollout_group.wait("connect_weight_sync", joining)
-        critic = None
-        if config.critic_enabled():
-            critic = CriticRole(
-                self._start_group(
-                    "critic",
-                    CriticWorker,
-                    config.role_world("critic"),
-                    self.placement_of("critic"),
-                    total_steps=self.total_steps,
-                ),
-                trainer=config.trainer,
-            )
-        reward_model = None
-        if config.reward.reward_model.enable:
-            reward_model = RewardModelRole(
-                self._start_group(
-                    "reward_model",
-                    RewardModelWorker,
-                    config.role_world("reward_model"),
-                    self.placement_of("reward_model"),
-                ),
-                trainer=config.trainer,
-            )
+        critic = reward_model = None
+        if "critic" in groups:
+            critic = CriticRole(groups["critic"], trainer=config.trainer)
+        if "reward_model" in groups:
+            reward_model = RewardModelRole(groups["reward_model"], trainer=config.trainer)
         return Roles(
             policy=PolicyRole(policy_group, placement=layout, separate=rollout_group, trainer=config.trainer),
             critic=critic,

@@ -246,8 +246,11 @@ class RayWorkerGroup:
         per_rank_kwargs: list[dict] | None = None,
         env: dict[str, str] | None = None,
         timeouts: TimeoutConfig | None = None,
+        wait: bool = True,
     ) -> None:
-        """``timeouts``: how long each method may take (``trainer.timeouts``; its defaults if None)."""
+        """``timeouts``: how long each method may take (``trainer.timeouts``; its defaults if None).
+        ``wait=False`` returns once the ranks' processes are up and building their workers, so that
+        several groups build at once; :meth:`started` then waits for them."""
         self.role = role
         self.world_size = world_size
         self.timeouts = timeouts or TimeoutConfig()
@@ -269,8 +272,18 @@ class RayWorkerGroup:
             info = RankInfo(rank=rank, world_size=world_size, master_addr=addr, master_port=port)
             extra = per_rank_kwargs[rank] if per_rank_kwargs else {}
             refs.append(host.build.remote(cls, (*args, info), {**(kwargs or {}), **extra}))
-        self.pids: list[int] = self._gather("__init__", refs)
+        self.pids: list[int] = []
         """Each rank's process id (what the restart lines and the fault tests name)."""
+        self._building = refs
+        if wait:
+            self.started()
+
+    def started(self) -> RayWorkerGroup:
+        """Wait until every rank has built its worker (``trainer.timeouts.init_s``); returns self."""
+        if self._building:
+            self.pids = self._gather("__init__", self._building)
+            self._building = []
+        return self
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``method`` with the same arguments on every rank; results in rank order."""

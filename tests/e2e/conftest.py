@@ -43,11 +43,14 @@ def worker_groups(monkeypatch):
     from rltrain.orchestrator import worker_group
 
     groups = []
-    original_init = worker_group.RayWorkerGroup.__init__
+    original_started = worker_group.RayWorkerGroup.started
 
-    def recording_init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        groups.append(self)
+    def recording_started(self):
+        built = not self._building
+        original_started(self)
+        if not built:  # in the order the run waits for them; their process ids known
+            groups.append(self)
+        return self
 
-    monkeypatch.setattr(worker_group.RayWorkerGroup, "__init__", recording_init)
+    monkeypatch.setattr(worker_group.RayWorkerGroup, "started", recording_started)
     return groups

@@ -91,8 +91,8 @@ def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
         for r in caplog.records
         if (m := re.fullmatch(r"starting .* \.\.\. done in (\d+\.\d) s", r.getMessage()))
     ]
-    assert len(starts) == 6, starts
-    assert sum(starts[4:]) - 0.2 <= got[3][RECOVER_SECONDS] < sum(starts[4:]) + 30, (starts, got[3])
+    assert len(starts) == 3, starts  # both groups start at once on CPU: one line a start
+    assert starts[2] - 0.2 <= got[3][RECOVER_SECONDS] < starts[2] + 30, (starts, got[3])
     assert f"{got[3][RECOVER_SECONDS]:.1f} s after the failure" in said[3]
     assert latest.read_text().strip() == f"step_{STEPS}"
     # every group of the failed attempts is gone, the stopped process too; the last ones with the run

@@ -152,7 +152,10 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(
     # the console: rltrain's first line at once, its stage and step lines, nothing of the libraries
     assert first_line_s < 20, first_line_s
     assert re.search(
-        r"^rltrain: starting the actor, reference and rollout engine \(1 rank\) \.\.\. done in", console, re.M
+        r"^rltrain: starting the actor, reference and rollout engine \(1 rank\) and the critic \(1 rank\) "
+        r"\.\.\. done in",
+        console,
+        re.M,
     )
     assert re.search(rf"^step {steps}/{steps} \| reward ", console, re.M)
     assert_console_is_rltrain_only(console, [reference_dir / "rltrain.log"])
