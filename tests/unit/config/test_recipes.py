@@ -53,6 +53,18 @@ def test_gpu_recipes_use_verl_published_sizes():
         assert (c.actor.optim.lr, c.critic.optim.lr, c.algorithm.kl_ctrl.kl_coef) == (1e-6, 1e-5, 0.001)
     moe = load_config(RECIPES / "gpu" / "qwen1.5_moe_a2.7b_gsm8k_grpo_ep.yaml")
     assert moe.actor.parallel.expert_model_parallel_size == 4
+    # replay on, and uneven stages: 13 + 11 of Qwen1.5-MoE-A2.7B's 24 layers
+    assert moe.actor.router_replay.mode == "R2" and not moe.actor.recompute_activations
+    layout = moe.actor.parallel
+    assert (layout.pipeline_model_parallel_size, layout.num_layers_in_last_pipeline_stage) == (2, 11)
+    assert layout.num_layers_in_first_pipeline_stage is None
+    from megatron_bridge.layout import chunk_layers
+
+    stages = [
+        chunk_layers(24, pp_rank=r, pp=2, first=layout.num_layers_in_first_pipeline_stage, last=11)
+        for r in (0, 1)
+    ]
+    assert stages == [range(0, 13), range(13, 24)]
 
 
 def test_multi_turn_recipes_name_tool_and_interaction_files_that_load():
