@@ -81,6 +81,17 @@ class ParallelConfig:
                 )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             problems.append(f"{prefix}.sequence_parallel=true needs {prefix}.tensor_model_parallel_size > 1")
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        if self.expert_model_parallel_size * etp < self.tensor_model_parallel_size:
+            # Measured at TP=2, EP=1, expert-TP=1 on a tiny Qwen3-MoE: the forward equals one rank's,
+            # the experts' gradients do not (the next step's loss off by 0.18); at EP=2 it is exact.
+            problems.append(
+                f"{prefix}: expert_model_parallel_size × expert_tensor_parallel_size = "
+                f"{self.expert_model_parallel_size}×{etp} is below tensor_model_parallel_size="
+                f"{self.tensor_model_parallel_size}: experts repeated over the attention tensor-parallel "
+                "ranks train with wrong gradients in Megatron-Core 0.16; raise expert_model_parallel_size "
+                "or expert_tensor_parallel_size"
+            )
         if world_size is not None and not problems:
             mp = self.model_parallel_size()
             if world_size % mp:
@@ -91,7 +102,6 @@ class ParallelConfig:
                 )
             else:
                 dp = world_size // mp
-                etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
                 # Megatron lays experts over (EP × expert-TP) ranks carved out of DP × CP × TP.
                 expert_span = self.expert_model_parallel_size * etp
                 dense_span = dp * self.context_parallel_size * self.tensor_model_parallel_size

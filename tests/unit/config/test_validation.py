@@ -64,6 +64,26 @@ def test_parallel_layout_must_fit_devices(tmp_path):
         "expert_model_parallel_size × expert_tensor_parallel_size = 3×1 does not divide DP×CP×TP = 4" in p
         for p in found
     )
+    found = problems(
+        tmp_path,
+        [
+            "cluster.n_gpus_per_node=2",
+            "actor.parallel.tensor_model_parallel_size=2",
+            "actor.parallel.expert_tensor_parallel_size=1",
+        ],
+    )
+    assert any(
+        "actor.parallel: expert_model_parallel_size × expert_tensor_parallel_size = 1×1 is below "
+        "tensor_model_parallel_size=2: experts repeated over the attention tensor-parallel ranks" in p
+        for p in found
+    ), found
+    whole_experts = [
+        "cluster.n_gpus_per_node=2",
+        "actor.parallel.tensor_model_parallel_size=2",
+        "actor.parallel.expert_model_parallel_size=2",
+        "actor.parallel.expert_tensor_parallel_size=1",
+    ]
+    load_config(write(tmp_path, "r.yaml", MINIMAL), whole_experts)  # whole experts on EP ranks: fine
     found = problems(tmp_path, ["rollout.tensor_model_parallel_size=2"])
     assert (
         "override 'rollout.tensor_model_parallel_size=2': "
