@@ -91,6 +91,10 @@ def deepseek_facts(config: Any) -> ArchitectureFacts:
         raise NotImplementedError(
             "deepseek_v3: norm_topk_prob=false is not supported (Megatron's sigmoid router renormalizes)"
         )
+    for key, routing in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if get(key, default=routing) != routing:
+            # transformers' DeepseekV3 (and Megatron here) always route so; vLLM follows the key
+            raise NotImplementedError(f"deepseek_v3: {key}={get(key)!r} is not supported (only {routing!r})")
     moe_ffn = get("moe_intermediate_size")
     return ArchitectureFacts(
         qkv_bias=False,
@@ -146,6 +150,10 @@ DEEPSEEK_V3 = register(
             "topk_group": 1,
             "norm_topk_prob": True,
             "routed_scaling_factor": 2.5,
+            # DeepSeek-V3's released config.json keys that vLLM reads (transformers assumes them):
+            # without them vLLM routes by softmax and builds no expert-bias parameter.
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
             "num_mtp_layers": 0,
             "max_position_embeddings": 512,
             "rms_norm_eps": 1e-6,

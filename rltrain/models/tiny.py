@@ -158,3 +158,17 @@ def save_pretrained_with_tokenizer(model, tokenizer, out_dir: str | Path) -> Pat
     generation_config = {"eos_token_id": eos_ids, "pad_token_id": tokenizer.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     return out
+
+
+def randomize_expert_bias(hf_dir: str | Path, *, seed: int = 3, scale: float = 0.05) -> None:
+    """Give a saved DeepSeek-V3 checkpoint's expert biases (``e_score_correction_bias``, which HF
+    initialises to zeros) random values of ``scale`` that change its routing, in place."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(hf_dir) / "model.safetensors"
+    state = load_file(path)
+    generator = torch.Generator().manual_seed(seed)
+    for name in state:
+        if name.endswith("e_score_correction_bias"):
+            state[name] = torch.randn(state[name].shape, generator=generator) * scale
+    save_file(state, path, metadata={"format": "pt"})

@@ -11,7 +11,7 @@ import torch
 
 from megatron_bridge.hf_io import HFCheckpointReader
 from rltrain.convert.launch import run_conversion
-from rltrain.models.tiny import save_tiny_model
+from rltrain.models.tiny import randomize_expert_bias, save_tiny_model
 
 pytestmark = pytest.mark.dist
 
@@ -22,18 +22,6 @@ def _assert_same_checkpoint(a, b) -> None:
     for name in ra.names():
         x, y = ra.get(name), rb.get(name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
-
-
-def _randomize_expert_bias(hf_dir) -> None:
-    """HF initialises ``e_score_correction_bias`` to zeros; give it values that change the routing."""
-    from safetensors.torch import load_file, save_file
-
-    state = load_file(hf_dir / "model.safetensors")
-    generator = torch.Generator().manual_seed(3)
-    for name in state:
-        if name.endswith("e_score_correction_bias"):
-            state[name] = torch.randn(state[name].shape, generator=generator) * 0.05
-    save_file(state, hf_dir / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize(
@@ -51,7 +39,7 @@ def _randomize_expert_bias(hf_dir) -> None:
 def test_hf_to_mcore_to_hf_is_bit_exact(tmp_path, model_type, tp, pp, ep):
     src = save_tiny_model(tmp_path / "hf", model_type, seed=1)
     if model_type == "deepseek_v3":
-        _randomize_expert_bias(src)
+        randomize_expert_bias(src)
     to_mcore = run_conversion("hf-to-mcore", src, tmp_path / "mcore", tp=tp, pp=pp, ep=ep, atol=1e-4)
     print(to_mcore.summary())
     assert to_mcore.bit_exact_tensors == len(HFCheckpointReader(src).names())
