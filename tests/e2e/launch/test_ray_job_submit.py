@@ -77,7 +77,7 @@ def ray_head(tmp_path):
     subprocess.run(["pkill", "-9", "-f", f"{temp_dir}/"], check=False)
 
 
-def test_ray_job_submit_runs_the_quickstart(ray_head, tmp_path):
+def test_ray_job_submit_runs_the_quickstart_one_step_off(ray_head, tmp_path):
     address, env = ray_head
     run_root = tmp_path / "runs"
     deadline = time.monotonic() + 180
@@ -100,9 +100,13 @@ def test_ray_job_submit_runs_the_quickstart(ray_head, tmp_path):
                 "recipes/quickstart_cpu.yaml",
                 f"trainer.default_local_dir={run_root}",
                 f"model.cache_dir={tmp_path / 'cache'}",
-                "trainer.total_training_steps=2",
+                "trainer.total_training_steps=3",
                 "trainer.save_freq=2",
                 "trainer.test_freq=0",
+                # generation overlapping training: the engines in a process of their own
+                "trainer.pipeline=one_step_off",
+                "rollout.mode=separate",
+                "rollout.num_devices=1",
             ],
             env=env,
             capture_output=True,
@@ -134,7 +138,12 @@ def test_ray_job_submit_runs_the_quickstart(ray_head, tmp_path):
     assert "succeeded" in said, said + logs[-5000:]
     assert "joined the running Ray cluster" in logs  # the job's driver used the submitted-to cluster
     run_dir = run_root / "quickstart" / "tiny_llama_arith"
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    # batch 1 from the initial weights, every later one generated while the batch before trained
+    assert [r["async/staleness_max"] for r in records[1:]] == [0.0, 1.0, 1.0]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
+    # the step-2 checkpoint kept batch 3, generated ahead under the weights of step 1
+    kept = json.loads((run_dir / "checkpoints" / "step_2" / "pipeline.json").read_text())["batches"]
+    assert [(b["step"], b["version"]) for b in kept] == [(3, 1)]
     assert (run_dir / "config.yaml").exists() and (run_dir / "tensorboard").is_dir()

@@ -264,7 +264,13 @@ def submit(cpus: int, tmp_path: Path, overrides: list[str]) -> Job:
 def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
     node, cpus = slurm
     run_dir = tmp_path / "runs" / "quickstart" / "tiny_llama_arith"
-    job = submit(cpus, tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=2"])
+    pipeline = [
+        "trainer.pipeline=fully_async",
+        "trainer.max_staleness=1",
+        "rollout.mode=separate",
+        "rollout.num_devices=1",
+    ]
+    job = submit(cpus, tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=2", *pipeline])
     try:
         state = job.wait_until_ended(timeout_s=JOB_TIMEOUT_S)
     finally:
@@ -273,7 +279,11 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
     assert state == "COMPLETED", f"job {job.job_id} ended {state}\n{job.report()}"
     assert f"rltrain: 1 node(s) {node}" in log and "rltrain: all 1 node(s) joined" in log
     assert "joined the running Ray cluster" in log
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    # fully asynchronous generation under the bound: batch 1 from the initial weights, batch 2 at
+    # most one version old
+    assert records[1]["async/staleness_max"] == 0.0 and records[2]["async/staleness_max"] <= 1.0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
     # torn down: nothing listens on the head's GCS port any more
     time.sleep(2)
