@@ -29,7 +29,7 @@ def _assert_same_checkpoint(a, b) -> None:
     [
         ("llama", 2, 2, 1),  # untied embeddings, logits at TP=2 through two pipeline stages
         ("qwen2", 2, 1, 1),  # tied embeddings, QKV biases
-        ("mixtral", 2, 2, 2),  # experts over EP=2 and two pipeline stages
+        ("mixtral", 2, 1, 2),  # experts over EP=2 (DeepSeek-V3 below: experts and two pipeline stages)
         ("qwen2_moe", 2, 1, 2),  # shared expert with its gate
         # MLA, 2 dense + 2 MoE layers (one per pipeline stage), shared expert, sigmoid group-limited
         # routing with a nonzero expert bias
