@@ -46,7 +46,7 @@ def worker_groups(monkeypatch):
     original_started = worker_group.RayWorkerGroup.started
 
     def recording_started(self):
-        built = not self._building
+        built = bool(self.pids)
         original_started(self)
         if not built:  # in the order the run waits for them; their process ids known
             groups.append(self)

@@ -61,7 +61,13 @@ def test_gpu_recipes_use_verl_published_sizes():
     from megatron_bridge.layout import chunk_layers
 
     stages = [
-        chunk_layers(24, pp_rank=r, pp=2, first=layout.num_layers_in_first_pipeline_stage, last=11)
+        chunk_layers(
+            24,
+            pp_rank=r,
+            pp=2,
+            first=layout.num_layers_in_first_pipeline_stage,
+            last=layout.num_layers_in_last_pipeline_stage,
+        )
         for r in (0, 1)
     ]
     assert stages == [range(0, 13), range(13, 24)]
