@@ -6,7 +6,10 @@ below 1; a source that is not a readable checkpoint (an HF directory without saf
 safetensors file with a garbled header or shorter than its header says, an index naming a missing
 shard; a Megatron directory without ``latest``, or whose step lacks its metadata, has an unreadable
 ``.metadata`` or a shard missing or shorter than the metadata says), naming the file; a missing or
-unreadable ``config.json``; a ``model_type`` no bridge supports (listing the supported ones); every
+unreadable ``config.json``; a ``model_type`` no bridge supports (listing the supported ones); a
+Megatron source whose routers were trained with a routing its HF family cannot express (a sigmoid
+score or an expert bias on a softmax family such as Mixtral or Qwen-MoE): the result would route
+tokens differently, so neither an export nor a reshard (which builds the family's model) is made; every
 layout the model cannot take (``megatron_bridge.layout``: both numbers of each, as the Megatron
 builder would say it on the ranks); HF tensors missing or unexpected for the model; and a ``dst``
 that is a file, or a non-empty directory without ``overwrite`` (with it, one that holds the source
@@ -53,12 +56,13 @@ def check_inputs(
     bad = [f"--{name} {size}" for name, size in (("tp", tp), ("pp", pp), ("ep", ep)) if size < 1]
     if bad:
         raise ConversionError(f"{', '.join(bad)}: parallel sizes must be 1 or more")
+    step = None
     try:
         if mode == "hf-to-mcore":
             reader = HFCheckpointReader(src)
             hf_dir = src
         else:
-            _check_megatron_source(src)
+            step = _check_megatron_source(src)
             hf_dir = Path(hf_config_dir) if hf_config_dir is not None else src / "hf"
     except (CheckpointError, FileNotFoundError) as err:
         raise ConversionError(str(err)) from None
@@ -68,6 +72,8 @@ def check_inputs(
         get_family(config.get("model_type"))
     except KeyError as err:
         raise ConversionError(f"{where}: {err.args[0]}") from None
+    if step is not None:
+        _check_routing(step, config, where)
     problems = layout_problems(
         config, tp=tp, pp=pp, ep=ep, etp=etp, first=first_stage_layers, last=last_stage_layers
     )
@@ -92,7 +98,7 @@ def check_inputs(
     return hf_dir
 
 
-def _check_megatron_source(src: Path) -> None:
+def _check_megatron_source(src: Path) -> DistCheckpointReader:
     latest = src / "latest"
     if not latest.is_file():
         raise FileNotFoundError(
@@ -104,7 +110,34 @@ def _check_megatron_source(src: Path) -> None:
         raise FileNotFoundError(
             f"{latest} names {step}, which is not a complete checkpoint (no metadata.json)"
         )
-    DistCheckpointReader(step)  # reads .metadata and checks every shard file's size, naming the file
+    return DistCheckpointReader(step)  # reads .metadata and checks every shard file's size, naming the file
+
+
+def _check_routing(source: DistCheckpointReader, config: dict[str, Any], where: Path) -> None:
+    """Refuse a MoE checkpoint whose routing (as ``save_checkpoint`` recorded it, or, for one written
+    before that record, its expert-bias tensors) differs from what the HF family computes."""
+    from rltrain.megatron.checkpoint import saved_routing
+
+    moe = get_family(config["model_type"]).facts(config).moe
+    if not moe:
+        return
+    trained = saved_routing(source.directory) or {}
+    stored = source.keys()
+    bias_keys = [k for k in stored if k.endswith("router.expert_bias")]
+    score = trained.get("score_function") or moe.score_function
+    trained_as = [f"model.moe.moe_router_score_function: {score}"] if score != moe.score_function else []
+    if trained.get("expert_bias", bool(bias_keys)) and not moe.expert_bias:
+        held = f" (it holds {bias_keys[0]})" if bias_keys else ""
+        trained_as.append(f"model.moe.moe_router_enable_expert_bias: true{held}")
+    if not trained_as:
+        return
+    family = f"a {moe.score_function} score" + ("" if moe.expert_bias else " and no expert bias")
+    raise ConversionError(
+        f"{source.directory}: its routers were trained with {', '.join(trained_as)}, but the "
+        f"{config['model_type']} model of {where} routes by {family}: converting it would change "
+        "which experts every token is sent to; keep this run's checkpoints in Megatron form (resume "
+        "and evaluate with the same model.moe options)"
+    )
 
 
 def _read_config(hf_dir: Path, mode: str) -> dict[str, Any]:

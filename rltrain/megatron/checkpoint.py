@@ -31,6 +31,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
 from megatron_bridge.live import mapped_tensors
 from rltrain.megatron.parallel import ParallelContext
@@ -46,6 +47,26 @@ def _layout(ctx: ParallelContext) -> dict[str, int | None]:
     if ctx.etp_size != ctx.tp_size:  # only then: checkpoints written before the key resume as before
         layout["etp"] = ctx.etp_size
     return layout
+
+
+def _routing(chunks: list[torch.nn.Module]) -> dict[str, Any] | None:
+    """How a mixture-of-experts model's routers choose experts (None for a dense model): what a
+    conversion to the HF family must be able to express."""
+    config = get_model_config(chunks[0])
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    return {
+        "score_function": config.moe_router_score_function,
+        "expert_bias": bool(config.moe_router_enable_expert_bias),
+    }
+
+
+def saved_routing(step_dir: str | Path) -> dict[str, Any] | None:
+    """The routing ``save_checkpoint`` recorded in ``step_dir`` (None: a dense model, or a checkpoint
+    written before the record, or not by ``save_checkpoint``)."""
+    if not (Path(step_dir) / "common.pt").is_file():
+        return None
+    return dist_checkpointing.load_common_state_dict(str(step_dir)).get("meta", {}).get("routing")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -173,6 +194,9 @@ def save_checkpoint(
         "num_chunks": len(chunks),
         "optimizer": with_optimizer,
     }
+    routing = _routing(chunks)
+    if routing is not None:
+        state["meta"]["routing"] = routing
     dist_checkpointing.save(state, str(tmp), sharded_strategy=sharded_strategy)
     dist.barrier()
     if ctx.rank == 0:

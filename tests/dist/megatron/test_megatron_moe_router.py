@@ -129,6 +129,30 @@ def test_expert_bias_moves_by_megatron_rule_in_a_train_step_at_ep2_and_is_checkp
                 )
                 torch.testing.assert_close(after, before + step)
                 assert rank["loaded"][layer] == rank["hand_after"][layer], "bias not checkpointed"
+    _check_conversion_refuses(tmp_path / "after")
+
+
+def _check_conversion_refuses(root) -> None:
+    """The checkpoint records the trained routing, and ``rltrain convert`` refuses to put it into a
+    Qwen3-MoE HF model (softmax, no bias), which would route differently."""
+    from moe_cases import tiny_qwen3_moe
+
+    from rltrain.convert.inputs import check_inputs
+    from rltrain.convert.report import ConversionError
+    from rltrain.megatron.checkpoint import saved_routing
+
+    assert saved_routing(root / "step_1") == {"score_function": "sigmoid", "expert_bias": True}
+    tiny_qwen3_moe().save_pretrained(root / "hf")
+    with pytest.raises(ConversionError) as refused:
+        check_inputs(
+            "mcore-to-hf", root, root.parent / "hf_out", hf_config_dir=None, tp=1, pp=1, ep=1, overwrite=False
+        )
+    message = str(refused.value)
+    assert message.startswith(
+        f"{root / 'step_1'}: its routers were trained with model.moe.moe_router_score_function: sigmoid, "
+        "model.moe.moe_router_enable_expert_bias: true (it holds decoder.layers.mlp.router.expert_bias), "
+        "but the qwen3_moe model of"
+    ), message
 
 
 def test_router_options_errors_name_the_key() -> None:

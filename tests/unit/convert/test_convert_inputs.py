@@ -189,3 +189,79 @@ def test_a_missing_hf_config_names_the_flag_to_pass(capsys, mcore, tmp_path):
         f"convert mcore-to-hf failed: {mcore / 'hf' / 'config.json'} is missing: the HF config (and "
         "tokenizer) of the model; pass --hf-config DIR (the model it was trained from)"
     )
+
+
+# What Megatron's dist_checkpointing writes beside a torch_dist checkpoint (its common state in common.pt).
+MEGATRON_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+def _moe_source(tmp_path: Path, model_type: str, *, bias: bool, routing: dict | None) -> Path:
+    """A Megatron source of a tiny ``model_type`` MoE: ``bias`` adds a router expert-bias tensor
+    (under the key Megatron stores it), ``routing`` the record ``save_checkpoint`` keeps in the
+    common state (None: a checkpoint written before that record)."""
+    from rltrain.models.tiny import tiny_hf_config
+
+    root = tmp_path / "mcore"
+    tensors = {"decoder.layers.mlp.router.weight": torch.randn(2, 4, 16)}
+    if bias:
+        tensors["decoder.layers.mlp.router.expert_bias"] = torch.zeros(2, 4)
+    dcp.save(tensors, checkpoint_id=str(root / "step_3"), no_dist=True)
+    (root / "step_3" / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+    if routing is not None:
+        torch.save({"meta": {"step": 3, "routing": routing}}, root / "step_3" / "common.pt")
+    (root / "latest").write_text("step_3")
+    tiny_hf_config(model_type, vocab_size=512).save_pretrained(root / "hf")
+    return root
+
+
+def test_an_expert_bias_the_family_cannot_hold_is_refused_before_the_record_existed(capsys, tmp_path):
+    """A Mixtral actor trained with aux-loss-free routing, saved before checkpoints recorded the
+    routing: its expert-bias tensors give it away; an export would drop them and route by softmax."""
+    src = _moe_source(tmp_path, "mixtral", bias=True, routing=None)
+    assert _refusal(capsys, "mcore-to-hf", str(src), str(tmp_path / "out")) == (
+        f"convert mcore-to-hf failed: {src / 'step_3'}: its routers were trained with "
+        "model.moe.moe_router_enable_expert_bias: true (it holds decoder.layers.mlp.router.expert_bias), "
+        f"but the mixtral model of {src / 'hf' / 'config.json'} routes by a softmax score and no expert "
+        "bias: converting it would change which experts every token is sent to; keep this run's "
+        "checkpoints in Megatron form (resume and evaluate with the same model.moe options)"
+    )
+
+
+def test_a_sigmoid_score_on_a_softmax_family_is_refused_from_the_record(capsys, tmp_path):
+    """A reshard builds the family's model too, so it would lose the trained routing the same way."""
+    src = _moe_source(
+        tmp_path, "qwen3_moe", bias=False, routing={"score_function": "sigmoid", "expert_bias": False}
+    )
+    line = _refusal(capsys, "mcore-to-mcore", str(src), str(tmp_path / "out"))
+    assert line.startswith(
+        f"convert mcore-to-mcore failed: {src / 'step_3'}: its routers were trained with "
+        "model.moe.moe_router_score_function: sigmoid, but the qwen3_moe model of "
+    ), line
+
+
+def test_routing_the_family_computes_passes(tmp_path):
+    """DeepSeek-V3's own routing (sigmoid scores with an expert bias), and Mixtral's (softmax) as a
+    conversion records it: the checks return the HF directory."""
+    from rltrain.convert.inputs import check_inputs
+
+    for model_type, bias, routing in (
+        ("deepseek_v3", True, {"score_function": "sigmoid", "expert_bias": True}),
+        ("mixtral", False, {"score_function": "softmax", "expert_bias": False}),
+    ):
+        src = _moe_source(tmp_path / model_type, model_type, bias=bias, routing=routing)
+        hf_dir = check_inputs(
+            "mcore-to-hf",
+            src,
+            tmp_path / model_type / "out",
+            hf_config_dir=None,
+            tp=1,
+            pp=1,
+            ep=1,
+            overwrite=False,
+        )
+        assert hf_dir == src / "hf"
