@@ -7,19 +7,19 @@ Contract:
 - ``mcore_to_hf(src, dst)`` writes a (sharded) safetensors HF directory with those files copied.
 - ``mcore_to_mcore(src, dst, tp=, pp=, ep=)`` reshards a Megatron checkpoint (model weights).
 
-Before any rank starts (``inputs.check_inputs``), a bad input raises ``ConversionError`` in one
-line naming the culprit: the source files, the HF config and its model family, every layout the
-model cannot take, a non-empty ``dst`` (cleared only with ``overwrite=True``). Then ``tp × pp × ep``
-gloo ranks (spawned processes) stream the conversion one tensor at a time into a staging directory
-beside ``dst`` and, unless ``verify=False``, verify it (``ranks.rank_main``: bit-exact round trip
-of every tensor; unless ``atol`` is None, the logits on a probe batch against transformers in the
-checkpoint's dtype). Only when every rank succeeded is the staging directory renamed to ``dst``;
-otherwise it is removed, so a failed conversion or verification leaves nothing that looks
-complete. A rank's unreadable checkpoint file, failed verification or unsupported feature raises
-``ConversionError`` with its one-line message; any other failure ``RuntimeError`` with the rank's
-traceback. The rendezvous port stays held (``rltrain.ports.HeldPort``) until the ranks are done,
-so nothing else on the machine can take it before rank 0 binds it. Returns rank 0's
-``ConversionReport``.
+Before any rank starts (``inputs.check_inputs``), a bad input raises ``ConversionError`` in one line
+naming the culprit: the source files, the HF config and its model family, every layout the model
+cannot take, a non-empty ``dst`` (cleared only with ``overwrite=True``). Then ``tp × pp × ep`` gloo
+ranks (forks of a server that has done their imports, ``rltrain.local_ranks``) stream the conversion
+one tensor at a time into a staging directory beside ``dst`` and, unless ``verify=False``, verify it
+(``ranks.rank_main``: bit-exact round trip of every tensor; unless ``atol`` is None, the logits on a
+probe batch against transformers in the checkpoint's dtype). Only when every rank succeeded is the
+staging directory renamed to ``dst``; otherwise it is removed, so a failed conversion or
+verification leaves nothing that looks complete. A rank's unreadable checkpoint file, failed
+verification or unsupported feature raises ``ConversionError`` with its one-line message; any other
+failure ``RuntimeError`` with the rank's traceback. The rendezvous port stays held
+(``rltrain.ports.HeldPort``) until the ranks are done, so nothing else on the machine can take it
+before rank 0 binds it. Returns rank 0's ``ConversionReport``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from megatron_bridge.errors import CheckpointError, VerificationError
 from megatron_bridge.memory import return_freed_tensors_to_os
 from rltrain.convert.inputs import check_inputs, staging_dir
 from rltrain.convert.report import ConversionError, ConversionReport
+from rltrain.local_ranks import environment, in_environment, rank_context
 from rltrain.ports import HeldPort
 
 _ONE_LINE = (CheckpointError, VerificationError, ConversionError, NotImplementedError)
@@ -124,13 +125,13 @@ def run_conversion(
 
 
 def _run_ranks(mode: str, args: tuple, world: int, timeout_s: float) -> ConversionReport:
-    import torch.multiprocessing as mp
-
-    mp_ctx = mp.get_context("spawn")
+    mp_ctx = rank_context()
     answers = mp_ctx.Queue()
+    env = environment()
     with HeldPort("127.0.0.1") as port:
         procs = [
-            mp_ctx.Process(target=_entry, args=(r, world, port.port, args, answers)) for r in range(world)
+            mp_ctx.Process(target=in_environment, args=(env, _entry, r, world, port.port, args, answers))
+            for r in range(world)
         ]
         for proc in procs:
             proc.start()

@@ -2,7 +2,8 @@
 
 The function runs with the launcher environment set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
 must be importable by name (defined at module level). An exception on any rank fails the caller with
-that rank's traceback.
+that rank's traceback. Ranks are forks of a server that has imported torch, Megatron-Core and
+transformers once (``rltrain.local_ranks``), each run in the environment of the moment it started.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
+from rltrain.local_ranks import environment, in_environment, rank_context
 from rltrain.ports import HeldPort
 
 
@@ -39,11 +39,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list[Any]:
     """``fn(*args)`` on ``world_size`` ranks; returns the per-rank results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
     port = HeldPort("127.0.0.1")  # held until the ranks are done, so nothing else takes it first
+    env = environment()
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port.port, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=in_environment,
+            args=(env, _entry, rank, world_size, port.port, fn, args, queue),
+            daemon=False,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -73,10 +78,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
 
 def run_until_exit(fn: Callable, *args: Any, timeout_s: float = 300) -> int | None:
     """``fn(*args)`` on a single rank that is expected to die; returns its exit code."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()  # kept referenced until the child has started
     with HeldPort("127.0.0.1") as port:
-        proc = ctx.Process(target=_entry, args=(0, 1, port.port, fn, args, queue))
+        proc = ctx.Process(
+            target=in_environment, args=(environment(), _entry, 0, 1, port.port, fn, args, queue)
+        )
         proc.start()
         proc.join(timeout=timeout_s)
         if proc.is_alive():
