@@ -41,8 +41,9 @@ def mla_attention() -> tuple[AnyMapping, ...]:
     )
 
 
-def deepseek_moe() -> tuple[AnyMapping, ...]:
-    """Dense MLP rows (first layers), and router, expert bias, experts and shared expert (MoE layers)."""
+def deepseek_moe(*, expert_bias: bool = True) -> tuple[AnyMapping, ...]:
+    """Dense MLP rows (first layers), and router, expert bias (DeepSeek-V3; not V2), experts and
+    shared expert (MoE layers)."""
     experts = routed_experts(
         hf_router=H + "mlp.gate.weight",
         hf_expert=H + "mlp.experts.*.",
@@ -50,10 +51,11 @@ def deepseek_moe() -> tuple[AnyMapping, ...]:
         up="up_proj.weight",
         down="down_proj.weight",
     )
+    bias = Replicated(L + "mlp.router.expert_bias", H + "mlp.gate.e_score_correction_bias", layers="moe")
     return (
         *(replace(row, layers="dense") for row in gated_mlp(L + "mlp.", H + "mlp.")),
         *(replace(row, layers="moe") if not row.is_expert else row for row in experts),
-        Replicated(L + "mlp.router.expert_bias", H + "mlp.gate.e_score_correction_bias", layers="moe"),
+        *((bias,) if expert_bias else ()),
         *(
             replace(row, layers="moe")
             for row in gated_mlp(L + "mlp.shared_experts.", H + "mlp.shared_experts.")
@@ -61,24 +63,35 @@ def deepseek_moe() -> tuple[AnyMapping, ...]:
     )
 
 
-def deepseek_facts(config: Any) -> ArchitectureFacts:
-    """Facts of a DeepSeek-V3 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
+def mla_facts(config: Any, name: str) -> MLAFacts:
+    """The attention of a DeepSeek-V2/V3 config ``name``; raises ``NotImplementedError`` naming the
+    key Megatron's MLA cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
     if get("q_lora_rank") is None:
-        raise NotImplementedError(
-            "deepseek_v3: q_lora_rank=None (a direct query projection) is not supported"
-        )
+        raise NotImplementedError(f"{name}: q_lora_rank=None (a direct query projection) is not supported")
     if get("attention_bias", default=False):
-        raise NotImplementedError("deepseek_v3: attention_bias=true is not supported")
+        raise NotImplementedError(f"{name}: attention_bias=true is not supported")
     if not get("rope_interleave", default=True):
         raise NotImplementedError(
-            "deepseek_v3: rope_interleave=false is not supported (Megatron's MLA interleaves)"
+            f"{name}: rope_interleave=false is not supported (Megatron's MLA interleaves)"
         )
     if float(get("rms_norm_eps")) != 1e-6:
         # HF's q_a_layernorm / kv_a_layernorm keep eps=1e-6 whatever rms_norm_eps says; Megatron uses one eps.
         raise NotImplementedError(
-            f"deepseek_v3: rms_norm_eps={get('rms_norm_eps')} (only 1e-6, the latent norms' eps)"
+            f"{name}: rms_norm_eps={get('rms_norm_eps')} (only 1e-6, the latent norms' eps)"
         )
+    return MLAFacts(
+        q_lora_rank=get("q_lora_rank"),
+        kv_lora_rank=get("kv_lora_rank"),
+        qk_nope_head_dim=get("qk_nope_head_dim"),
+        qk_rope_head_dim=get("qk_rope_head_dim"),
+        v_head_dim=get("v_head_dim"),
+    )
+
+
+def deepseek_facts(config: Any) -> ArchitectureFacts:
+    """Facts of a DeepSeek-V3 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
+    get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
     top_k = get("num_experts_per_tok")
     groups, group_topk = get("n_group", default=1), get("topk_group", default=1)
     if top_k % group_topk or top_k // group_topk != 2:
@@ -114,13 +127,7 @@ def deepseek_facts(config: Any) -> ArchitectureFacts:
             topk_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
             expert_bias=True,
         ),
-        mla=MLAFacts(
-            q_lora_rank=get("q_lora_rank"),
-            kv_lora_rank=get("kv_lora_rank"),
-            qk_nope_head_dim=get("qk_nope_head_dim"),
-            qk_rope_head_dim=get("qk_rope_head_dim"),
-            v_head_dim=get("v_head_dim"),
-        ),
+        mla=mla_facts(config, "deepseek_v3"),
     )
 
 

@@ -76,15 +76,24 @@ def test_missing_expert_tensor_fails_naming_it(tmp_path):
 
 
 def test_uneven_pipeline_stages_convert_bit_exact(tmp_path):
-    """3 layers at PP=2 with 2 on the first stage and 1 on the last, then back at PP=1 (a reshard of
-    the uneven checkpoint)."""
-    src = save_tiny_model(tmp_path / "hf", "llama", seed=3, num_hidden_layers=3)
+    """DeepSeek-V2 (MLA; layer 0 dense, layers 1-2 MoE with a shared expert, softmax routing limited
+    to 2 of 3 expert groups, top-k not renormalized, scaled by 2) at PP=2 with 2 layers on the first
+    stage and 1 on the last, experts over EP=2: logits against transformers, then back at PP=1 (a
+    reshard of the uneven checkpoint) bit for bit."""
+    src = save_tiny_model(tmp_path / "hf", "deepseek_v2", seed=3)
     to_mcore = run_conversion(
-        "hf-to-mcore", src, tmp_path / "mcore", pp=2, atol=1e-4, first_stage_layers=2, last_stage_layers=1
+        "hf-to-mcore",
+        src,
+        tmp_path / "mcore",
+        pp=2,
+        ep=2,
+        atol=1e-4,
+        first_stage_layers=2,
+        last_stage_layers=1,
     )
     print(to_mcore.summary())
     assert to_mcore.bit_exact_tensors == len(HFCheckpointReader(src).names())
-    assert to_mcore.max_abs_logit_diff <= 1e-6  # Megatron at uneven PP=2 vs transformers, fp32
+    assert to_mcore.max_abs_logit_diff <= 1e-5  # Megatron at uneven PP=2, EP=2 vs transformers, fp32
     run_conversion("mcore-to-hf", tmp_path / "mcore", tmp_path / "back", verify=False)
     _assert_same_checkpoint(src, tmp_path / "back")
 

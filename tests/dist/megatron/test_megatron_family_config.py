@@ -37,6 +37,7 @@ EXPECTED = {
     "qwen3_moe": (False,   True,    256, 4,      128,  2,    False,       0.001, None, False, False),
     # qk_layernorm: MLA's latent norms (q_a_layernorm, kv_a_layernorm)
     "deepseek_v3": (False, True,    128, 4,      32,   2,    False,       0.0,   32,   False, False),
+    "deepseek_v2": (False, True,    128, 6,      32,   2,    True,        0.0,   32,   False, False),
 }
 # fmt: on
 
@@ -52,8 +53,9 @@ def test_family_facts_reach_the_transformer_config(model_type: str) -> None:
     *expected, tied = EXPECTED[model_type]
     assert {name: getattr(config, name) for name in FIELDS[:-1]} == dict(zip(FIELDS[:-1], expected))
     # layers, hidden, query groups, kv_channels (hidden / heads): the tiny presets' sizes; DeepSeek-V3's
-    # has 4 layers (2 dense + 2 MoE) of 64 with 4 heads, no GQA (MLA's own head dims are checked below)
-    shape = (4, 64, 4, 16) if model_type == "deepseek_v3" else (2, 128, 2, 32)
+    # has 4 layers (2 dense + 2 MoE) of 64 with 4 heads, no GQA (MLA's own head dims are checked below),
+    # DeepSeek-V2's 3 (1 dense + 2 MoE)
+    shape = {"deepseek_v3": (4, 64, 4, 16), "deepseek_v2": (3, 64, 4, 16)}.get(model_type, (2, 128, 2, 32))
     assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == shape
     assert gpt_options(hf, role="actor").tie_word_embeddings is tied
     assert gpt_options(hf, role="critic").tie_word_embeddings is False
@@ -69,7 +71,7 @@ def test_unsupported_model_type_lists_the_families() -> None:
     from transformers import GPTNeoXConfig
 
     with pytest.raises(
-        NotImplementedError, match=r"gpt_neox.*supported: deepseek_v3, llama, mixtral, qwen2, qwen2_moe"
+        NotImplementedError, match=r"gpt_neox.*supported: deepseek_v2, deepseek_v3, llama, mixtral, qwen2, qwen2_moe"
     ):
         transformer_config_from_hf(GPTNeoXConfig(), parallel=ParallelConfig(), params_dtype=torch.float32)
 

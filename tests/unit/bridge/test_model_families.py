@@ -51,6 +51,29 @@ TINY_FACTS = {
     "mixtral": _facts(False, False, False, _moe(4, 2, 128, True, 0.01)),
     "qwen2_moe": _facts(True, False, False, _moe(4, 2, 128, False, 0.001, shared=128, gate=True)),
     "qwen3_moe": _facts(False, True, False, _moe(4, 2, 128, True, 0.001)),
+    # one dense layer then two MoE layers; softmax routing limited to 2 of 3 groups, not renormalized
+    "deepseek_v2": ArchitectureFacts(
+        qkv_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        moe=MoEFacts(
+            num_experts=6,
+            top_k=2,
+            ffn_hidden_size=32,
+            renormalize_topk=False,
+            aux_loss_coeff=0.0,
+            shared_expert_ffn_hidden_size=32,
+            dense_layers=(0,),
+            score_function="softmax",
+            num_groups=3,
+            group_topk=2,
+            topk_scaling_factor=2.0,
+            expert_bias=False,
+        ),
+        mla=MLAFacts(
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
+        ),
+    ),
     "deepseek_v3": ArchitectureFacts(
         qkv_bias=False,
         qk_norm=False,
@@ -78,7 +101,16 @@ TINY_FACTS = {
 
 def test_every_family_file_registers_its_family():
     files = {m.name for m in pkgutil.iter_modules(megatron_bridge.models.__path__)} - {"common"}
-    assert files == {"deepseek_v3", "llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+    assert files == {
+        "deepseek_v2",
+        "deepseek_v3",
+        "llama",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+    }
     assert supported_model_types() == sorted(files)
     for name in files:
         module = importlib.import_module(f"megatron_bridge.models.{name}")
@@ -130,6 +162,46 @@ def test_deepseek_v3_released_config_and_refusals():
             family.facts(tiny_hf_config("deepseek_v3", vocab_size=448, **overrides))
 
 
+def test_deepseek_v2_released_config_and_refusals():
+    from transformers import DeepseekV2Config
+
+    # DeepSeek-V2 (236B): 160 experts, top-6 of 3 groups out of 8; Megatron scores a group by the sum
+    # of its top 6/3 experts, HF by its best one
+    with pytest.raises(NotImplementedError, match=r"num_experts_per_tok=6 != topk_group=3"):
+        get_family("deepseek_v2").facts(
+            DeepseekV2Config(
+                n_routed_experts=160,
+                num_experts_per_tok=6,
+                topk_method="group_limited_greedy",
+                n_group=8,
+                topk_group=3,
+            )
+        )
+    # greedy top-6 of 64 experts, 2 shared, the first layer dense (DeepSeek-V2-Lite's routing)
+    facts = get_family("deepseek_v2").facts(DeepseekV2Config(num_experts_per_tok=6, first_k_dense_replace=1))
+    assert (facts.moe.num_experts, facts.moe.top_k, facts.moe.num_groups, facts.moe.group_topk) == (
+        64,
+        6,
+        None,
+        None,
+    )
+    assert facts.moe.dense_layers == (0,) and facts.moe.shared_expert_ffn_hidden_size == 2 * 1407
+    assert (
+        not facts.moe.renormalize_topk and not facts.moe.expert_bias and facts.moe.score_function == "softmax"
+    )
+    assert facts.mla == MLAFacts(1536, 512, 128, 64, 128)
+    family = get_family("deepseek_v2")
+    for overrides, message in [
+        ({"q_lora_rank": None}, r"deepseek_v2: q_lora_rank=None"),
+        ({"topk_method": "noaux_tc"}, r"deepseek_v2: topk_method='noaux_tc' is not supported"),
+        ({"scoring_func": "sigmoid"}, r"deepseek_v2: scoring_func='sigmoid'"),
+        ({"norm_topk_prob": True}, r"deepseek_v2: norm_topk_prob=true"),
+        ({"rms_norm_eps": 1e-5}, r"deepseek_v2: rms_norm_eps=1e-05"),
+    ]:
+        with pytest.raises(NotImplementedError, match=message):
+            family.facts(tiny_hf_config("deepseek_v2", vocab_size=448, **overrides))
+
+
 def test_dense_layers_follow_hf_sparse_step_and_mlp_only_layers():
     assert dense_layers({"num_hidden_layers": 4}) == ()
     assert dense_layers({"num_hidden_layers": 4, "decoder_sparse_step": 2}) == (0, 2)
@@ -152,7 +224,8 @@ def test_tiny_preset_is_read_only_and_unknown_types_are_named():
     with pytest.raises(TypeError):
         get_family("llama").tiny_preset["hidden_size"] = 1  # type: ignore[index]
     with pytest.raises(
-        ValueError, match=r"no tiny preset for model_type='gpt_neox'; known: \['deepseek_v3', 'llama'"
+        ValueError,
+        match=r"no tiny preset for model_type='gpt_neox'; known: \['deepseek_v2', 'deepseek_v3', 'llama'",
     ):
         tiny_hf_config("gpt_neox", vocab_size=64)
 
