@@ -300,7 +300,10 @@ def test_sigusr1_saves_and_the_job_requeues_itself_and_resumes(slurm, tmp_path):
     _, cpus = slurm
     run_dir = tmp_path / "runs" / "quickstart" / "tiny_llama_arith"
     metrics = run_dir / "metrics.jsonl"
-    steps = 3
+    # Steps to spare after step 1: the signal goes out once step 1 is logged and reaches the driver
+    # through scancel and the batch shell; at 0.65 s a step (an idle machine) it once arrived during
+    # step 3 of 3, and a run that finishes has nothing to requeue.
+    steps = 8
     job = submit(
         cpus,
         tmp_path,
