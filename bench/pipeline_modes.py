@@ -2,6 +2,8 @@
 
     python bench/pipeline_modes.py --steps 12
     python bench/pipeline_modes.py --steps 12 --reward-latency-ms 4 --max-staleness 2
+    python bench/pipeline_modes.py --steps 10 --sft-warmup-steps 0 --response-length 96 \
+        reward.launch_reward_fn_async=true
 
 The workload: the quickstart recipe with its engines on their own device (``rollout.mode:
 separate``), a long-tail response length distribution (the tiny model is warmed up on the task for
