@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_bridge.family import ArchitectureFacts, ModelFamily, MoEFacts, config_value
+from megatron_bridge.family import ArchitectureFacts, ModelFamily, config_value
 from megatron_bridge.models.common import embeddings_and_head
-from megatron_bridge.models.deepseek_v3 import deepseek_moe, mla_attention, mla_facts
+from megatron_bridge.models.deepseek_v3 import TINY_MLA, deepseek_architecture, deepseek_moe, mla_attention
 from megatron_bridge.registry import register
 
 
@@ -51,26 +51,14 @@ def deepseek_v2_facts(config: Any) -> ArchitectureFacts:
             "deepseek_v2: norm_topk_prob=true is not supported (transformers' DeepseekV2 never "
             "renormalizes the top-k probabilities; vLLM would)"
         )
-    moe_ffn = get("moe_intermediate_size")
-    return ArchitectureFacts(
-        qkv_bias=False,
-        qk_norm=False,
-        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-        moe=MoEFacts(
-            num_experts=get("n_routed_experts"),
-            top_k=top_k,
-            ffn_hidden_size=moe_ffn,
-            renormalize_topk=False,
-            aux_loss_coeff=0.0,
-            shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts", default=0),
-            dense_layers=tuple(range(get("first_k_dense_replace", default=0))),
-            score_function="softmax",
-            num_groups=groups,
-            group_topk=group_topk,
-            topk_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-            expert_bias=False,
-        ),
-        mla=mla_facts(config, "deepseek_v2"),
+    return deepseek_architecture(
+        config,
+        "deepseek_v2",
+        renormalize_topk=False,
+        score_function="softmax",
+        num_groups=groups,
+        group_topk=group_topk,
+        expert_bias=False,
     )
 
 
@@ -85,15 +73,7 @@ DEEPSEEK_V2 = register(
             # one dense layer and two MoE layers: at PP=2 the stages are uneven
             "num_hidden_layers": 3,
             "first_k_dense_replace": 1,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 32,
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
+            **TINY_MLA,
             # three groups of two experts, two groups kept: the group limit decides
             "n_routed_experts": 6,
             "n_shared_experts": 1,

@@ -24,6 +24,19 @@ from megatron_bridge.mappings import AnyMapping, ColumnParallel, Replicated, Row
 from megatron_bridge.models.common import H, L, embeddings_and_head, gated_mlp, routed_experts
 from megatron_bridge.registry import register
 
+TINY_MLA = {
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+}
+"""The attention and MLP sizes of the DeepSeek families' tiny presets (hidden size 64)."""
+
 
 def mla_attention() -> tuple[AnyMapping, ...]:
     """Norms around the attention and the MLA projections (with a query latent, ``q_lora_rank`` set)."""
@@ -108,6 +121,30 @@ def deepseek_facts(config: Any) -> ArchitectureFacts:
         if get(key, default=routing) != routing:
             # transformers' DeepseekV3 (and Megatron here) always route so; vLLM follows the key
             raise NotImplementedError(f"deepseek_v3: {key}={get(key)!r} is not supported (only {routing!r})")
+    return deepseek_architecture(
+        config,
+        "deepseek_v3",
+        renormalize_topk=True,
+        score_function="sigmoid",
+        num_groups=groups,
+        group_topk=group_topk,
+        expert_bias=True,
+    )
+
+
+def deepseek_architecture(
+    config: Any,
+    name: str,
+    *,
+    renormalize_topk: bool,
+    score_function: str,
+    num_groups: int | None,
+    group_topk: int | None,
+    expert_bias: bool,
+) -> ArchitectureFacts:
+    """The facts of a DeepSeek-V2/V3 config ``name`` with its family's routing: MLA attention, routed
+    and shared experts, the first ``first_k_dense_replace`` layers dense, no auxiliary loss."""
+    get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
     moe_ffn = get("moe_intermediate_size")
     return ArchitectureFacts(
         qkv_bias=False,
@@ -115,19 +152,19 @@ def deepseek_facts(config: Any) -> ArchitectureFacts:
         tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
         moe=MoEFacts(
             num_experts=get("n_routed_experts", "num_local_experts"),
-            top_k=top_k,
+            top_k=get("num_experts_per_tok"),
             ffn_hidden_size=moe_ffn,
-            renormalize_topk=True,
+            renormalize_topk=renormalize_topk,
             aux_loss_coeff=0.0,
             shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts", default=0),
             dense_layers=tuple(range(get("first_k_dense_replace", default=0))),
-            score_function="sigmoid",
-            num_groups=groups,
+            score_function=score_function,
+            num_groups=num_groups,
             group_topk=group_topk,
             topk_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
-            expert_bias=True,
+            expert_bias=expert_bias,
         ),
-        mla=mla_facts(config, "deepseek_v3"),
+        mla=mla_facts(config, name),
     )
 
 
@@ -141,15 +178,7 @@ DEEPSEEK_V3 = register(
             "hidden_size": 64,
             "num_hidden_layers": 4,
             "first_k_dense_replace": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 32,
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
+            **TINY_MLA,
             "n_routed_experts": 4,
             "n_shared_experts": 1,
             "num_experts_per_tok": 2,
