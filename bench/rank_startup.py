@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rltrain.local_ranks import environment, in_environment, rank_context
+from rltrain.local_ranks import rank_context, rank_process
 from rltrain.ports import HeldPort
 
 
@@ -40,13 +40,9 @@ def rank(rank_id: int, world: int, port: int, answers) -> None:
 
 def launch(ctx, world: int) -> float:
     answers = ctx.Queue()
-    env = environment()
     start = time.monotonic()
     with HeldPort("127.0.0.1") as port:
-        procs = [
-            ctx.Process(target=in_environment, args=(env, rank, r, world, port.port, answers))
-            for r in range(world)
-        ]
+        procs = [rank_process(ctx, rank, r, world, port.port, answers) for r in range(world)]
         for proc in procs:
             proc.start()
         for _ in range(world):

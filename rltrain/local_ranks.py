@@ -9,10 +9,9 @@ life) imports them once, and every rank is a fork of it that starts at once. On 
 NVIDIA device it is ``spawn`` as before: the imports query CUDA, and a process forked after that
 cannot use it ("Cannot re-initialize CUDA in forked subprocess").
 
-Contract: ``rank_context()`` returns the context; start ranks with
-``ctx.Process(target=in_environment, args=(environment(), fn, *args))``, which runs ``fn(*args)``
-in the parent's environment variables of the moment the rank was started (a forked rank would
-otherwise have the server's, from when it started). The server has imported nothing that starts a
+Contract: ``rank_context()`` returns the context; ``rank_process(ctx, fn, *args)`` is a process
+of it (not started) that runs ``fn(*args)`` in the parent's environment variables of the moment it
+was made (a forked rank would otherwise have the server's, from when it started). The server has imported nothing that starts a
 thread, a process group or a device context, so each rank initialises those itself as a fresh
 interpreter would; modules imported by the server see the environment as it was then (as they would
 have been imported once anyway). ``fn`` and its arguments are pickled, as with ``spawn``: ``fn``
@@ -51,13 +50,12 @@ def rank_context() -> Any:
     return ctx
 
 
-def environment() -> dict[str, str]:
-    """The environment variables a rank started now is to run with."""
-    return dict(os.environ)
+def rank_process(ctx: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """A process of ``ctx`` (not started) running ``fn(*args)`` in this process's environment."""
+    return ctx.Process(target=_in_environment, args=(dict(os.environ), fn, *args))
 
 
-def in_environment(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with ``os.environ`` replaced by ``env`` (a rank's target)."""
+def _in_environment(env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
     os.environ.clear()
     os.environ.update(env)
     return fn(*args)

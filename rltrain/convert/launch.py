@@ -38,7 +38,7 @@ from megatron_bridge.errors import CheckpointError, VerificationError
 from megatron_bridge.memory import return_freed_tensors_to_os
 from rltrain.convert.inputs import check_inputs, staging_dir
 from rltrain.convert.report import ConversionError, ConversionReport
-from rltrain.local_ranks import environment, in_environment, rank_context
+from rltrain.local_ranks import rank_context, rank_process
 from rltrain.ports import HeldPort
 
 _ONE_LINE = (CheckpointError, VerificationError, ConversionError, NotImplementedError)
@@ -127,12 +127,8 @@ def run_conversion(
 def _run_ranks(mode: str, args: tuple, world: int, timeout_s: float) -> ConversionReport:
     mp_ctx = rank_context()
     answers = mp_ctx.Queue()
-    env = environment()
     with HeldPort("127.0.0.1") as port:
-        procs = [
-            mp_ctx.Process(target=in_environment, args=(env, _entry, r, world, port.port, args, answers))
-            for r in range(world)
-        ]
+        procs = [rank_process(mp_ctx, _entry, r, world, port.port, args, answers) for r in range(world)]
         for proc in procs:
             proc.start()
         try:

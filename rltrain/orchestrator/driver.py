@@ -1,8 +1,11 @@
 """The single controller: one PPO step reads like the data flow in DESIGN.md.
 
     generate → reward (→ DAPO's further rounds, ReMax's greedy baselines) → old log-probs,
-    reference log-probs, values (``reward.launch_reward_fn_async``: the reward scored meanwhile) → KL (in reward, or as a loss) → advantages → ppo_epochs ×
+    reference log-probs, values → KL (in reward, or as a loss) → advantages → ppo_epochs ×
     mini-batches of critic and actor updates → weight sync → metrics → checkpoint and eval on schedule
+
+With ``reward.launch_reward_fn_async`` the reward is scored on a thread during the log-probs and
+values, and joined before the advantages.
 
 The rollout side of the step (the batch from the engines, rewards, the extra rollouts) is
 :class:`~rltrain.orchestrator.rollout_side.RolloutSide`, mixed in.

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from rltrain.local_ranks import environment, in_environment, rank_context
+from rltrain.local_ranks import rank_context, rank_process
 from rltrain.ports import HeldPort
 
 
@@ -42,15 +42,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
     ctx = rank_context()
     queue = ctx.Queue()
     port = HeldPort("127.0.0.1")  # held until the ranks are done, so nothing else takes it first
-    env = environment()
-    procs = [
-        ctx.Process(
-            target=in_environment,
-            args=(env, _entry, rank, world_size, port.port, fn, args, queue),
-            daemon=False,
-        )
-        for rank in range(world_size)
-    ]
+    procs = [rank_process(ctx, _entry, rank, world_size, port.port, fn, args, queue) for rank in range(world_size)]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
@@ -81,9 +73,7 @@ def run_until_exit(fn: Callable, *args: Any, timeout_s: float = 300) -> int | No
     ctx = rank_context()
     queue = ctx.Queue()  # kept referenced until the child has started
     with HeldPort("127.0.0.1") as port:
-        proc = ctx.Process(
-            target=in_environment, args=(environment(), _entry, 0, 1, port.port, fn, args, queue)
-        )
+        proc = rank_process(ctx, _entry, 0, 1, port.port, fn, args, queue)
         proc.start()
         proc.join(timeout=timeout_s)
         if proc.is_alive():
