@@ -4,6 +4,9 @@
     reference log-probs, values → KL (in reward, or as a loss) → advantages → ppo_epochs ×
     mini-batches of critic and actor updates → weight sync → metrics → checkpoint and eval on schedule
 
+With ``trainer.overlap_critic`` the critic's values and update run on its ranks while the actor
+computes its log-probs and its update and sync, and are collected after them.
+
 With ``reward.launch_reward_fn_async`` the reward is scored on a thread during the log-probs and
 values, and joined before the advantages.
 
@@ -219,6 +222,10 @@ class PPOTrainer(RolloutSide):
                 metrics |= more
             if cfg.algorithm.adv_estimator == "remax":  # as generate and reward too
                 batch.reward_baselines = self.greedy_baselines(prompts, step).repeat_interleave(cfg.rollout.n)
+            values = None  # trainer.overlap_critic: the critic computes while the actor does
+            if critic is not None:
+                with timer.stage("values"):
+                    values = critic.start_values(batch)
             with timer.stage("old_logprob"):
                 batch.old_logprobs, entropy, routes = policy.compute_log_prob(batch)
                 if routes is not None:  # router_replay R2: the reference and update passes replay them
@@ -226,25 +233,32 @@ class PPOTrainer(RolloutSide):
             if self.uses_reference():
                 with timer.stage("ref"):
                     batch.ref_logprobs = policy.compute_ref_log_prob(batch)
-            if critic is not None:
+            if values is not None:
                 with timer.stage("values"):
-                    batch.values = critic.compute_values(batch)
+                    batch.values = values.result()
             if scoring is not None:
                 with timer.stage("reward"):
                     metrics = {**scoring.result()[0], **metrics}
             with timer.stage("advantages"):
                 metrics |= self.compute_advantages(batch)
                 trace_advantages(batch)
+            mini_batches = self.mini_batches(batch, step)
+            critic_update = None
             if critic is not None:
                 with timer.stage("update_critic"):
-                    metrics |= _mean_over_steps(critic.update(self.mini_batches(batch, step)))
+                    critic_update = critic.start_update(mini_batches)
+            actor_metrics: dict[str, float] = {}
             if step > cfg.critic.warmup_steps or critic is None:
                 with timer.stage("update_actor"):
-                    metrics |= _mean_over_steps(policy.update(self.mini_batches(batch, step)))
+                    actor_metrics |= _mean_over_steps(policy.update(mini_batches))
                 with timer.stage("weight_sync"):
-                    metrics |= self.source.after_update(step, updated=True)
+                    actor_metrics |= self.source.after_update(step, updated=True)
             else:
                 self.source.after_update(step, updated=False)
+            if critic_update is not None:
+                with timer.stage("update_critic"):
+                    metrics |= _mean_over_steps(critic_update.result())
+            metrics |= actor_metrics
         metrics |= self.step_metrics(batch, entropy=entropy, prompts=prompts)
         metrics |= self.source.metrics(rollout, step, step_seconds=timer.seconds["step"])
         if cfg.trainer.rollout_data_dir:

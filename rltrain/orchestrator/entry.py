@@ -310,7 +310,7 @@ class RunWorkers:
             rollout_group.wait("connect_weight_sync", joining)
         critic = reward_model = None
         if "critic" in groups:
-            critic = CriticRole(groups["critic"], trainer=config.trainer)
+            critic = CriticRole(groups["critic"], trainer=config.trainer, overlap=self.critic_overlaps())
         if "reward_model" in groups:
             reward_model = RewardModelRole(groups["reward_model"], trainer=config.trainer)
         return Roles(
@@ -318,6 +318,14 @@ class RunWorkers:
             critic=critic,
             reward_model=reward_model,
         )
+
+    def critic_overlaps(self) -> bool:
+        """``trainer.overlap_critic``; null: on a CPU-only cluster, or with the critic on devices of
+        its own (a pool apart from the actor's)."""
+        chosen = self.config.trainer.overlap_critic
+        if chosen is not None:
+            return chosen
+        return not self.gpu or self.pools.pool_of("critic") is not self.pools.pool_of("actor")
 
     def restart(self):
         """Kill every group and start them again (a worker died or stopped answering)."""

@@ -11,7 +11,8 @@ returns, so a role that diverged stops the run there, before the step's checkpoi
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -45,14 +46,31 @@ class EngineGroup(Group, Protocol):
     def ready(self, refs: list) -> bool: ...
 
 
+T = TypeVar("T")
+
+
+class PendingCall(Generic[T]):
+    """A role's call that the driver collects later: :meth:`result` returns its value (waiting for
+    it, within the method's ``trainer.timeouts`` bound, where it still runs)."""
+
+    def __init__(self, finish: Callable[[], T]) -> None:
+        self._finish = finish
+
+    def result(self) -> T:
+        return self._finish()
+
+
 class _DataParallelRole:
     metric_prefix = ""
     """The prefix of the role's update metrics (``actor``, ``critic``)."""
 
-    def __init__(self, group: Group, *, trainer: TrainerConfig | None = None) -> None:
+    def __init__(self, group: Group, *, trainer: TrainerConfig | None = None, overlap: bool = False) -> None:
         """``trainer``: the run's divergence limits (``trainer.max_consecutive_skipped_steps``,
-        ``trainer.max_param_abs``); their defaults if None."""
+        ``trainer.max_param_abs``); their defaults if None. ``overlap``: the ``start_*`` methods
+        return once their call has started on the ranks (the group must be an :class:`EngineGroup`,
+        e.g. Ray's), so that it runs while the driver calls other roles; else once it has finished."""
         self.group = group
+        self.overlap = overlap
         self.guard = DivergenceGuard.from_config(self.metric_prefix, trainer or TrainerConfig())
         infos = group.call("rank_info")
         self.dp_ranks = [info["dp_rank"] for info in infos]
@@ -60,20 +78,50 @@ class _DataParallelRole:
         self.leaders = [self.dp_ranks.index(d) for d in range(self.dp_size)]
 
     def _dispatch(self, method: str, batch: StepBatch) -> list[Any]:
+        return self._start_dispatch(method, batch).result()
+
+    def _start_each(self, method: str, per_rank_args: list[tuple]) -> PendingCall[list[Any]]:
+        """``group.call_each(method, per_rank_args)``: started on the ranks with :attr:`overlap`, else
+        run to the end before this returns."""
+        if not self.overlap:
+            results = self.group.call_each(method, per_rank_args)
+            return PendingCall(lambda: results)
+        refs = self.group.submit_each(method, per_rank_args)
+        return PendingCall(lambda: self.group.wait(method, refs))
+
+    def _start_dispatch(self, method: str, batch: StepBatch) -> PendingCall[list[Any]]:
+        """``batch`` cut into contiguous data-parallel parts (as it is now), ``method`` on each rank
+        with its group's part; the result keeps each data-parallel group's first rank's answer."""
         parts = batch.chunk(self.dp_size)
-        results = self.group.call_each(method, [(parts[d],) for d in self.dp_ranks])
-        return [results[rank] for rank in self.leaders]
+        pending = self._start_each(method, [(parts[d],) for d in self.dp_ranks])
+
+        def leaders_answers() -> list[Any]:
+            results = pending.result()
+            return [results[rank] for rank in self.leaders]
+
+        return PendingCall(leaders_answers)
 
     def _update(self, method: str, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
-        """One optimizer step per mini-batch; each rank gets its data-parallel part of every one."""
+        return self._start_update(method, mini_batches).result()
+
+    def _start_update(
+        self, method: str, mini_batches: list[StepBatch]
+    ) -> PendingCall[list[dict[str, float]]]:
+        """One optimizer step per mini-batch; each rank gets its data-parallel part of every one.
+        Its result has passed the role's divergence guard."""
         plans: list[list[tuple[StepBatch, GlobalCounts]]] = [[] for _ in range(self.dp_size)]
         for mini in mini_batches:
             counts = GlobalCounts.of(mini.response_mask)
             for d, part in enumerate(mini.chunk(self.dp_size)):
                 plans[d].append((part, counts))
-        results = self.group.call_each(method, [(plans[d],) for d in self.dp_ranks])
-        self.guard.check(results[0])  # metrics are already reduced over ranks
-        return results[0]
+        pending = self._start_each(method, [(plans[d],) for d in self.dp_ranks])
+
+        def checked() -> list[dict[str, float]]:
+            results = pending.result()
+            self.guard.check(results[0])  # metrics are already reduced over ranks
+            return results[0]
+
+        return PendingCall(checked)
 
     def save(self, root: str, step: int) -> None:
         self.group.call("save_checkpoint", root, step)
@@ -167,13 +215,22 @@ class PolicyRole(_DataParallelRole):
 
 
 class CriticRole(_DataParallelRole):
+    """The critic; with ``overlap`` (``trainer.overlap_critic``) its ``start_*`` calls run on its
+    ranks while the driver calls the actor."""
+
     metric_prefix = "critic"
 
-    def compute_values(self, batch: StepBatch) -> torch.Tensor:
-        return torch.cat(self._dispatch("compute_values", batch))
+    def start_values(self, batch: StepBatch) -> PendingCall[torch.Tensor]:
+        """``[batch, response_len]`` values of ``batch``'s responses, collected by ``result()``."""
+        parts = self._start_dispatch("compute_values", batch)
+        return PendingCall(lambda: torch.cat(parts.result()))
 
     def update(self, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
         return self._update("update_critic", mini_batches)
+
+    def start_update(self, mini_batches: list[StepBatch]) -> PendingCall[list[dict[str, float]]]:
+        """One optimizer step per mini-batch; ``result()`` gives each step's metrics."""
+        return self._start_update("update_critic", mini_batches)
 
 
 class RewardModelRole(_DataParallelRole):

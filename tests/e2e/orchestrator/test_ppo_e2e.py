@@ -2,8 +2,10 @@
 
 One run with the actor at TP=2 (two policy ranks, each with its own engine; critic at DP=2) checks
 metrics, weight sync and checkpoints. A second scenario kills a run with SIGKILL after a checkpoint,
-resumes it, and compares the metrics with an uninterrupted run; its uninterrupted run, started
-through the CLI, also checks what the console shows (rltrain's lines only; the rest in the run log).
+resumes it, and compares the metrics with an uninterrupted run (which overlaps the critic's calls with
+the actor's, where the killed one runs them in turn: ``trainer.overlap_critic``); its uninterrupted
+run, started through the CLI, also checks what the console shows (rltrain's lines only; the rest in
+the run log).
 A third resumes a run whose `latest` is gone and whose newest checkpoint has a truncated actor shard:
 it falls back to the checkpoint before, saying why in one line each, and repeats the redone step.
 """
@@ -160,8 +162,11 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(
     assert re.search(rf"^step {steps}/{steps} \| reward ", console, re.M)
     assert_console_is_rltrain_only(console, [reference_dir / "rltrain.log"])
     latest = run_dir / "checkpoints" / "latest"
+    # The uninterrupted run overlaps the critic's calls with the actor's (trainer.overlap_critic's
+    # default on CPU); the killed and resumed runs make them one after the other: same metrics.
+    sequential = "trainer.overlap_critic=false"
     victim = subprocess.Popen(
-        _cli(resumed_root, model_cache, steps),
+        _cli(resumed_root, model_cache, steps, sequential),
         env=env,
         cwd=ROOT,
         start_new_session=True,
@@ -181,7 +186,7 @@ def test_kill_and_resume_repeats_uninterrupted_metrics(
     resumed_from = int(latest.read_text().strip().removeprefix("step_"))
     assert resumed_from >= 2
     subprocess.run(
-        _cli(resumed_root, model_cache, steps),
+        _cli(resumed_root, model_cache, steps, sequential),
         check=True,
         env=env,
         cwd=ROOT,
