@@ -7,8 +7,9 @@
 
 One run, four measurements, in this order:
 1. The recipe trains for ``--steps`` steps through ``rltrain train`` (``trainer_stage_breakdown``'s
-   runner: no checkpoints, no validation, a Ray instance of its own); its ``metrics.jsonl`` gives
-   every stage's seconds (mean over the steps after the first) and the step's token counts.
+   runner: no checkpoints, no validation, a Ray instance of its own, the critic's calls after the
+   actor's: ``trainer.overlap_critic=false``); its ``metrics.jsonl`` gives every stage's seconds
+   (mean over the steps after the first) and the step's token counts.
 2. The matmul limit: dense fp32 ``torch.matmul`` FLOP/s at the model's own GEMM shapes
    (``[tokens of a micro-batch, hidden] @ [hidden, out]`` for q/k/v, o, gate/up, down and the LM
    head), at 1 thread (what each Ray worker gets: a CPU share below one core sets
@@ -47,6 +48,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_stage_breakdown import run_recipe
+
+STAGE_BY_STAGE = "trainer.overlap_critic=false"
+"""Each stage's seconds must be its own: the critic's calls run after the actor's, not beside them
+(``bench/critic_overlap.py`` measures what overlapping them saves)."""
 
 FORWARD_STAGES = ("old_logprob", "ref", "values")
 UPDATE_STAGES = ("update_actor", "update_critic")
@@ -245,6 +250,7 @@ def main() -> int:
     from rltrain.logging.plot import read_metrics
     from rltrain.models.source import resolve_model_dir
 
+    args.overrides = [*args.overrides, STAGE_BY_STAGE]
     config = load_config(args.recipe, args.overrides)
     with tempfile.TemporaryDirectory(prefix="bench_efficiency_") as tmp:
         _, run_dir = run_recipe(
