@@ -38,6 +38,12 @@ class TinyModelConfig:
     sft_lr: PositiveFloat = 3e-3
     """AdamW learning rate of the supervised warm-up."""
 
+    sft_label_smoothing: NonNegativeFloat = 0.0
+    """Label smoothing of the warm-up's cross-entropy, in [0, 1): the fitted policy keeps about this
+    share of its probability off each answer token, spread over the vocabulary, so its greedy answers
+    are right while its samples at temperature 1 often are not, and RL has a policy to sharpen (the
+    quickstart). 0: plain cross-entropy."""
+
     tokenizer_corpus: Literal["default", "tool_calls"] = "default"
     """What the tiny BPE tokenizer is trained on: ``tool_calls`` adds Hermes-style calculator calls
     (the multi-turn recipe), so the call syntax takes few tokens."""
@@ -114,6 +120,11 @@ class ModelConfig:
                 return [
                     f"{prefix}.tiny.model_type={self.tiny.model_type!r} has no model family; "
                     f"supported: {', '.join(known)}"
+                ]
+            if self.tiny.sft_label_smoothing >= 1:
+                return [
+                    f"{prefix}.tiny.sft_label_smoothing must lie in [0, 1), "
+                    f"got {self.tiny.sft_label_smoothing}"
                 ]
             if self.tiny.sft_tool_call_fraction > 1:
                 return [

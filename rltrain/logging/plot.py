@@ -1,9 +1,10 @@
 """``rltrain plot RUN_DIR``: a PNG of a run's main curves, read from ``RUN_DIR/metrics.jsonl``.
 
 Contract: :func:`plot_run` draws one panel per entry of :data:`PLOT_CURVES` (reward mean, KL to
-the reference, response length, policy loss, entropy, rollout/trainer logprob gap) against the
-training step and writes ``RUN_DIR/metrics.png`` (or ``out_path``). A metric the run never logged
-gets an empty panel saying so. When a resumed run logged a step twice, the last record wins.
+the reference, response length, policy loss, entropy, rollout/trainer logprob gap, validation
+accuracy, clip fraction) against the training step and writes ``RUN_DIR/metrics.png`` (or
+``out_path``); the reward panel adds its mean over the last :data:`SMOOTHING_STEPS` steps once a run
+has that many. A metric the run never logged gets an empty panel saying so. When a resumed run logged a step twice, the last record wins.
 Drawing uses matplotlib's object API on an Agg canvas, so no display and no global pyplot state.
 """
 
@@ -25,8 +26,18 @@ PLOT_CURVES: tuple[tuple[str, str], ...] = (
     (mk.ACTOR_PG_LOSS, "policy loss"),
     (mk.ACTOR_ENTROPY, "entropy"),
     (mk.ROLLOUT_LOGPROB_DIFF_MEAN, "|rollout − trainer| logprob"),
+    (mk.VAL_ACCURACY, "validation accuracy"),
+    (mk.ACTOR_PG_CLIPFRAC, "PPO clip fraction"),
 )
 """(metric key, panel title) of the plotted curves."""
+
+SMOOTHING_STEPS = 20
+"""Window of the reward panel's running mean."""
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (from the ``window``-th value on)."""
+    return [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -63,9 +74,9 @@ def plot_run(run_dir: str | Path, *, out_path: str | Path | None = None) -> Path
 
     records = read_metrics(run_dir)
     out = Path(out_path) if out_path is not None else Path(run_dir) / "metrics.png"
-    fig = Figure(figsize=(12, 6.5), layout="constrained")
+    fig = Figure(figsize=(16, 6.5), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3).ravel()
+    axes = fig.subplots(2, 4).ravel()
     for ax, (key, title) in zip(axes, PLOT_CURVES):
         steps, values = curve(records, key)
         ax.set_title(title, fontsize=10)
@@ -73,6 +84,12 @@ def plot_run(run_dir: str | Path, *, out_path: str | Path | None = None) -> Path
         if steps:
             ax.plot(steps, values, marker="." if len(steps) < 50 else None, linewidth=1.2)
             ax.grid(alpha=0.3)
+            if key == mk.REWARD_MEAN and len(values) >= SMOOTHING_STEPS:
+                mean = running_mean(values, SMOOTHING_STEPS)
+                ax.plot(
+                    steps[SMOOTHING_STEPS - 1 :], mean, linewidth=2.2, label=f"{SMOOTHING_STEPS}-step mean"
+                )
+                ax.legend(fontsize=8, loc="lower right")
         else:
             ax.text(0.5, 0.5, f"{key}\nnot logged", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(str(Path(run_dir).resolve().name))

@@ -40,7 +40,7 @@ def resolve_model_dir(model: ModelConfig, *, data: DataConfig, tools_file: str |
     return _tiny_model_dir(model, data=data, cache=cache, tools_file=tools_file)
 
 
-_KEYED_WHEN_SET = {"tokenizer_corpus": "default", "sft_tool_call_fraction": 1.0}
+_KEYED_WHEN_SET = {"tokenizer_corpus": "default", "sft_tool_call_fraction": 1.0, "sft_label_smoothing": 0.0}
 """Tiny-model fields that enter the cache key only away from their defaults (models built before
 they existed keep their keys)."""
 
@@ -102,7 +102,11 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
             task=task.name,
         )
         fit = dict(
-            steps=tiny.sft_warmup_steps, batch_size=tiny.sft_batch_size, lr=tiny.sft_lr, seed=tiny.seed
+            steps=tiny.sft_warmup_steps,
+            batch_size=tiny.sft_batch_size,
+            lr=tiny.sft_lr,
+            seed=tiny.seed,
+            label_smoothing=tiny.sft_label_smoothing,
         )
         if task.name == "calculator":
             from rltrain.agent.tools.registry import load_tool_config

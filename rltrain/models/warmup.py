@@ -50,6 +50,7 @@ def sft_warmup(
     batch_size: int,
     lr: float,
     seed: int,
+    label_smoothing: float = 0.0,
 ) -> WarmupResult:
     """Fit ``model`` in place on ``pairs`` for ``steps`` AdamW steps; returns the loss trajectory."""
     if not pairs:
@@ -63,6 +64,7 @@ def sft_warmup(
         batch_size=batch_size,
         lr=lr,
         seed=seed,
+        label_smoothing=label_smoothing,
     )
 
 
@@ -75,9 +77,12 @@ def fit_sequences(
     batch_size: int,
     lr: float,
     seed: int,
+    label_smoothing: float = 0.0,
 ) -> WarmupResult:
     """Fit ``model`` in place on ``(token ids, loss mask)`` sequences (the loss covers the tokens whose
-    mask is 1: an answer, or every assistant turn of a conversation) for ``steps`` AdamW steps."""
+    mask is 1: an answer, or every assistant turn of a conversation) for ``steps`` AdamW steps, by
+    cross-entropy with ``label_smoothing`` (the target keeps 1 - ``label_smoothing`` on the token
+    and spreads the rest evenly over the vocabulary; 0: the model's own loss)."""
     if not sequences:
         raise ValueError("fit_sequences needs at least one sequence")
     order = random.Random(seed)
@@ -89,13 +94,13 @@ def fit_sequences(
     for _ in range(steps):
         batch = [sequences[order.randrange(len(sequences))] for _ in range(batch_size)]
         input_ids, labels = _collate(batch, pad)
-        out = model(input_ids=input_ids, attention_mask=(input_ids != pad).long(), labels=labels)
+        loss = _answer_loss(model, input_ids, labels, pad=pad, label_smoothing=label_smoothing)
         optimizer.zero_grad()
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        losses.append(out.loss.item())
+        losses.append(loss.item())
         if steps >= 200 and len(losses) % (steps // 4) == 0 and len(losses) < steps:
             recent = losses[-10:]
             log.info("sft warm-up: step %d/%d, loss %.3f", len(losses), steps, sum(recent) / len(recent))
@@ -103,6 +108,22 @@ def fit_sequences(
     result = WarmupResult(first_loss=losses[0], last_loss=sum(losses[-10:]) / len(losses[-10:]), steps=steps)
     log.info("sft warm-up: %d steps, answer loss %.3f -> %.3f", steps, result.first_loss, result.last_loss)
     return result
+
+
+def _answer_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, *, pad: int, label_smoothing: float
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled tokens (``labels`` != -100)."""
+    attention_mask = (input_ids != pad).long()
+    if not label_smoothing:
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        labels[:, 1:].flatten(),
+        ignore_index=-100,
+        label_smoothing=label_smoothing,
+    )
 
 
 def _collate(batch: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ def test_plot_run_writes_png_of_expected_size(tmp_path: Path) -> None:
     out = plot_run(tmp_path)
     assert out == tmp_path / "metrics.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert imread(out).shape == (650, 1200, 4)  # figsize (12, 6.5) inches at 100 dpi
+    assert imread(out).shape == (650, 1600, 4)  # figsize (16, 6.5) inches at 100 dpi
     assert [key for key, _ in PLOT_CURVES] == [
         "reward/score/mean",
         "actor/kl",
@@ -46,7 +46,16 @@ def test_plot_run_writes_png_of_expected_size(tmp_path: Path) -> None:
         "actor/pg_loss",
         "actor/entropy",
         "rollout/logprob_abs_diff_mean",
+        "val/accuracy",
+        "actor/pg_clipfrac",
     ]
+
+
+def test_running_mean_averages_the_window_ending_at_each_step() -> None:
+    from rltrain.logging.plot import running_mean
+
+    assert running_mean([1.0, 2.0, 3.0, 4.0, 8.0], 3) == [2.0, 3.0, 5.0]
+    assert running_mean([1.0, 2.0], 3) == []
 
 
 def test_plot_subcommand(tmp_path: Path, capsys) -> None:

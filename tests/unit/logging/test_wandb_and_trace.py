@@ -119,7 +119,7 @@ def test_wandb_logger_without_the_package_is_refused_in_one_line(tmp_path, monke
     assert config.trainer.logger == ["console", "wandb"]
     options = WandbOptions.of(config)
     assert (options.project, options.name, options.mode) == ("quickstart", "tiny_llama_arith", "auto")
-    assert options.config["actor"]["optim"]["lr"] == 3.0e-4  # the resolved config, as plain data
+    assert options.config["actor"]["optim"]["lr"] == 2.0e-4  # the resolved config, as plain data
     real = importlib.metadata.version
 
     def without_wandb(name: str) -> str:

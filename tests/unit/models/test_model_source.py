@@ -43,3 +43,48 @@ def test_warmup_fits_the_answers():
         logits = model(ids).logits[0, len(prompt) - 1 : -1]
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(answer))
     assert nll.item() < result.first_loss
+
+
+def test_label_smoothed_warmup_loss_equals_the_hand_derived_mixture():
+    """With smoothing e the loss on each answer token is (1 - e) · its negative log-probability plus
+    e · the mean negative log-probability over the vocabulary; e = 0 is the model's own loss."""
+    from rltrain.models.warmup import _answer_loss, _collate
+
+    model, tokenizer = build_tiny_model("llama", seed=0)
+    pairs = [([{"role": "user", "content": f"What is {a} + 2?"}], str(a + 2)) for a in (3, 9)]
+    encoded = encode_pairs(tokenizer, pairs)
+    pad = tokenizer.pad_token_id
+    input_ids, labels = _collate([(p + a, [0] * len(p) + [1] * len(a)) for p, a in encoded], pad)
+    with torch.no_grad():
+        smoothed = _answer_loss(model, input_ids, labels, pad=pad, label_smoothing=0.35).item()
+        plain = _answer_loss(model, input_ids, labels, pad=pad, label_smoothing=0.0).item()
+        terms = []
+        for prompt, answer in encoded:
+            ids = torch.tensor([prompt + answer])
+            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].double(), dim=-1)
+            for position, token in enumerate(answer):
+                nll, uniform = -logp[position, token], -logp[position].mean()
+                terms.append((nll.item(), uniform.item()))
+    want_plain = sum(n for n, _ in terms) / len(terms)
+    want_smoothed = sum(0.65 * n + 0.35 * u for n, u in terms) / len(terms)
+    assert plain == pytest.approx(want_plain, rel=1e-5)
+    assert smoothed == pytest.approx(want_smoothed, rel=1e-5)
+
+
+def test_a_smoothed_warmup_answers_greedily_but_keeps_probability_off_the_answers():
+    """The quickstart's starting policy: fitted with smoothing 0.35, every greedy answer is right, while
+    each answer token keeps 0.35 of the probability off: the smoothed target's optimum puts
+    1 - 0.35 + 0.35 / vocabulary on the answer token."""
+    from rltrain.models.warmup import greedy_accuracy
+
+    model, tokenizer = build_tiny_model("llama", seed=0)
+    pairs = [([{"role": "user", "content": f"What is {a} + 1?"}], str(a + 1)) for a in range(8)]
+    sft_warmup(model, tokenizer, pairs, steps=300, batch_size=8, lr=1e-3, seed=0, label_smoothing=0.35)
+    assert greedy_accuracy(model, tokenizer, pairs) == 1.0
+    probs = []
+    with torch.no_grad():
+        for prompt, answer in encode_pairs(tokenizer, pairs):
+            logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+            probs += torch.softmax(logits, dim=-1)[torch.arange(len(answer)), torch.tensor(answer)].tolist()
+    optimum = 1 - 0.35 + 0.35 / model.config.vocab_size
+    assert probs == pytest.approx([optimum] * len(probs), abs=0.02)
