@@ -62,6 +62,7 @@ def run_mode(name: str, extra: list[str], *, args, root: Path) -> list[dict]:
         "rollout.mode=separate",
         "rollout.num_devices=1",
         f"trainer.total_training_steps={args.steps}",
+        "critic.warmup_steps=0",
         "trainer.save_freq=0",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",

@@ -33,10 +33,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def forced_overrides(overrides: list[str], *, steps: int, run_root: Path) -> list[str]:
     """``overrides`` plus what a timed run needs: ``steps`` steps under ``run_root``, no checkpoints,
-    no validation."""
+    no validation, and every step training both the critic and the actor (no critic warm-up)."""
     return [
         *overrides,
         f"trainer.total_training_steps={steps}",
+        "critic.warmup_steps=0",
         "trainer.save_freq=0",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",

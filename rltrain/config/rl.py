@@ -295,7 +295,8 @@ class RLConfig:
                 "trajectories do not carry them: set rollout.partial_rollout=false"
             )
         if (
-            self.trainer.total_training_steps is not None
+            self.critic_enabled()
+            and self.trainer.total_training_steps is not None
             and self.critic.warmup_steps >= self.trainer.total_training_steps
         ):
             problems.append(

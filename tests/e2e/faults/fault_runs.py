@@ -25,6 +25,7 @@ def fault_overrides(run_root: Path, cache: Path, *extra: str) -> list[str]:
         f"model.cache_dir={cache}",
         "model.tiny.sft_warmup_steps=20",
         f"trainer.total_training_steps={STEPS}",
+        "critic.warmup_steps=0",
         "trainer.save_freq=1",
         "trainer.test_freq=0",
         "trainer.logger=[jsonl]",

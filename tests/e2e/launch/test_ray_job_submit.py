@@ -103,6 +103,7 @@ def test_ray_job_submit_runs_the_quickstart_one_step_off(ray_head, tmp_path):
                 f"trainer.default_local_dir={run_root}",
                 f"model.cache_dir={tmp_path / 'cache'}",
                 "trainer.total_training_steps=3",
+                "critic.warmup_steps=0",
                 "trainer.save_freq=2",
                 "trainer.test_freq=0",
                 # generation overlapping training: the engines in a process of their own

@@ -270,7 +270,11 @@ def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
         "rollout.mode=separate",
         "rollout.num_devices=1",
     ]
-    job = submit(cpus, tmp_path, ["trainer.total_training_steps=2", "trainer.save_freq=2", *pipeline])
+    job = submit(
+        cpus,
+        tmp_path,
+        ["trainer.total_training_steps=2", "critic.warmup_steps=0", "trainer.save_freq=2", *pipeline],
+    )
     try:
         state = job.wait_until_ended(timeout_s=JOB_TIMEOUT_S)
     finally:
@@ -307,7 +311,12 @@ def test_sigusr1_saves_and_the_job_requeues_itself_and_resumes(slurm, tmp_path):
     job = submit(
         cpus,
         tmp_path,
-        ["model.tiny.sft_warmup_steps=20", f"trainer.total_training_steps={steps}", "trainer.save_freq=0"],
+        [
+            "model.tiny.sft_warmup_steps=20",
+            f"trainer.total_training_steps={steps}",
+            "critic.warmup_steps=0",
+            "trainer.save_freq=0",
+        ],
     )
     try:
         job.wait(

@@ -38,6 +38,7 @@ def _config(recipe, run_root, cache, *extra):
             f"trainer.default_local_dir={run_root}",
             f"model.cache_dir={cache}",
             f"trainer.total_training_steps={STEPS}",
+            "critic.warmup_steps=0",
             "trainer.test_freq=0",
             "trainer.logger=[jsonl]",
             *extra,
@@ -97,6 +98,7 @@ def test_remax_on_greedy_rollouts_has_zero_advantages(local_ray, tmp_path, algo_
         "rollout.n=1",  # greedy: vLLM allows one sample
         "actor.ppo_micro_batch_size_per_gpu=16",
         "trainer.total_training_steps=2",
+        "critic.warmup_steps=0",
         "trainer.save_freq=0",
     )
     assert train(config) == 2

@@ -44,6 +44,7 @@ def _config(run_root, cache, *extra):
             "rollout.mode=separate",
             "rollout.num_devices=1",
             f"trainer.total_training_steps={STEPS}",
+            "critic.warmup_steps=0",
             "trainer.save_freq=0",
             "trainer.test_freq=2",
             "trainer.logger=[jsonl]",
@@ -147,7 +148,12 @@ def _reward_curve(run_root, cache, *extra) -> tuple[list[float], dict[int, dict]
     from rltrain.orchestrator.entry import train
 
     config = _config(
-        run_root, cache, f"trainer.total_training_steps={REWARD_STEPS}", "trainer.test_freq=0", *extra
+        run_root,
+        cache,
+        f"trainer.total_training_steps={REWARD_STEPS}",
+        "critic.warmup_steps=0",
+        "trainer.test_freq=0",
+        *extra,
     )
     assert train(config) == REWARD_STEPS
     records = {r["step"]: r for r in read_metrics(config.run_dir())}
@@ -244,6 +250,7 @@ def test_one_step_off_with_partial_rollouts_sends_weights_while_the_engine_gener
         "rollout.ignore_eos=true",
         "trainer.test_freq=0",
         f"trainer.total_training_steps={len(steps)}",
+        "critic.warmup_steps=0",
         steps=len(steps),
     )
     report = {s: {k: round(v, 3) for k, v in run[s].items() if k.startswith("async/")} for s in steps}

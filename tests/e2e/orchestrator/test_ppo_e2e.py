@@ -45,6 +45,7 @@ def overrides(run_root, cache, *extra):
         f"trainer.default_local_dir={run_root}",
         f"model.cache_dir={cache}",
         "trainer.total_training_steps=4",
+        "critic.warmup_steps=0",
         "trainer.save_freq=2",
         "trainer.test_freq=2",
         "trainer.logger=[tensorboard, jsonl]",

@@ -27,6 +27,7 @@ def _overrides(run_root, cache, rm_dir=None):
         f"trainer.default_local_dir={run_root}",
         f"model.cache_dir={cache}",
         f"trainer.total_training_steps={STEPS}",
+        "critic.warmup_steps=0",
         f"trainer.test_freq={STEPS if rm_dir else 0}",
         f"trainer.val_before_train={'true' if rm_dir else 'false'}",
         f"data.generated.num_val={NUM_VAL}",

@@ -40,6 +40,7 @@ def test_torchrun_two_ranks_trains_and_checkpoints(tmp_path, assert_console_is_r
         f"model.cache_dir={tmp_path / 'cache'}",
         "cluster.n_gpus_per_node=2",
         "trainer.total_training_steps=3",
+        "critic.warmup_steps=0",
         "trainer.save_freq=3",
         "trainer.test_freq=0",
         "actor.parallel.tensor_model_parallel_size=2",

@@ -98,6 +98,7 @@ def config_in(tmp_path, *extra):
         [
             f"trainer.default_local_dir={tmp_path}",
             "trainer.total_training_steps=4",
+            "critic.warmup_steps=0",
             "trainer.test_freq=0",
             "trainer.logger=[jsonl]",
             *extra,
