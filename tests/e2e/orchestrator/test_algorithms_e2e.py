@@ -96,6 +96,7 @@ def test_remax_on_greedy_rollouts_has_zero_advantages(local_ray, tmp_path, algo_
         "actor.use_kl_loss=true",
         "rollout.temperature=0",
         "rollout.n=1",  # greedy: vLLM allows one sample
+        "actor.ppo_mini_batch_size=16",
         "actor.ppo_micro_batch_size_per_gpu=16",
         "trainer.total_training_steps=2",
         "critic.warmup_steps=0",

@@ -28,6 +28,7 @@ def test_a_blown_up_learning_rate_stops_the_run_before_its_checkpoint(ray_env, t
         f"model.cache_dir={tmp_path / 'models'}",
         "trainer.total_training_steps=3",
         "critic.warmup_steps=0",
+        "actor.ppo_mini_batch_size=16",  # one optimizer step a PPO step, as the docstring counts them
         "trainer.save_freq=1",
         "trainer.test_freq=0",
         "trainer.logger=[jsonl]",
