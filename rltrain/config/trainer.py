@@ -222,11 +222,11 @@ class TrainerConfig:
     update, weight sync) instead of after them: the step waits only for the longer of the two. The
     results are the same either way (the roles are separate processes); ``timing_s/values`` and
     ``timing_s/update_critic`` then count only the time the driver spent starting the critic's call
-    and still waiting for it. null: on
-    where the two do not compete for a device: on a CPU-only cluster (each role's process computes on
-    its own cores) or with the critic on a resource pool of its own (``cluster.role_pool.critic``); off
-    where they share GPUs (both models' activations would be resident at once). The torchrun mode
-    hosts both roles in one process and always runs them one after the other."""
+    and still waiting for it. null: on where the two do not compete for a device: on a CPU-only
+    cluster (each role's process computes on its own cores) or with the critic on a resource pool of
+    its own (``cluster.role_pool.critic``); off where they share GPUs (both models' activations would
+    be resident at once). The torchrun mode hosts both roles in one process and always runs them one
+    after the other."""
 
     max_staleness: NonNegativeInt = 1
     """``pipeline: fully_async``: how many policy versions a sample may lag the weights it trains

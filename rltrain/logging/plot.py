@@ -4,7 +4,8 @@ Contract: :func:`plot_run` draws one panel per entry of :data:`PLOT_CURVES` (rew
 the reference, response length, policy loss, entropy, rollout/trainer logprob gap, validation
 accuracy, clip fraction) against the training step and writes ``RUN_DIR/metrics.png`` (or
 ``out_path``); the reward panel adds its mean over the last :data:`SMOOTHING_STEPS` steps once a run
-has that many. A metric the run never logged gets an empty panel saying so. When a resumed run logged a step twice, the last record wins.
+has that many. A metric the run never logged gets an empty panel saying so. When a resumed run
+logged a step twice, the last record wins.
 Drawing uses matplotlib's object API on an Agg canvas, so no display and no global pyplot state.
 """
 

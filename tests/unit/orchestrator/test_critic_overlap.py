@@ -54,10 +54,11 @@ class RecordingCriticGroup:
         return refs
 
 
-def batch_of(first_tokens: list[int]):
-    """Four samples (two prompts, n=2) whose padded rows start with ``first_tokens``' ids."""
+def batch_of(first: int, second: int):
+    """Four samples (two prompts, n=2): the rows of the first prompt start with token ``first``, those
+    of the second with ``second``."""
     return build_step_batch(
-        prompt_ids=[[first_tokens[0], 6], [first_tokens[2], 7]],
+        prompt_ids=[[first, 6], [second, 7]],
         response_ids=[[1, 2], [3], [4], [9, 9]],
         response_logprobs=[[-0.1, -0.2], [-0.3], [-0.4], [-0.5, -0.6]],
         finish_reasons=["stop"] * 4,
@@ -82,7 +83,7 @@ def update_metrics(*, loss: float, skipped: bool = False) -> dict[str, float]:
 def test_overlapped_values_start_now_and_are_collected_later_in_rank_order():
     group = RecordingCriticGroup()
     critic = CriticRole(group, overlap=True)
-    batch = batch_of([5, 5, 8, 8])
+    batch = batch_of(5, 8)
     pending = critic.start_values(batch)
     assert group.events == ["submit compute_values"]  # started, not waited for
     first_token = batch.input_ids[:, 0].float()
@@ -96,11 +97,11 @@ def test_overlapped_values_start_now_and_are_collected_later_in_rank_order():
 def test_without_overlap_a_call_has_finished_when_start_returns():
     group = RecordingCriticGroup([update_metrics(loss=0.25)])
     critic = CriticRole(group)
-    pending_values = critic.start_values(batch_of([5, 5, 8, 8]))
-    pending_update = critic.start_update([batch_of([5, 5, 8, 8])])
+    pending_values = critic.start_values(batch_of(5, 8))
+    pending_update = critic.start_update([batch_of(5, 8)])
     assert group.events == ["call compute_values", "call update_critic"]
     assert pending_update.result() == [update_metrics(loss=0.25)]
-    assert pending_values.result().shape == (4, 2)
+    assert pending_values.result().tolist() == [[5.0, 5.0], [5.0, 5.0], [8.0, 8.0], [8.0, 8.0]]
     assert group.events == ["call compute_values", "call update_critic"]  # nothing more ran
 
 
@@ -108,8 +109,8 @@ def test_an_overlapped_update_passes_the_divergence_guard_when_collected():
     bad = update_metrics(loss=math.nan, skipped=True)
     group = RecordingCriticGroup([bad, bad])
     critic = CriticRole(group, trainer=TrainerConfig(max_consecutive_skipped_steps=2), overlap=True)
-    assert critic.start_update([batch_of([5, 5, 8, 8])]).result() == [bad]
-    second = critic.start_update([batch_of([5, 5, 8, 8])])  # submitted: nothing checked yet
+    assert critic.start_update([batch_of(5, 8)]).result() == [bad]
+    second = critic.start_update([batch_of(5, 8)])  # submitted: nothing checked yet
     assert group.events[-1] == "submit update_critic"
     with pytest.raises(DivergenceError, match=r"^critic diverged: 2 optimizer steps in a row"):
         second.result()
