@@ -62,6 +62,12 @@ if [ ! -x "$VENV/bin/python" ]; then
         fail "could not create a venv at $VENV (see $LOGS/venv.log)"
 fi
 VPY=$VENV/bin/python
+# When the machine's Python is itself a venv (torch under /opt/torch/.venv, say),
+# --system-site-packages reaches only the base interpreter's packages: a .pth file puts the machine
+# venv's own site-packages (its CUDA torch) on the new venv's path, where pip sees it as installed.
+"$PY" -c "import sys, sysconfig; sys.prefix != sys.base_prefix and print('\n'.join(dict.fromkeys(sysconfig.get_paths()[k] for k in ('purelib', 'platlib'))))" \
+    > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_machine_python.pth" ||
+    fail "could not link the machine Python's site-packages into $VENV"
 if "$VPY" -m pip --version > /dev/null 2>&1; then
     PIP=("$VPY" -m pip)
 else

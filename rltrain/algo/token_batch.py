@@ -80,6 +80,16 @@ class TokenBatch:
                 inputs[name] = value[idx.to(value.device)]
         return replace(self, input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx], **inputs)
 
+    def to(self, device: torch.device) -> TokenBatch:
+        """The same rows with every tensor on ``device`` (itself where all already are), so that a loss
+        reads its inputs where the model's outputs are."""
+        moved = {}
+        for name in ("input_ids", "attention_mask", *LOSS_INPUTS, "sampled_mask", "routed_experts"):
+            value = getattr(self, name)
+            if value is not None and value.device != torch.device(device):
+                moved[name] = value.to(device)
+        return replace(self, **moved) if moved else self
+
 
 @dataclass
 class ModelOutput:

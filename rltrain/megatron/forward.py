@@ -430,7 +430,7 @@ def _forward_step(
         )
         if loss_fn is None:
             return output_tensor.new_zeros(()), {name: getattr(out, name) for name in _OUTPUT_NAMES[outputs]}
-        loss, metrics = loss_fn(out, inputs.batch)
+        loss, metrics = loss_fn(out, inputs.batch.to(output_tensor.device))
         # Megatron divides by the number of micro-batches and averages gradients over DP×CP; the
         # loss already carries global denominators, so undo both (one token count per micro-batch).
         reduced = {"loss": loss.detach(), **{k: torch.as_tensor(v).detach() for k, v in metrics.items()}}

@@ -64,3 +64,17 @@ def test_sampled_mask_replaces_the_response_mask_and_is_sliced_with_the_rows():
     assert with_gaps.response_mask.tolist() == [[1, 0], [0, 1], [1, 1]]
     assert with_gaps.select([1, 0]).response_mask.tolist() == [[0, 1], [1, 0]]
     assert batch.response_mask.tolist() == batch.attention_mask[:, -2:].tolist()
+
+
+def test_to_moves_every_set_tensor_and_keeps_unset_fields_none():
+    """The Megatron loss hook moves the micro-batch to the model output's device (CUDA on a GPU run);
+    the meta device stands in for it here: every set field lands there, values unchanged on return."""
+    batch = make_batch()
+    assert batch.to(torch.device("cpu")) is batch  # nothing to move: the same batch
+    moved = batch.to(torch.device("meta"))
+    for name in ("input_ids", "attention_mask", "old_logprobs", "advantages"):
+        assert getattr(moved, name).device.type == "meta", name
+        assert getattr(batch, name).device.type == "cpu", name  # the original is not modified
+    assert moved.ref_logprobs is None and moved.routed_experts is None and moved.response_len == 2
+    back = make_batch().to("cpu")
+    assert back.advantages.tolist() == [[1.0, 2.0], [3.0, 0.0], [5.0, 6.0]]
