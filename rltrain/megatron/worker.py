@@ -116,6 +116,8 @@ class MegatronWorker:
             )
         else:
             self.model = chunks
+        self._parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        """While offloaded: the released device storages and their CPU copies (``park_storages``)."""
 
     @property
     def chunks(self) -> list[torch.nn.Module]:
@@ -231,24 +233,26 @@ class MegatronWorker:
     def offload_to_cpu(self) -> None:
         """Free device memory of parameters and grads between phases (GPU only; no-op on CPU).
 
-        With the distributed optimizer DDP parameters are views into flat buffers: the buffer's
-        storage is copied to the CPU and resized to zero, so the views stay valid and
-        ``reload_to_device`` refills them in place. Without it (Megatron then leaves the buffer's
-        ``param_data`` unset) each parameter of the buffer moves on its own; the grad buffer is freed
-        either way.
+        Every tensor stays the same object on the same device: its storage is copied to pinned CPU
+        memory and resized to zero, and ``reload_to_device`` refills it in place. With the
+        distributed optimizer that storage is the flat buffer the DDP parameters are views of;
+        without it (Megatron then leaves the buffer's ``param_data`` unset) it is each parameter's
+        own. A parameter is never given new ``.data`` on another device: torch then drops its
+        gradient accumulator, and with it the hook through which Megatron's DDP adds each gradient
+        into ``main_grad``, so every later step would see zero gradients (the optimizer would keep
+        moving on its Adam moments alone). The grad buffer is freed either way.
         """
-        if self.ctx.device.type == "cpu":
+        if self.ctx.device.type == "cpu" or self._parked:
             return
+        tensors = []
         for buffer in self._flat_buffers():
-            if buffer.param_data is not None:
-                buffer.rltrain_cpu_param_data = buffer.param_data.detach().to("cpu").pin_memory()
-                buffer.param_data.untyped_storage().resize_(0)
-            else:
-                for param in buffer.params:
-                    param.data = param.data.to("cpu").pin_memory()
+            tensors += (
+                [buffer.param_data] if buffer.param_data is not None else [p.data for p in buffer.params]
+            )
+        tensors += [p.data for p in self._unbuffered_params()]
+        self._parked = park_storages(tensors)
+        for buffer in self._flat_buffers():
             buffer.grad_data.untyped_storage().resize_(0)
-        for param in self._unbuffered_params():
-            param.data = param.data.to("cpu")
 
     def reload_to_device(self) -> None:
         """Inverse of ``offload_to_cpu``; gradients come back zeroed."""
@@ -257,17 +261,9 @@ class MegatronWorker:
         for buffer in self._flat_buffers():
             grad = buffer.grad_data
             grad.untyped_storage().resize_(grad.numel() * grad.element_size())
-            if buffer.param_data is not None:
-                flat = buffer.param_data
-                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-                flat.copy_(buffer.rltrain_cpu_param_data, non_blocking=True)
-                del buffer.rltrain_cpu_param_data
-            else:
-                for param in buffer.params:
-                    param.data = param.data.to(self.ctx.device, non_blocking=True)
             grad.zero_()
-        for param in self._unbuffered_params():
-            param.data = param.data.to(self.ctx.device)
+        unpark_storages(self._parked)
+        self._parked = []
 
     def _flat_buffers(self) -> list[Any]:
         """The param/grad buffers of Megatron's DDP wrappers (a reference's bare chunks have none:
@@ -282,3 +278,36 @@ class MegatronWorker:
 
     def _unbuffered_params(self) -> list[torch.nn.Parameter]:
         return [] if self.optimizer is not None else [p for c in self.chunks for p in c.parameters()]
+
+
+def park_storages(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, torch.Tensor]]:
+    """Copy the storage under each tensor to CPU memory (pinned when it is on CUDA) and release it:
+    the tensors stay the same objects, of the same device, dtype and shape, so autograd's gradient
+    accumulators and the hooks on them survive. A storage shared by several tensors (tied weights,
+    views of one flat buffer) is copied once. Returns what ``unpark_storages`` restores."""
+    parked, seen = [], set()
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        saved = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+        saved.copy_(_bytes_of(storage))  # synchronous: done before the storage is released
+        parked.append((storage, saved))
+    for storage, _ in parked:
+        storage.resize_(0)
+    return parked
+
+
+def unpark_storages(parked: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> None:
+    """Give each released storage its bytes back, in place (the inverse of ``park_storages``)."""
+    for storage, saved in parked:
+        storage.resize_(saved.numel())
+        _bytes_of(storage).copy_(saved, non_blocking=True)
+    if any(storage.device.type == "cuda" for storage, _ in parked):
+        torch.cuda.current_stream().synchronize()  # before the caller drops the pinned copies
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage`` (any dtype, any device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -152,8 +152,9 @@ def gpu_actor(model_dir: str, dtype_name: str) -> dict[str, Any]:
         ctx.destroy()
 
 
-def offload_round_trip(role: str, use_distributed_optimizer: bool) -> dict[str, Any]:
+def offload_round_trip(role: str, use_distributed_optimizer: bool, offload: bool = True) -> dict[str, Any]:
     """Offload and reload a bf16 ``role`` worker (~18 M parameters) on CUDA; what moved and what came back.
+    ``offload=False``: the same steps without the round trip, the reference for the step after it.
 
     The actor takes one optimizer step first (its gradients and Adam state exist, its parameters
     left their initialization) and one more after the reload. ``expected_bytes`` is counted from the
@@ -190,10 +191,12 @@ def offload_round_trip(role: str, use_distributed_optimizer: bool) -> dict[str, 
         )
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated()
-        worker.offload_to_cpu()
+        if offload:
+            worker.offload_to_cpu()
         torch.cuda.synchronize()
         offloaded = torch.cuda.memory_allocated()
-        worker.reload_to_device()
+        if offload:
+            worker.reload_to_device()
         torch.cuda.synchronize()
         reloaded = torch.cuda.memory_allocated()
         back = dict(worker.named_parameters())
@@ -218,6 +221,7 @@ def offload_round_trip(role: str, use_distributed_optimizer: bool) -> dict[str, 
             out["step_after_reload_grad_norm"] = step.grad_norm
             moved = worker.compute_log_prob(batch).logprobs
             out["step_after_reload_moved_logprobs"] = float((moved - logprobs).abs().max())
+            out["logprobs_after_second_step"] = moved.float().cpu().tolist()
         return out
     finally:
         ctx.destroy()
