@@ -11,7 +11,8 @@ Layouts:
 - trainer (Megatron): dense tensors split over TP, layers over PP (uniform stages; embedding on the
   first stage, final norm and LM head on the last), experts over EP and each expert over expert-TP;
   vocab rows padded to a multiple of ``vocab_pad_multiple × tp`` and split evenly.
-- engine (vLLM): dense tensors split over its TP; KV heads replicated when TP exceeds their number
+- engine (vLLM): dense tensors split over its TP, but whole on every rank where vLLM replicates a
+  module the trainer splits (``TensorLayout.engine_replicated``); KV heads replicated when TP exceeds their number
   (rank r takes head ``r // (tp / num_kv_heads)``); vocab padded to ``vocab_pad_multiple`` then split
   evenly; experts either TP-split like dense weights (``ep == 1``) or whole, spread over the ranks
   (``ep == tp``, vLLM's ``enable_expert_parallel``).
@@ -29,6 +30,7 @@ from typing import Any, Literal
 from megatron_bridge import mappings as m
 from megatron_bridge.layout import stage_of_layer
 from megatron_bridge.naming import match
+from megatron_bridge.vllm_names import vllm_replicates
 
 SplitKind = Literal["replicated", "column", "row", "vocab", "kv_heads"]
 _SPLIT_DIM = {"column": 0, "row": 1, "vocab": 0, "kv_heads": 0}
@@ -53,6 +55,9 @@ class TensorLayout:
     """Global expert index of an expert tensor (split over EP, and over expert-TP instead of TP)."""
     head_dim: int = 1
     """Rows per head for ``kv_heads``."""
+    engine_replicated: bool = False
+    """vLLM keeps the whole tensor on every engine rank although the trainer splits it
+    (``megatron_bridge.vllm_names.vllm_replicates``: DeepSeek's MLA down projections)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ def trainer_range(t: TensorLayout, trainer: TrainerLayout, tp_rank: int) -> Rang
 
 def engine_range(t: TensorLayout, engine: EngineLayout, rank: int) -> Range | None:
     """Range along the split dim that engine rank ``rank`` needs; None: the whole tensor."""
-    if t.split == "replicated" or (t.expert is not None and engine.ep > 1):
+    if t.split == "replicated" or t.engine_replicated or (t.expert is not None and engine.ep > 1):
         return None
     size = t.shape[_SPLIT_DIM[t.split]]
     if t.split == "kv_heads" and engine.tp > size // t.head_dim:
@@ -344,6 +349,7 @@ def layouts_from_bridge(bridge: Any, shapes: dict[str, tuple[int, ...]]) -> list
                     last_stage=not values and not unit.mapping.megatron.startswith("embedding."),
                     expert=values[1] if unit.is_expert else None,
                     head_dim=head_dim,
+                    engine_replicated=kind != "replicated" and vllm_replicates(hf_name),
                 )
             )
     return layouts

@@ -25,6 +25,18 @@ DEFAULT_PACKED_MODULES: dict[str, str] = {
     "q_a_proj": "fused_qkv_a_proj",
     "kv_a_proj_with_mqa": "fused_qkv_a_proj",
 }
+# HF sub-modules that vLLM keeps whole on every TP rank although Megatron splits them: DeepSeek-V2/V3's
+# query and KV down projections (vLLM builds their ``fused_qkv_a_proj`` with ``disable_tp=True``;
+# Megatron's MLA splits ``linear_q_down_proj``/``linear_kv_down_proj`` over TP and gathers after).
+VLLM_REPLICATED_MODULES = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
+
+
+def vllm_replicates(hf_name: str) -> bool:
+    """Whether vLLM loads ``hf_name`` whole on every TP rank whatever the trainer's split."""
+    parts = hf_name.split(".")
+    return len(parts) >= 2 and parts[-2] in VLLM_REPLICATED_MODULES
+
+
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 

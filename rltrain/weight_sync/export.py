@@ -45,6 +45,7 @@ from megatron_bridge.reshard import (
     plan_weight_sync,
     trainer_range,
 )
+from megatron_bridge.vllm_names import grouped_order
 from rltrain.errors import NonFiniteWeightsError
 from rltrain.tensor_checks import first_non_finite, global_max_abs
 from rltrain.weight_sync.types import NamedTensor, TensorRegions
@@ -118,7 +119,9 @@ class PlannedExport:
         me = self.ctx.rank
         self.check_finite()
         try:
-            for name in [n for n in self.shapes if n in by_name]:
+            # vLLM's fused modules (q/k/v, DeepSeek's q_a/kv_a down projections, ...) whole and adjacent:
+            # an engine in other processes loads group-aligned buckets (``iter_buckets``).
+            for name, _ in grouped_order((n, None) for n in self.shapes if n in by_name):
                 update = TensorRegions(name, self.shapes[name], {})
                 for engine_rank, copy in by_name[name]:
                     if me == dst:

@@ -1,7 +1,8 @@
 """One rank of the Megatron (TP=2, gloo) → vLLM weight-sync test.
 
 Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
-python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: tp2 | ep2 | tp2_engine_tp2 | tp2_ep2_etp1).
+python megatron_sync_worker.py ENGINE_DIR ACTOR_DIR OUT LAYOUT   (LAYOUT: a key of ``LAYOUTS``; those
+ending in ``engine_tp2`` sync into one engine at TP=2, the others into a TP=1 engine on each rank).
 The engine starts from ENGINE_DIR's weights, the actor from ACTOR_DIR's (a different seed), so the
 first sync has to move every weight. Each rank hosts an in-process engine (vLLM builds its groups
 collectively over the default group, so every rank must start one); the sync streams the actor's
@@ -39,6 +40,8 @@ LAYOUTS = {
     "tp2": {"tensor_model_parallel_size": 2},
     "ep2": {"expert_model_parallel_size": 2},
     "tp2_engine_tp2": {"tensor_model_parallel_size": 2},
+    # MoE at TP=2 needs sequence parallelism; the experts take expert-TP 2 (Megatron's default: TP)
+    "moe_tp2_engine_tp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "tp2_ep2_etp1": {
         "tensor_model_parallel_size": 2,
         "sequence_parallel": True,
@@ -71,7 +74,7 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     )
     bridge = bridge_for_chunks(hf_config, actor.chunks, ctx)
     load_hf_weights(actor.chunks, ctx, bridge, HFCheckpointReader(actor_dir))
-    engine_tp = 2 if layout == "tp2_engine_tp2" else 1
+    engine_tp = 2 if layout.endswith("engine_tp2") else 1
     engine_ranks = list(range(ctx.world_size)) if engine_tp == 1 else [0]
     settings = EngineSettings(max_model_len=128, kv_cache_space_gb=0.1, tensor_model_parallel_size=engine_tp)
     engine = RolloutEngine(engine_dir, settings=settings) if ctx.rank in engine_ranks else None

