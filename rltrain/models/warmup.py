@@ -8,6 +8,7 @@ only the answer tokens and the end-of-text token that follows them.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,10 @@ class WarmupResult:
 
     steps: int
     """Optimizer steps taken."""
+
+    loss_floor: float = 0.0
+    """The lowest the loss can reach: with label smoothing the entropy of the smoothed target
+    (``smoothed_loss_floor``), 0 without."""
 
 
 def encode_pairs(tokenizer, pairs: list[tuple[list[dict], str]]) -> list[tuple[list[int], list[int]]]:
@@ -105,9 +110,32 @@ def fit_sequences(
             recent = losses[-10:]
             log.info("sft warm-up: step %d/%d, loss %.3f", len(losses), steps, sum(recent) / len(recent))
     model.eval()
-    result = WarmupResult(first_loss=losses[0], last_loss=sum(losses[-10:]) / len(losses[-10:]), steps=steps)
-    log.info("sft warm-up: %d steps, answer loss %.3f -> %.3f", steps, result.first_loss, result.last_loss)
+    vocab = model.get_output_embeddings().weight.size(0)
+    result = WarmupResult(
+        first_loss=losses[0],
+        last_loss=sum(losses[-10:]) / len(losses[-10:]),
+        steps=steps,
+        loss_floor=smoothed_loss_floor(label_smoothing, vocab),
+    )
+    floor = (
+        f" (label smoothing {label_smoothing:g}: its floor is {result.loss_floor:.3f}, the entropy of the "
+        f"smoothed target over {vocab} tokens)"
+        if label_smoothing
+        else ""
+    )
+    log.info(
+        "sft warm-up: %d steps, answer loss %.3f -> %.3f%s", steps, result.first_loss, result.last_loss, floor
+    )
     return result
+
+
+def smoothed_loss_floor(label_smoothing: float, vocab_size: int) -> float:
+    """The minimum of cross-entropy with ``label_smoothing`` over ``vocab_size`` tokens: the entropy
+    of its target, 1 - e + e/V on the label and e/V on each other token (0 when e = 0)."""
+    if not label_smoothing:
+        return 0.0
+    on, off = 1.0 - label_smoothing + label_smoothing / vocab_size, label_smoothing / vocab_size
+    return -(on * math.log(on) + (vocab_size - 1) * off * math.log(off))
 
 
 def _answer_loss(

@@ -79,8 +79,12 @@ def test_a_smoothed_warmup_answers_greedily_but_keeps_probability_off_the_answer
 
     model, tokenizer = build_tiny_model("llama", seed=0)
     pairs = [([{"role": "user", "content": f"What is {a} + 1?"}], str(a + 1)) for a in range(8)]
-    sft_warmup(model, tokenizer, pairs, steps=300, batch_size=8, lr=1e-3, seed=0, label_smoothing=0.35)
+    result = sft_warmup(
+        model, tokenizer, pairs, steps=300, batch_size=8, lr=1e-3, seed=0, label_smoothing=0.35
+    )
     assert greedy_accuracy(model, tokenizer, pairs) == 1.0
+    # the logged loss ends near the floor it is reported against (the smoothed target's entropy)
+    assert result.loss_floor <= result.last_loss <= result.loss_floor + 0.1, result
     probs = []
     with torch.no_grad():
         for prompt, answer in encode_pairs(tokenizer, pairs):
@@ -88,3 +92,17 @@ def test_a_smoothed_warmup_answers_greedily_but_keeps_probability_off_the_answer
             probs += torch.softmax(logits, dim=-1)[torch.arange(len(answer)), torch.tensor(answer)].tolist()
     optimum = 1 - 0.35 + 0.35 / model.config.vocab_size
     assert probs == pytest.approx([optimum] * len(probs), abs=0.02)
+
+
+def test_smoothed_loss_floor_is_the_loss_of_the_smoothed_target_itself():
+    """torch's label-smoothed cross-entropy of logits equal to the smoothed target's log-probabilities
+    is the smallest it can be; the floor the warm-up logs must equal it."""
+    from rltrain.models.warmup import smoothed_loss_floor
+
+    vocab, e = 448, 0.35
+    target = torch.full((1, vocab), e / vocab, dtype=torch.float64)
+    target[0, 5] += 1 - e
+    reached = torch.nn.functional.cross_entropy(target.log(), torch.tensor([5]), label_smoothing=e)
+    assert smoothed_loss_floor(e, vocab) == pytest.approx(reached.item(), rel=1e-12)
+    assert smoothed_loss_floor(e, vocab) == pytest.approx(2.7781, abs=1e-4)
+    assert smoothed_loss_floor(0.0, vocab) == 0.0
