@@ -49,13 +49,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from rltrain.rollout.engine import (
-    Prompt,
-    RolloutEngine,
-    _on_gpu,
-    _prepare_worker_processes,
-    _refuse_unreloadable_cpu_moe,
-)
+from rltrain.rollout.engine import Prompt, RolloutEngine, _on_gpu, _prepare_worker_processes
 from rltrain.rollout.partial import RolloutBatch, SampleStreams, VersionedSample
 from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
 
@@ -84,8 +78,6 @@ class AsyncRolloutEngine(RolloutEngine):
         self.model_path = str(model_path)
         self.in_process = self._place_workers()
         self.on_gpu = _on_gpu()
-        if not self.on_gpu:
-            _refuse_unreloadable_cpu_moe(self.model_path, self.settings.tensor_model_parallel_size)
         self._request_ids = itertools.count()
         self.async_llm: Any = None
         self.loop = asyncio.new_event_loop()

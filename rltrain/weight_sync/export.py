@@ -70,9 +70,13 @@ class PlannedExport:
         for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
             for local, param in mapped_tensors(_unwrap(chunk)):
                 self.params[naming.to_canonical(local)] = param
-        exported = hf_plan(chunks, ctx, bridge)
-        self.shapes = {name: shape for name, shape, _ in exported}
-        self.dtypes = {name: dtype for name, _, dtype in exported}
+        # Export order with vLLM's fused modules (q/k/v, DeepSeek's q_a/kv_a down projections, ...)
+        # adjacent: an engine in other processes loads group-aligned buckets (``iter_buckets``).
+        exported = grouped_order(
+            (name, (shape, dtype)) for name, shape, dtype in hf_plan(chunks, ctx, bridge)
+        )
+        self.shapes = {name: shape for name, (shape, _) in exported}
+        self.dtypes = {name: dtype for name, (_, dtype) in exported}
         self.layouts = {t.hf_name: t for t in layouts_from_bridge(bridge, self.shapes)}
         dims = bridge.dims
         self.trainer = TrainerLayout(
@@ -119,9 +123,7 @@ class PlannedExport:
         me = self.ctx.rank
         self.check_finite()
         try:
-            # vLLM's fused modules (q/k/v, DeepSeek's q_a/kv_a down projections, ...) whole and adjacent:
-            # an engine in other processes loads group-aligned buckets (``iter_buckets``).
-            for name, _ in grouped_order((n, None) for n in self.shapes if n in by_name):
+            for name in [n for n in self.shapes if n in by_name]:
                 update = TensorRegions(name, self.shapes[name], {})
                 for engine_rank, copy in by_name[name]:
                     if me == dst:

@@ -41,3 +41,19 @@ def test_the_refusal_names_the_file_the_key_and_the_remedy(tmp_path):
         "leaves a multiple of 32 per rank"
     )
     _refuse_unreloadable_cpu_moe(str(tmp_path / "missing"), 2)  # no config.json: vLLM says so itself
+
+
+@pytest.mark.parametrize("engine", ["sync", "async"])
+def test_both_engines_refuse_before_vllm_loads_anything(engine, tmp_path):
+    """The check sits where both engines build vLLM's arguments: the directory holds a config.json
+    only, so reaching vLLM's own load would fail differently (no weights, no tokenizer)."""
+    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.types import EngineSettings
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 4, "moe_intermediate_size": 48}))
+    cls = AsyncRolloutEngine if engine == "async" else RolloutEngine
+    with pytest.raises(
+        ValueError, match=r"config\.json: moe_intermediate_size=48 gives each of the engine's 1"
+    ):
+        cls(str(tmp_path), settings=EngineSettings())
