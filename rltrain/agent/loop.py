@@ -166,6 +166,7 @@ class AgentLoop:
                 request_id=f"traj{sample}-turn{traj.num_turns}-{id(traj):x}",
             )
             traj.add(list(out.token_ids), sampled=True, logprobs=list(out.logprobs))
+            traj.routed_experts = out.routed_experts  # this request's prompt is every earlier turn
             traj.num_turns += 1
             traj.finish_reason, traj.stop_reason = out.finish_reason, out.stop_reason
             if out.finish_reason != "stop":  # the budget ran out (length) or the engine aborted it
@@ -215,6 +216,7 @@ class AgentLoop:
 
 def to_rollout_output(prompts: list[AgentPrompt], trajectories: list[Trajectory], *, n: int) -> RolloutOutput:
     """Trajectories (``n`` consecutive per prompt) as the rollout's output."""
+    routes = [t.routed_experts for t in trajectories]
     return RolloutOutput(
         prompt_ids=[list(p.prompt_ids) for p in prompts],
         response_ids=[t.response_ids for t in trajectories],
@@ -225,4 +227,5 @@ def to_rollout_output(prompts: list[AgentPrompt], trajectories: list[Trajectory]
         sampled_masks=[t.sampled_mask for t in trajectories],
         turn_rewards=[t.turn_rewards for t in trajectories],
         sample_metrics=[t.metrics() for t in trajectories],
+        routed_experts=routes if any(r is not None for r in routes) else None,
     )

@@ -9,6 +9,7 @@ trainer recomputes logprobs over exactly the engine's context and trains on the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rltrain.logging import metrics as mk
 
@@ -22,6 +23,9 @@ TRAJECTORY_METRICS = (
     mk.AGENT_ABORTED,
 )
 """Per-trajectory counts (``Trajectory.metrics``), averaged over the step by :func:`step_metrics`."""
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -62,6 +66,11 @@ class Trajectory:
 
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     """An interaction's rewards: (response position of the rewarded turn's last token, reward)."""
+
+    routed_experts: np.ndarray | None = None
+    """The engine's MoE routes (``Sample.routed_experts``) of the last turn's request, whose prompt
+    is the whole trajectory before that turn: they cover every turn, earlier turns as routed in that
+    request's prefill; tool tokens placed after the last turn have none. None: not asked for."""
 
     def add(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
         self.response_ids += ids

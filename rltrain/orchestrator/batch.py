@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 _PER_SAMPLE_TENSORS = (
@@ -183,6 +184,7 @@ def build_step_batch(
     turn_rewards: list[list[tuple[int, float]]] | None = None,
     uid_prefix: str = "",
     extra_infos: list[dict[str, Any]] | None = None,
+    routed_experts: list[Any] | None = None,
 ) -> StepBatch:
     """Pad rollout output (``n`` consecutive samples per prompt) into a :class:`StepBatch`.
 
@@ -192,7 +194,9 @@ def build_step_batch(
     response; ``turn_rewards`` (per sample, ``(response position, reward)`` pairs) are an interaction's
     per-turn rewards. ``uid_prefix`` (:func:`step_uid_prefix`) starts every sample's id; without one the
     ids (``p0-s1``) are unique within the batch only. ``extra_infos``: per prompt, the rows'
-    ``extra_info`` (each sample gets its prompt's).
+    ``extra_info`` (each sample gets its prompt's). ``routed_experts``: per sample, the engine's MoE
+    routes over its prompt + response (``RolloutOutput.routed_experts``), placed on the same columns
+    (:func:`engine_routes`).
     """
     num_samples = len(response_ids)
     if num_samples != n * len(prompt_ids):
@@ -221,9 +225,14 @@ def build_step_batch(
         for i, pairs in enumerate(turn_rewards):
             for position, value in pairs:
                 rewards[i, position] += value
+    routes = None
+    if routed_experts is not None:
+        starts = [prompt_len - len(prompt_ids[i // n]) for i in range(num_samples)]
+        routes = engine_routes(routed_experts, starts, attention_mask, response_length, sampled)
     return StepBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
+        routed_experts=routes,
         response_len=response_length,
         group_ids=torch.arange(len(prompt_ids)).repeat_interleave(n),
         rollout_logprobs=logprobs,
@@ -235,6 +244,55 @@ def build_step_batch(
         sampled_mask=sampled,
         turn_rewards=rewards,
     )
+
+
+def engine_routes(
+    per_sample: list[Any],
+    starts: list[int],
+    attention_mask: torch.Tensor,
+    response_length: int,
+    sampled_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``[batch, columns, num_layers, top_k]`` int16: each sample's engine routes (``[tokens, layers,
+    k]`` from its first prompt token on, as vLLM returns them) placed from column ``starts[i]``. int16
+    holds any expert id of vLLM's uint8/uint16 below 32768 in a quarter of long's bytes on the way to
+    the workers. Columns without a route (padding; the last sampled token and any tool tokens after
+    the engine's last request) hold experts ``0..k-1``: what routes there changes no trained log-prob.
+    Raises, naming the sample, when routes are missing before a sampled token, run past the sample,
+    differ in layers or top-k from the first sample's, or name an expert past int16."""
+    rows, columns = attention_mask.shape
+    first = next((r for r in per_sample if r is not None), None)
+    if first is None:
+        raise ValueError("routing replay R3: the rollout engine returned no routed_experts for any sample")
+    if first.ndim != 3:
+        raise ValueError(
+            f"routing replay R3: routed_experts of shape {tuple(first.shape)}; expected [tokens, layers, top_k]"
+        )
+    shape = tuple(first.shape[1:])
+    out = torch.arange(shape[1], dtype=torch.int16).expand(rows, columns, *shape).clone()
+    responses = attention_mask[:, -response_length:]
+    trained = sampled_mask.bool() if sampled_mask is not None else responses.bool()
+    for i, r in enumerate(per_sample):
+        prompt = int(attention_mask[i].sum() - responses[i].sum())
+        total = prompt + int(responses[i].sum())
+        last = trained[i].nonzero().flatten()
+        needed = prompt + int(last[-1]) if len(last) else 0  # its log-prob reads every column before it
+        got = 0 if r is None else len(r)
+        if r is not None and tuple(r.shape[1:]) != shape:
+            raise ValueError(
+                f"routing replay R3: sample {i}'s routed_experts have shape {tuple(r.shape)}, "
+                f"sample 0's {shape} per token ([tokens, layers, top_k])"
+            )
+        if not needed <= got <= total:
+            raise ValueError(
+                f"routing replay R3: sample {i} has engine routes for {got} tokens; its {prompt} prompt "
+                f"and {total - prompt} response tokens need {needed} to {total}"
+            )
+        if got and int(r.max()) > torch.iinfo(torch.int16).max:
+            raise ValueError(f"routing replay R3: sample {i} routes a token to expert {int(r.max())}")
+        if got:
+            out[i, starts[i] : starts[i] + got] = torch.from_numpy(np.asarray(r, dtype=np.int16))
+    return out
 
 
 def step_uid_prefix(step: int, rollout: str = "") -> str:

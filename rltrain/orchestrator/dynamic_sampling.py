@@ -184,7 +184,18 @@ def _left_pad(batch: StepBatch, width: int, pad_token_id: int) -> StepBatch:
         batch,
         input_ids=torch.cat([pad_ids, batch.input_ids], dim=1),
         attention_mask=torch.cat([pad_mask, batch.attention_mask], dim=1),
+        routed_experts=_left_pad_routes(batch.routed_experts, extra),
     )
+
+
+def _left_pad_routes(routes: torch.Tensor | None, extra: int) -> torch.Tensor | None:
+    """``routes`` ([batch, columns, layers, k]) with ``extra`` padding columns in front, whose
+    experts are 0..k-1 as on any padding (:func:`~rltrain.orchestrator.batch.engine_routes`)."""
+    if routes is None:
+        return None
+    rows, _, layers, k = routes.shape
+    pad = torch.arange(k, dtype=routes.dtype).expand(rows, extra, layers, k)
+    return torch.cat([pad, routes], dim=1)
 
 
 def overlong_penalty(

@@ -53,6 +53,7 @@ answer (:class:`~rltrain.orchestrator.worker_group.WorkerTimeout`).
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections import deque
@@ -353,8 +354,33 @@ def _encode(rollout: Rollout) -> dict:
             "epoch": prompts.epoch,
             "position": prompts.position,
         },
-        "output": asdict(rollout.output),
+        "output": asdict(rollout.output) | {"routed_experts": _encode_routes(rollout.output.routed_experts)},
     }
+
+
+def _encode_routes(routes: list | None) -> list | None:
+    """Each sample's engine routes as ``{dtype, shape, base64 of its bytes}`` (None stays None)."""
+    if routes is None:
+        return None
+    return [
+        None
+        if r is None
+        else {"dtype": str(r.dtype), "shape": list(r.shape), "data": base64.b64encode(r.tobytes()).decode()}
+        for r in routes
+    ]
+
+
+def _decode_routes(routes: list | None) -> list | None:
+    import numpy as np
+
+    if routes is None:
+        return None
+    return [
+        None
+        if r is None
+        else np.frombuffer(base64.b64decode(r["data"]), dtype=r["dtype"]).reshape(r["shape"]).copy()
+        for r in routes
+    ]
 
 
 def _decode(raw: dict) -> Rollout:
@@ -365,4 +391,5 @@ def _decode(raw: dict) -> Rollout:
     out = dict(raw["output"])
     if out.get("turn_rewards") is not None:
         out["turn_rewards"] = [[(int(pos), float(r)) for pos, r in row] for row in out["turn_rewards"]]
+    out["routed_experts"] = _decode_routes(out.get("routed_experts"))
     return Rollout(raw["step"], prompts, RolloutOutput(**out), raw["version"])

@@ -72,11 +72,19 @@ class RolloutSide:
             turn_rewards=output.turn_rewards,
             uid_prefix=uid_prefix,
             extra_infos=[ex.extra_info for ex in prompts.examples],
+            routed_experts=self.engine_routes(output),
         )
         if output.sample_metrics is not None:
             batch.extra_metrics |= agent_step_metrics(output.sample_metrics)
         trace_rollout(batch)
         return batch
+
+    def engine_routes(self, output: RolloutOutput) -> list | None:
+        """The engine's routes of each sample under ``actor.router_replay.mode=R3`` (None entries
+        where it returned none: the batch builder names them), else None."""
+        if self.config.actor.router_replay.mode != "R3":
+            return None
+        return output.routed_experts or [None] * output.num_samples
 
     def engine_prompts(self, prompt_ids: list[list[int]], ground_truths: list[str], data_sources: list[str]):
         """What the engines are handed: token ids, or with ``rollout.multi_turn.enable`` the

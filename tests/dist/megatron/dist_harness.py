@@ -42,7 +42,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300)
     ctx = rank_context()
     queue = ctx.Queue()
     port = HeldPort("127.0.0.1")  # held until the ranks are done, so nothing else takes it first
-    procs = [rank_process(ctx, _entry, rank, world_size, port.port, fn, args, queue) for rank in range(world_size)]
+    procs = [
+        rank_process(ctx, _entry, rank, world_size, port.port, fn, args, queue) for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}

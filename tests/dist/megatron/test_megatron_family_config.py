@@ -71,7 +71,8 @@ def test_unsupported_model_type_lists_the_families() -> None:
     from transformers import GPTNeoXConfig
 
     with pytest.raises(
-        NotImplementedError, match=r"gpt_neox.*supported: deepseek_v2, deepseek_v3, llama, mixtral, qwen2, qwen2_moe"
+        NotImplementedError,
+        match=r"gpt_neox.*supported: deepseek_v2, deepseek_v3, llama, mixtral, qwen2, qwen2_moe",
     ):
         transformer_config_from_hf(GPTNeoXConfig(), parallel=ParallelConfig(), params_dtype=torch.float32)
 

