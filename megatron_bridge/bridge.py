@@ -104,6 +104,8 @@ class Bridge:
     def _build_units(self) -> list[Unit]:
         units: list[tuple[float, int, Unit]] = []
         for order, mapping in enumerate(self.family.mappings):
+            if getattr(mapping, "query", "any") not in ("any", self.dims.mla_query):
+                continue  # the other MLA query layout's rows
             if self.head == "score" and mapping.megatron == _OUTPUT:
                 mapping = Replicated(_OUTPUT, self.family.score_head)
             if mapping.is_expert and self.dims.num_experts == 0:

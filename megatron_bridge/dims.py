@@ -33,6 +33,9 @@ class ModelDims:
     num_experts: int = 0
     dense_layers: tuple[int, ...] = ()
     """Layers of an MoE model whose MLP is dense (DeepSeek's first ``first_k_dense_replace``)."""
+    mla_query: str | None = None
+    """Multi-latent attention's queries: ``"latent"`` through a query latent (``q_lora_rank`` set),
+    ``"direct"`` through one projection (``q_lora_rank: null``); None without MLA."""
 
     @classmethod
     def from_hf_config(
@@ -67,6 +70,9 @@ class ModelDims:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             num_experts=int(num_experts),
             dense_layers=tuple(range(first_dense)),
+            mla_query=None
+            if get("kv_lora_rank") is None
+            else ("direct" if get("q_lora_rank") is None else "latent"),
         )
 
     def with_padded_vocab(self, padded: int) -> ModelDims:

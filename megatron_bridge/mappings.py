@@ -27,6 +27,7 @@ from megatron_bridge.naming import fill, num_wildcards
 
 Tensor = torch.Tensor
 LayerKind = Literal["all", "dense", "moe"]
+QueryKind = Literal["any", "latent", "direct"]
 
 
 def _check_split(size: int, parts: int, what: str) -> None:
@@ -40,12 +41,16 @@ class Mapping:
 
     ``layers``: which decoder layers have the tensor in a model mixing dense and MoE layers
     (``"dense"``: only layers with a dense MLP, ``"moe"``: only MoE layers, ``"all"``: every layer).
+    ``query``: multi-latent attention's query rows, ``"latent"`` only in a model with a query latent
+    (``q_lora_rank`` set), ``"direct"`` only in one projecting queries directly (DeepSeek-V2-Lite);
+    ``"any"``: every model (``ModelDims.mla_query``).
     """
 
     megatron: str
     hf: str
     tp_dim: int | None = None
     layers: LayerKind = "all"
+    query: QueryKind = "any"
 
     is_expert = False
 

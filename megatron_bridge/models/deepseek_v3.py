@@ -6,7 +6,9 @@ gives the key/value latent and the RoPE key shared by all heads, ``kv_a_layernor
 ``kv_b_proj`` the per-head keys (without RoPE) and values. Megatron's ``MLASelfAttention`` has the
 same layout (``linear_q_down_proj``, ``linear_q_up_proj``, ``linear_kv_down_proj``,
 ``linear_kv_up_proj``), so every row is a 1:1 rename; the down projections are column-parallel in
-Megatron's local spec (gathered before use), the up projections split by heads.
+Megatron's local spec (gathered before use), the up projections split by heads. Without a query
+latent (``q_lora_rank: null``, DeepSeek-V2-Lite) queries come from one ``q_proj``, Megatron's
+``linear_q_proj``, split by heads (the rows' ``query`` kind picks the layout).
 
 Routing: ``sigmoid(logits) + e_score_correction_bias`` chooses the groups (sum of each group's top-2
 scores) and then the experts; the chosen experts' unbiased scores are renormalized and multiplied
@@ -39,13 +41,15 @@ TINY_MLA = {
 
 
 def mla_attention() -> tuple[AnyMapping, ...]:
-    """Norms around the attention and the MLA projections (with a query latent, ``q_lora_rank`` set)."""
+    """Norms around the attention and the MLA projections: queries through a latent (``q_lora_rank``
+    set) or one projection split by heads (``q_lora_rank: null``, DeepSeek-V2-Lite)."""
     a, s = L + "self_attention.", H + "self_attn."
     return (
         Replicated(L + "input_layernorm.weight", H + "input_layernorm.weight"),
-        ColumnParallel(a + "linear_q_down_proj.weight", s + "q_a_proj.weight"),
-        Replicated(a + "q_layernorm.weight", s + "q_a_layernorm.weight"),
-        ColumnParallel(a + "linear_q_up_proj.weight", s + "q_b_proj.weight"),
+        ColumnParallel(a + "linear_q_down_proj.weight", s + "q_a_proj.weight", query="latent"),
+        Replicated(a + "q_layernorm.weight", s + "q_a_layernorm.weight", query="latent"),
+        ColumnParallel(a + "linear_q_up_proj.weight", s + "q_b_proj.weight", query="latent"),
+        ColumnParallel(a + "linear_q_proj.weight", s + "q_proj.weight", query="direct"),
         ColumnParallel(a + "linear_kv_down_proj.weight", s + "kv_a_proj_with_mqa.weight"),
         Replicated(a + "kv_layernorm.weight", s + "kv_a_layernorm.weight"),
         ColumnParallel(a + "linear_kv_up_proj.weight", s + "kv_b_proj.weight"),
@@ -80,8 +84,6 @@ def mla_facts(config: Any, name: str) -> MLAFacts:
     """The attention of a DeepSeek-V2/V3 config ``name``; raises ``NotImplementedError`` naming the
     key Megatron's MLA cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
-    if get("q_lora_rank") is None:
-        raise NotImplementedError(f"{name}: q_lora_rank=None (a direct query projection) is not supported")
     if get("attention_bias", default=False):
         raise NotImplementedError(f"{name}: attention_bias=true is not supported")
     if not get("rope_interleave", default=True):

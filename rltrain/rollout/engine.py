@@ -409,10 +409,15 @@ class _Counter:
             yield update
 
     def check_complete_groups(self) -> None:
-        """Raise if a fused q/k/v or gate/up module got only part of its HF tensors."""
+        """Raise if a fused q/k/v or gate/up module got only part of its HF tensors. In multi-latent
+        attention (its ``kv_a_proj_with_mqa`` streamed) a ``q_proj`` is a module of its own
+        (DeepSeek-V2-Lite's direct query projection), with no k/v beside it."""
         required = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"})
+        mla = {g.rsplit(".", 1)[0] for g, m in self._members.items() if "kv_a_proj_with_mqa" in m}
         for group, members in self._members.items():
             for needed in required:
+                if needed == required[0] and group.rsplit(".", 1)[0] in mla:
+                    continue
                 if members & needed and not needed <= members:
                     raise ValueError(
                         f"partial weight load into fused module {group!r}: got {sorted(members & needed)}, "

@@ -152,7 +152,6 @@ def test_deepseek_v3_released_config_and_refusals():
     assert facts.mla == MLAFacts(1536, 512, 128, 64, 128)
     family = get_family("deepseek_v3")
     for overrides, message in [
-        ({"q_lora_rank": None}, r"deepseek_v3: q_lora_rank=None"),
         ({"topk_group": 2}, r"deepseek_v3: num_experts_per_tok=2 / topk_group=2 must be 2"),
         ({"norm_topk_prob": False}, r"deepseek_v3: norm_topk_prob=false"),
         ({"rms_norm_eps": 1e-5}, r"deepseek_v3: rms_norm_eps=1e-05"),
@@ -190,9 +189,10 @@ def test_deepseek_v2_released_config_and_refusals():
         not facts.moe.renormalize_topk and not facts.moe.expert_bias and facts.moe.score_function == "softmax"
     )
     assert facts.mla == MLAFacts(1536, 512, 128, 64, 128)
+    lite = DeepseekV2Config(q_lora_rank=None, num_experts_per_tok=6, first_k_dense_replace=1)
+    assert get_family("deepseek_v2").facts(lite).mla == MLAFacts(None, 512, 128, 64, 128)  # V2-Lite
     family = get_family("deepseek_v2")
     for overrides, message in [
-        ({"q_lora_rank": None}, r"deepseek_v2: q_lora_rank=None"),
         ({"topk_method": "noaux_tc"}, r"deepseek_v2: topk_method='noaux_tc' is not supported"),
         ({"scoring_func": "sigmoid"}, r"deepseek_v2: scoring_func='sigmoid'"),
         ({"norm_topk_prob": True}, r"deepseek_v2: norm_topk_prob=true"),
@@ -257,3 +257,26 @@ def test_no_code_outside_the_family_files_branches_on_a_model_type_literal():
             if isinstance(node, ast.Compare) and _compares_model_type_to_a_literal(node):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not offenders, f"model_type compared to a literal outside megatron_bridge/models/: {offenders}"
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_mla_query_rows_follow_q_lora_rank(model_type):
+    """With a query latent the bridge maps q_a_proj / q_a_layernorm / q_b_proj; without one
+    (``q_lora_rank: null``, DeepSeek-V2-Lite) the one q_proj, Megatron's linear_q_proj, split by heads."""
+    from megatron_bridge.bridge import Bridge
+
+    def attention_rows(**overrides):
+        bridge = Bridge.from_hf_config(tiny_hf_config(model_type, vocab_size=448, **overrides), tp_size=2)
+        return sorted(
+            (u.megatron_names[0].split(".")[-2], u.hf_names[0].split(".")[-2], u.mapping.tp_dim)
+            for u in bridge.units
+            if ".layers.0.self_attention.linear_q" in u.megatron_names[0]
+            or ".layers.0.self_attention.q_layernorm" in u.megatron_names[0]
+        )
+
+    assert attention_rows() == [
+        ("linear_q_down_proj", "q_a_proj", 0),
+        ("linear_q_up_proj", "q_b_proj", 0),
+        ("q_layernorm", "q_a_layernorm", None),
+    ]
+    assert attention_rows(q_lora_rank=None) == [("linear_q_proj", "q_proj", 0)]
