@@ -245,7 +245,11 @@ class RolloutOutput:
             turn_rewards=joined("turn_rewards"),
             sample_metrics=joined("sample_metrics"),
             token_versions=joined("token_versions"),
-            routed_experts=joined("routed_experts"),
+            routed_experts=(
+                [r for o in parts for r in (o.routed_experts or [None] * o.num_samples)]
+                if any(o.routed_experts is not None for o in parts)
+                else None
+            ),  # an engine that returned none leaves its samples' entries None (the batch names them)
         )
 
     def sample_prompt_ids(self, s: int) -> list[int]:

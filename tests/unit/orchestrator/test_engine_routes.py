@@ -63,7 +63,9 @@ def test_samples_carry_vllms_routes_into_the_rollout_output():
     joined = RolloutOutput.concat([out, out], n=2)
     assert len(joined.routed_experts) == 8 and joined.routed_experts[5] is r[1]
     bare = [SimpleNamespace(request_id="c", outputs=[completion(0, [1], None), completion(1, [2], None)])]
-    assert RolloutOutput.from_samples([[1]], [samples_of(q) for q in bare], n=2).routed_experts is None
+    without = RolloutOutput.from_samples([[1]], [samples_of(q) for q in bare], n=2)
+    assert without.routed_experts is None
+    assert RolloutOutput.concat([without, out], n=2).routed_experts[:3] == [None, None, r[0]]
 
 
 def test_streamed_samples_keep_the_final_outputs_routes():
