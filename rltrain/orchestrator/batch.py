@@ -281,7 +281,7 @@ def engine_routes(
         if r is not None and tuple(r.shape[1:]) != shape:
             raise ValueError(
                 f"routing replay R3: sample {i}'s routed_experts have shape {tuple(r.shape)}, "
-                f"sample 0's {shape} per token ([tokens, layers, top_k])"
+                f"the first sample's {shape} per token ([tokens, layers, top_k])"
             )
         if not needed <= got <= total:
             raise ValueError(

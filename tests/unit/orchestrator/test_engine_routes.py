@@ -133,7 +133,7 @@ def test_routes_missing_before_a_sampled_token_or_past_the_sample_are_refused():
         _batch(prompts, responses, [None])
     wrong = np.zeros((4, LAYERS + 1, K), dtype=np.uint8)
     with pytest.raises(
-        ValueError, match=r"sample 1's routed_experts have shape \(4, 4, 2\), sample 0's \(3, 2\)"
+        ValueError, match=r"sample 1's routed_experts have shape \(4, 4, 2\), the first sample's \(3, 2\)"
     ):
         _batch(prompts, responses * 2, [routes_of(4, 0), wrong])
     with pytest.raises(ValueError, match="sample 0 routes a token to expert 40000"):
