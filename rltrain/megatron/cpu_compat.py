@@ -1,7 +1,9 @@
 """Let megatron-core 0.16.1 run on a CPU-only torch build.
 
-Contract: ``apply_cpu_compat()`` is idempotent, does nothing when CUDA is available, and makes the
-fewest replacements that let Megatron's tensor/pipeline/expert parallelism, distributed optimizer and
+Contract: ``apply_cpu_compat()`` is idempotent, makes only the replacements marked ``without_te``
+when CUDA is available but Transformer Engine does not import (Megatron's own code assumes TE on
+CUDA there: ``NameError: name 'te_general_gemm' is not defined`` in every MoE router), nothing when
+both are there, and otherwise the fewest replacements that let Megatron's tensor/pipeline/expert parallelism, distributed optimizer and
 ``dist_checkpointing`` run on gloo. Each replacement names the Megatron source line that fails
 without it (``failing_source``, searched in ``evidence``); ``check_cpu_compat()`` verifies that every
 target still exists and every failing line is still present in the installed megatron-core, so an
@@ -13,6 +15,7 @@ Measured failures and fixes: /work/shared/facts/megatron-core-on-cpu.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
@@ -43,6 +46,8 @@ class Replacement:
     """A line of ``evidence``'s source that fails on CPU (checked to still exist)."""
     make: Callable[[Any], Any]
     """Builds the replacement from the original attribute."""
+    without_te: bool = False
+    """Needed wherever Transformer Engine does not import, on CUDA too (not only without CUDA)."""
 
 
 def _marked(fn: Any) -> Any:
@@ -273,6 +278,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
         f"{_MC}.transformer.moe.moe_utils:RouterGatingLinearFunction.forward",
         "if te_general_gemm is not None",
         lambda _orig: None,
+        without_te=True,
     ),
     # MLA without Transformer Engine: megatron.core.extensions.transformer_engine defines its TE
     # classes over a MagicMock, so MLA's HAVE_TE is True and its TELinear check fails:
@@ -284,6 +290,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
         f"{_MC}.transformer.multi_latent_attention:MultiLatentAttention.__init__",
         "and isinstance(self.linear_proj, TELinear)",
         lambda _orig: False,
+        without_te=True,
     ),
     # MoEAlltoAllTokenDispatcher: RuntimeError: torch.cuda.Stream requires CUDA support
     Replacement(
@@ -356,11 +363,26 @@ def cpu_compat_needed() -> bool:
     return not torch.cuda.is_available()
 
 
+@functools.cache
+def transformer_engine_problem() -> str | None:
+    """Why Transformer Engine cannot be used in this process (its import error), None where it can."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def apply_cpu_compat() -> bool:
-    """Apply every replacement once when CUDA is absent; returns whether they are in effect."""
-    if not cpu_compat_needed():
+    """Apply every replacement once when CUDA is absent, and those marked ``without_te`` on CUDA
+    without Transformer Engine; returns whether the CPU replacements are in effect."""
+    if cpu_compat_needed():
+        needed = REPLACEMENTS
+    elif transformer_engine_problem() is not None:
+        needed = [rep for rep in REPLACEMENTS if rep.without_te]
+    else:
         return False
-    for rep in REPLACEMENTS:
+    for rep in needed:
         owner, name = _resolve(rep.module, rep.attribute)
         current = inspect.getattr_static(owner, name, None)
         inner = current.__func__ if isinstance(current, staticmethod | classmethod) else current
@@ -373,4 +395,4 @@ def apply_cpu_compat() -> bool:
         if callable(target) and callable(inner):
             setattr(target, _ORIGINAL, inner)
         setattr(owner, name, replacement)
-    return True
+    return needed is REPLACEMENTS

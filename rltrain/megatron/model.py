@@ -13,13 +13,16 @@ embeddings, experts, router and shared expert) comes from the family's ``Archite
 (``megatron_bridge/models/``), translated here into ``TransformerConfig`` fields; no code here branches
 on ``model_type``.
 
-On a GPU the layers use Transformer Engine's spec; without CUDA they use Megatron's local spec with
-an attention that also accepts packed (THD) sequences. Bad layouts fail before any allocation, naming
+On a GPU the layers use Transformer Engine's spec where it imports; without CUDA, or on a GPU without
+Transformer Engine (with a warning), they use Megatron's local spec with an attention that also
+accepts packed (THD) sequences. Bad layouts fail before any allocation, naming
 both numbers (``tensor_model_parallel_size=3 does not divide num_attention_heads=4``).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,8 +40,11 @@ from megatron_bridge.layout import layout_problems
 from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
+from rltrain.megatron.cpu_compat import transformer_engine_problem
 from rltrain.megatron.local_spec import local_block_spec
 from rltrain.megatron.parallel import ParallelContext
+
+log = logging.getLogger(__name__)
 
 Role = Literal["actor", "reference", "critic", "reward"]
 SCALAR_HEAD_ROLES = ("critic", "reward")
@@ -294,21 +300,36 @@ def _moe_kwargs(moe: MoEFacts, *, model_type: str, num_layers: int) -> dict[str,
 
 def layer_spec(config: TransformerConfig, *, vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
     """Transformer Engine layers on GPU; Megatron's local layers (packed-capable attention, an RMSNorm
-    that supports sequence parallelism) on CPU."""
-    if torch.cuda.is_available():
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_decoder_block_spec,
-            get_gpt_layer_with_transformer_engine_spec,
-        )
+    that supports sequence parallelism) on CPU, and on a GPU where Transformer Engine does not import
+    (Megatron's TE spec would fail there with ``NameError: name 'TESpecProvider' is not defined``;
+    the local layers run on CUDA, without TE's fused kernels)."""
+    if not torch.cuda.is_available():
+        return local_block_spec(config, vp_stage=vp_stage)
+    problem = transformer_engine_problem()
+    if problem is not None:
+        _warn_local_layers_on_cuda(problem)
+        return local_block_spec(config, vp_stage=vp_stage)
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
-        if config.multi_latent_attention or isinstance(config.moe_layer_freq, list):
-            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts,
-            moe_grouped_gemm=config.moe_grouped_gemm,
-            qk_layernorm=config.qk_layernorm,
-        )
-    return local_block_spec(config, vp_stage=vp_stage)
+    if config.multi_latent_attention or isinstance(config.moe_layer_freq, list):
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    return get_gpt_layer_with_transformer_engine_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+    )
+
+
+@functools.cache
+def _warn_local_layers_on_cuda(problem: str) -> None:
+    log.warning(
+        "Transformer Engine does not import (%s): the layers on CUDA are Megatron's local ones, "
+        "without its fused kernels (install transformer-engine for them)",
+        problem,
+    )
 
 
 class ValueHead(torch.nn.Module):

