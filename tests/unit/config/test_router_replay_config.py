@@ -50,7 +50,8 @@ def test_r3_is_taken_where_the_engine_can_return_routes():
 
 
 def test_a_cpu_engine_asked_for_routes_refuses_before_vllm_starts(tmp_path):
-    from rltrain.rollout.engine import CPU_ROUTED_EXPERTS_REFUSAL, RolloutEngine
+    from rltrain.config.actor import CPU_ROUTED_EXPERTS_REFUSAL
+    from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings
 
     (tmp_path / "config.json").write_text("{}")
