@@ -230,9 +230,7 @@ def test_a_trajectory_carries_its_last_turns_routes_over_every_turn(engine):
     prompts = _prompts(loop, 2)
     out = loop.generate(prompts, sampling)
     assert any(t > 1 for t in (m["agent/turns"] for m in out.sample_metrics))
-    for s, (routes, response, mask) in enumerate(
-        zip(out.routed_experts, out.response_ids, out.sampled_masks)
-    ):
+    for s, (routes, mask) in enumerate(zip(out.routed_experts, out.sampled_masks)):
         last_sampled = max(i for i, m in enumerate(mask) if m)
         prompt = out.sample_prompt_ids(s)
         assert len(routes) == len(prompt) + last_sampled, s  # up to the last turn's final token
@@ -250,4 +248,8 @@ def test_a_trajectory_carries_its_last_turns_routes_over_every_turn(engine):
         sampled_masks=out.sampled_masks,
         routed_experts=out.routed_experts,
     )
-    assert batch.routed_experts.shape[:2] == batch.input_ids.shape
+    width = max(len(p) for p in out.prompt_ids)
+    for s, routes in enumerate(out.routed_experts):  # each sample's routes on its own columns
+        start = width - len(out.sample_prompt_ids(s))
+        placed = batch.routed_experts[s, start : start + len(routes), :, 0]
+        assert (placed == out.sample_metrics[s]["agent/turns"] - 1).all(), s
