@@ -23,9 +23,16 @@ def global_max_abs(named: NamedTensors, *, device: torch.device) -> float:
     """The largest magnitude of any element of any rank's tensors; ``inf`` when one is NaN or
     infinite. ``device``: where the reduction runs (the backend's device: CUDA under NCCL)."""
     local = torch.zeros((), dtype=torch.float32, device=device)
-    if named:
-        norms = torch._foreach_norm([t.detach() for _, t in named], math.inf)
-        local = torch.stack([n.to(device, torch.float32) for n in norms]).max()
+    extremes = [
+        bound.to(device, torch.float32).abs()
+        for _, t in named
+        if t.numel()
+        for bound in torch.aminmax(t.detach())
+    ]
+    if extremes:
+        # aminmax, not _foreach_norm(inf): on CPU the inf-norm is not vectorized and took 0.33 s on
+        # SmolLM2-135M's parameters where aminmax takes 0.02 s; both propagate a NaN.
+        local = torch.stack(extremes).max()
     # a NaN does not survive a MAX reduction reliably: count it as infinite
     reduced = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX)

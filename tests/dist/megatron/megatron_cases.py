@@ -438,6 +438,48 @@ def switches_case() -> dict[str, float]:
     return out
 
 
+def single_rank_collectives_case() -> dict[str, float]:
+    """One rank: an actor's two optimizer steps with the one-rank shortcut of the gradient
+    reduce-scatter and parameter all-gather (``skip_single_rank_buffer_collectives``), then again
+    with Megatron's real collectives; how often each run called the real ones, and the largest
+    difference between the two runs' outputs (they must be bit-identical)."""
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+
+    import rltrain.megatron.train_step as train_step
+
+    names = ("dist_reduce_scatter_func", "dist_all_gather_func")
+    ensure_process_group()
+    train_step.skip_single_rank_buffer_collectives()
+    real = {name: getattr(buffers, name).wrapped for name in names}
+    calls = {"shortcut": 0, "real": 0}
+
+    def counting(run: str, collective: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[run] += 1
+            return collective(*args, **kwargs)
+
+        return call
+
+    hf = tiny_llama(num_hidden_layers=2)
+    batching = MicroBatching(micro_batch_size=2)
+    install = train_step.skip_single_rank_buffer_collectives
+    try:
+        train_step.skip_single_rank_buffer_collectives = lambda: None
+        for name in names:
+            setattr(buffers, name, train_step._identity_on_one_rank(counting("shortcut", real[name])))
+        shortcut = actor_round(hf, ParallelConfig(), batching)
+        for name in names:
+            setattr(buffers, name, counting("real", real[name]))
+        plain = actor_round(hf, ParallelConfig(), batching)
+    finally:
+        for name in names:
+            setattr(buffers, name, real[name])
+        train_step.skip_single_rank_buffer_collectives = install
+        install()
+    diff = max(float((shortcut[k].double() - plain[k].double()).abs().max()) for k in plain)
+    return {"shortcut_calls": float(calls["shortcut"]), "real_calls": float(calls["real"]), "max_diff": diff}
+
+
 def bf16_hf_load_case(tmp: str) -> dict[str, float]:
     """One rank: a bf16 actor loaded from an HF checkpoint (``load_hf_into``, as every role starts),
     then one optimizer step at lr 0. The weights must stay the loaded ones; a bf16 optimizer whose

@@ -1,13 +1,14 @@
 """Train-step switches on CPU: a non-finite gradient norm skips the update and says so; activation
 recomputation gives the same loss and gradient norm; offload switches do not break a step; a bf16
 actor loaded from HF keeps the loaded weights through a step at lr 0 (its optimizer's fp32 main
-copies are the loaded weights, not the initialisation)."""
+copies are the loaded weights, not the initialisation); at DP=1 the gradient and parameter buffer
+collectives are skipped and the steps stay bit-identical."""
 
 from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from megatron_cases import bf16_hf_load_case, switches_case
+from megatron_cases import bf16_hf_load_case, single_rank_collectives_case, switches_case
 
 pytestmark = pytest.mark.dist
 
@@ -31,3 +32,12 @@ def test_a_bf16_actor_trains_from_the_loaded_weights(tmp_path) -> None:
         assert result[f"{key}_skipped"] == 0.0
         assert result[f"{key}_load_changed"] > 1e-3  # the load replaced the initialisation: a real test
         assert result[f"{key}_step_changed"] == 0.0, result
+
+
+def test_single_rank_steps_skip_the_buffer_collectives_and_stay_bit_identical() -> None:
+    (result,) = run_ranks(single_rank_collectives_case, 1)
+    print(result)
+    # two steps, each one gradient reduce-scatter and one parameter all-gather per bucket group
+    assert result["real_calls"] >= 4, result  # the real run did call them: the comparison is real
+    assert result["shortcut_calls"] == 0.0, result
+    assert result["max_diff"] == 0.0, result
