@@ -164,7 +164,8 @@ class ActorConfig:
     """Pack sequences without padding (cumulative lengths) in forward and backward."""
 
     log_prob_micro_batch_size_per_gpu: PositiveInt | None = None
-    """Samples per forward when only computing log-probs; null means ``ppo_micro_batch_size_per_gpu``."""
+    """Samples per forward of the old-log-prob pass (no gradient, so it can be larger than the
+    update's); null means ``ppo_micro_batch_size_per_gpu``. Ignored with ``use_dynamic_bsz``."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
@@ -243,6 +244,10 @@ class CriticConfig:
     """The constant ``C`` of ``seq-mean-token-sum-norm`` for the value loss; null means the actor's
     ``loss_scale_factor`` (as verl's YAML), and when that is null too the padded response length of
     the mini-batch."""
+
+    forward_micro_batch_size_per_gpu: PositiveInt | None = None
+    """Samples per forward of the values pass (no gradient); null means
+    ``ppo_micro_batch_size_per_gpu``. Ignored with ``use_dynamic_bsz``."""
 
     use_dynamic_bsz: bool = False
     """Fill micro-batches up to ``ppo_max_token_len_per_gpu`` tokens."""

@@ -59,6 +59,7 @@ class MegatronWorker:
         ctx: ParallelContext,
         role: Role,
         batching: MicroBatching | None = None,
+        forward_batching: MicroBatching | None = None,
         optim: OptimConfig | None = None,
         total_steps: int = 1,
         recompute_activations: bool = False,
@@ -93,6 +94,8 @@ class MegatronWorker:
         """The real vocabulary; the model's is padded to a multiple of make_vocab_size_divisible_by × TP."""
         self.role = role
         self.batching = batching or MicroBatching()
+        """Micro-batches of the update (``ppo_micro_batch_size_per_gpu``)."""
+        self._forward_batching = forward_batching
         self.recompute_activations = recompute_activations
         self.fused = fused
         """The fused log-prob head (``model.use_fused_kernels``) of the actor and reference; None: logits."""
@@ -118,6 +121,13 @@ class MegatronWorker:
             self.model = chunks
         self._parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
         """While offloaded: the released device storages and their CPU copies (``park_storages``)."""
+
+    @property
+    def forward_batching(self) -> MicroBatching:
+        """Micro-batches of the forward-only passes (``compute_log_prob``, ``compute_values``,
+        ``compute_rm_scores``: verl's ``log_prob_micro_batch_size_per_gpu`` and
+        ``forward_micro_batch_size_per_gpu``); ``batching`` when none was given."""
+        return self._forward_batching or self.batching
 
     @property
     def chunks(self) -> list[torch.nn.Module]:
@@ -153,7 +163,7 @@ class MegatronWorker:
             self.model,
             batch,
             ctx=self.ctx,
-            batching=self.batching,
+            batching=self.forward_batching,
             vocab_size=self.vocab_size,
             fused=self.fused,
             router_replay=replay,
@@ -164,7 +174,7 @@ class MegatronWorker:
         if self.role != "critic":
             raise ValueError(f"compute_values on role={self.role!r}; only the critic has a value head")
         return run_model(
-            self.model, batch, ctx=self.ctx, batching=self.batching, outputs="values"
+            self.model, batch, ctx=self.ctx, batching=self.forward_batching, outputs="values"
         ).output.values
 
     def compute_rm_scores(self, batch: TokenBatch) -> torch.Tensor:
@@ -175,7 +185,9 @@ class MegatronWorker:
         empty = (batch.attention_mask.sum(dim=1) == 0).nonzero().flatten().tolist()
         if empty:
             raise ValueError(f"compute_rm_scores: rows {empty[:10]} have no token (attention_mask all 0)")
-        return run_model(self.model, batch, ctx=self.ctx, batching=self.batching, outputs="scores").scores
+        return run_model(
+            self.model, batch, ctx=self.ctx, batching=self.forward_batching, outputs="scores"
+        ).scores
 
     def update(self, batch: TokenBatch, loss_fn: LossFn) -> TrainStepResult:
         """One optimizer step on this data-parallel rank's share of the mini-batch (actor: policy loss

@@ -225,6 +225,7 @@ class PolicyWorker(_MegatronRankBase):
             ctx=self.ctx,
             role="actor",
             batching=self._batching(actor),
+            forward_batching=self._batching(actor, micro_batch_size=actor.log_prob_micro_batch_size_per_gpu),
             optim=actor.optim,
             total_steps=_optimizer_steps(
                 config, total_steps, mini_batch_size=actor.ppo_mini_batch_size, epochs=actor.ppo_epochs
@@ -405,6 +406,7 @@ class CriticWorker(_MegatronRankBase):
             ctx=self.ctx,
             role="critic",
             batching=self._batching(critic),
+            forward_batching=self._batching(critic, micro_batch_size=critic.forward_micro_batch_size_per_gpu),
             optim=critic.optim,
             total_steps=_optimizer_steps(config, total_steps, mini_batch_size=mini, epochs=epochs),
             params_dtype=_dtype(config.model.dtype),

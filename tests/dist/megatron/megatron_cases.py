@@ -251,6 +251,48 @@ def batching_case() -> dict[str, float]:
     return out
 
 
+def forward_batching_case() -> dict[str, float]:
+    """One rank: actor and critic whose forward-only passes take micro-batches of 6 samples
+    (``forward_batching``) while their update takes 1; how many micro-batches each call ran, and
+    the forward outputs against the same workers forwarding one sample at a time."""
+    import rltrain.megatron.forward as forward
+
+    hf = tiny_llama(num_hidden_layers=2)
+    batch = make_batch(batch_size=6, seed=3)
+    ensure_process_group()
+    ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+    counts: list[int] = []
+    real = forward._micro_batches
+
+    def counting(batch, splits, **kwargs):
+        counts.append(len(splits))
+        return real(batch, splits, **kwargs)
+
+    out: dict[str, float] = {}
+    try:
+        one = MicroBatching(micro_batch_size=1)
+        six = MicroBatching(micro_batch_size=6)
+        actor = MegatronWorker(hf, ctx=ctx, role="actor", batching=one, forward_batching=six, optim=optim())
+        critic = MegatronWorker(hf, ctx=ctx, role="critic", batching=one, forward_batching=six, optim=optim())
+        forward._micro_batches = counting
+        lp, values = actor.compute_log_prob(batch), critic.compute_values(batch)
+        actor.update(batch, policy_loss(float(batch.response_mask.sum())))
+        out["micro_batches_logprob"], out["micro_batches_values"], out["micro_batches_update"] = counts
+        forward._micro_batches = real
+        actor._forward_batching = critic._forward_batching = None  # back to the update's batching
+        for group in actor.optimizer.param_groups:
+            group["lr"] = 0.0  # the update above moved the weights: compare on the moved ones
+        lp = actor.compute_log_prob(batch)
+        actor._forward_batching = six
+        out["logprobs_diff"] = float((actor.compute_log_prob(batch).logprobs - lp.logprobs).abs().max())
+        critic._forward_batching = None
+        out["values_diff"] = float((critic.compute_values(batch) - values).abs().max())
+    finally:
+        forward._micro_batches = real
+        ctx.destroy()
+    return out
+
+
 def train_step_no_update(worker: MegatronWorker, batch, loss_fn) -> tuple[float, float]:
     result = worker.update(batch, loss_fn)
     return result.metrics["loss"], result.grad_norm
