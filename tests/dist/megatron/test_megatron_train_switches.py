@@ -2,13 +2,14 @@
 recomputation gives the same loss and gradient norm; offload switches do not break a step; a bf16
 actor loaded from HF keeps the loaded weights through a step at lr 0 (its optimizer's fp32 main
 copies are the loaded weights, not the initialisation); at DP=1 the gradient and parameter buffer
-collectives are skipped and the steps stay bit-identical."""
+collectives are skipped and the steps stay bit-identical; the optimizer is torch's fused AdamW and
+its first step equals AdamW's by hand."""
 
 from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from megatron_cases import bf16_hf_load_case, single_rank_collectives_case, switches_case
+from megatron_cases import bf16_hf_load_case, fused_adam_case, single_rank_collectives_case, switches_case
 
 pytestmark = pytest.mark.dist
 
@@ -41,3 +42,11 @@ def test_single_rank_steps_skip_the_buffer_collectives_and_stay_bit_identical() 
     assert result["real_calls"] >= 4, result  # the real run did call them: the comparison is real
     assert result["shortcut_calls"] == 0.0, result
     assert result["max_diff"] == 0.0, result
+
+
+def test_the_fused_adamw_step_is_adamws_by_hand() -> None:
+    (result,) = run_ranks(fused_adam_case, 1)
+    print(result)
+    assert result["fused"] == 1.0, result
+    assert result["max_move"] > 5e-4, result  # lr 1e-3 moves every parameter with a gradient by ~lr
+    assert result["max_diff"] < 1e-6, result
