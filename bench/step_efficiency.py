@@ -40,6 +40,15 @@ One run, four measurements, in this order:
    each (model forward/backward, optimizer, vLLM, rltrain's own files, Megatron bookkeeping, Ray).
 Overhead is the step time not explained by model compute at the limit, generation at the engine's
 own rate or the weight copy (its bytes at this machine's memcpy bandwidth), as a share of the step.
+5. The model alone (since 2026-12-04): each stage's model call (the recipe's actor, reference and
+   critic as ``MegatronWorker``, their micro-batching and the real PPO and value losses) in a child
+   process with one thread, on a gloo world of one, no Ray, on a batch of the step's size (its
+   sequences, tokens and response tokens, spread evenly over the sequences); the median of 3 after a
+   warm-up, printed beside each stage ("alone s"; "around s" is the stage minus it). The overhead
+   is then split into the part inside the model calls (the calls alone beyond their compute at the
+   limit: GEMMs too small for the matmul rate, elementwise ops, autograd, Megatron's schedule, the
+   optimizer) and the part around them (Ray, building, moving and gathering batches, the driver).
+   The goals are judged on the whole overhead, as before.
 The goals of the issue are printed against the table; the load average is printed with it, and a
 load above the core count is flagged (the numbers then say little).
 """
@@ -176,6 +185,124 @@ def engine_alone(config, *, repeats: int) -> tuple[float, float, int]:
         engine.shutdown()
 
 
+MODEL_ALONE_FLAG = "--model-alone-json"
+"""Internal: run only :func:`model_alone` in this process and print its result as JSON."""
+
+
+def model_alone_in_child(args, *, samples: int, tokens: float, response_tokens: float) -> dict[str, float]:
+    """:func:`model_alone` in a child process with one OpenMP and torch thread (a Ray worker's)."""
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, MODEL_ALONE_FLAG, "--recipe", args.recipe,
+           "--model-alone-shape", f"{samples},{tokens:.0f},{response_tokens:.0f}", *args.overrides]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"the model alone failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def model_alone(
+    config, *, samples: int, tokens: int, response_tokens: int, repeats: int = 3
+) -> dict[str, float]:
+    """Seconds of each trainer stage's model call alone: the recipe's actor, reference and critic
+    (``MegatronWorker``, its micro-batching, the real PPO and value losses) in this process on a
+    gloo world of one, no Ray, on a batch of the step's size (``samples`` sequences, ``tokens``
+    tokens of which ``response_tokens`` are responses, spread evenly); the median of ``repeats``
+    after a warm-up. The trainer's stage minus this is what surrounds the call: Ray, building and
+    moving the batch, gathering the outputs."""
+    import socket
+
+    from transformers import AutoConfig
+
+    from rltrain.algo.token_batch import TokenBatch
+    from rltrain.config.parallel import ParallelConfig
+    from rltrain.megatron.forward import MicroBatching
+    from rltrain.megatron.parallel import ParallelContext
+    from rltrain.megatron.worker import MegatronWorker
+    from rltrain.models.source import resolve_model_dir
+    from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
+
+    torch.set_num_threads(1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    hf = AutoConfig.from_pretrained(str(resolve_model_dir(config.model, data=config.data)))
+    ctx = ParallelContext.initialize(ParallelConfig(), seed=config.trainer.seed)
+    width = config.rollout.response_length
+    response = max(1, min(width, round(response_tokens / samples)))
+    prompt = max(1, round(tokens / samples) - response)
+    seq = config.data.max_prompt_length + width
+    mask = torch.zeros(samples, seq, dtype=torch.long)
+    mask[:, seq - width - prompt : seq - width + response] = 1
+    gen = torch.Generator().manual_seed(0)
+    batch = TokenBatch(
+        input_ids=torch.randint(0, hf.vocab_size, (samples, seq), generator=gen) * mask,
+        attention_mask=mask,
+        response_len=width,
+        advantages=torch.randn(samples, width, generator=gen),
+        returns=torch.randn(samples, width, generator=gen),
+    )
+
+    def batching(role, micro: int | None = None) -> MicroBatching:
+        return MicroBatching(
+            micro_batch_size=micro or role.ppo_micro_batch_size_per_gpu or 1,
+            use_dynamic_bsz=role.use_dynamic_bsz,
+            max_token_len=role.ppo_max_token_len_per_gpu,
+            use_remove_padding=getattr(role, "use_remove_padding", True),
+        )
+
+    actor_cfg, critic_cfg = config.actor, config.critic
+    actor = MegatronWorker(
+        hf, ctx=ctx, role="actor", batching=batching(actor_cfg),
+        forward_batching=batching(actor_cfg, actor_cfg.log_prob_micro_batch_size_per_gpu), optim=actor_cfg.optim,
+    )  # fmt: skip
+    ref = MegatronWorker(
+        hf, ctx=ctx, role="reference", batching=batching(actor_cfg, config.ref.log_prob_micro_batch_size_per_gpu)
+    )  # fmt: skip
+    critic = MegatronWorker(
+        hf, ctx=ctx, role="critic", batching=batching(critic_cfg),
+        forward_batching=batching(critic_cfg, critic_cfg.forward_micro_batch_size_per_gpu), optim=critic_cfg.optim,
+    ) if config.critic_enabled() else None  # fmt: skip
+    batch.old_logprobs = actor.compute_log_prob(batch).logprobs
+    batch.ref_logprobs = ref.compute_log_prob(batch).logprobs
+    batch.values = critic.compute_values(batch) if critic else torch.zeros(samples, width)
+
+    def updates(worker, role, loss_for) -> None:
+        per_mini = (role.ppo_mini_batch_size or actor_cfg.ppo_mini_batch_size) * config.rollout.n
+        for _ in range(role.ppo_epochs or actor_cfg.ppo_epochs):
+            for start in range(0, samples, per_mini):
+                mini = batch.select(list(range(start, min(start + per_mini, samples))))
+                worker.update(mini, loss_for(GlobalCounts.of(mini.response_mask)))
+
+    stages = {
+        "old_logprob": lambda: actor.compute_log_prob(batch),
+        "ref": lambda: ref.compute_log_prob(batch),
+        "update_actor": lambda: updates(actor, actor_cfg, lambda c: actor_loss_fn(actor_cfg, c)),
+    }
+    if critic:
+        stages["values"] = lambda: critic.compute_values(batch)
+        stages["update_critic"] = lambda: updates(
+            critic,
+            critic_cfg,
+            lambda c: critic_loss_fn(critic_cfg, c, actor_loss_scale_factor=actor_cfg.loss_scale_factor),
+        )
+    result = {}
+    try:
+        for stage, call in stages.items():
+            call()  # warm-up
+            seconds = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                call()
+                seconds.append(time.perf_counter() - start)
+            result[stage] = statistics.median(seconds)
+    finally:
+        ctx.destroy()
+    return result
+
+
 def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[list[list], dict]:
     """Per stage: seconds, model FLOPs, achieved FLOP/s, ratio to ``limit`` (and the step's sizes)."""
     from rltrain.logging import metrics as mk
@@ -212,7 +339,7 @@ def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[lis
     return rows, sizes
 
 
-def report(*, config, hf, records, limits, engines, bandwidth) -> list[str]:
+def report(*, config, hf, records, limits, engines, bandwidth, alone: dict[str, float]) -> list[str]:
     from rltrain.logging import metrics as mk
 
     limit = limits[1]
@@ -239,11 +366,12 @@ def report(*, config, hf, records, limits, engines, bandwidth) -> list[str]:
         f"{engines[cores][0]:.0f} at {cores} threads; {engine_tokens} tokens a batch; "
         f"memcpy {bandwidth / 1e9:.1f} GB/s",
         "",
-        f"{'stage':<15}{'s':>8}{'share':>8}{'GFLOP':>9}{'GFLOP/s':>9}{'/ limit':>9}",
+        f"{'stage':<15}{'s':>8}{'share':>8}{'GFLOP':>9}{'GFLOP/s':>9}{'/ limit':>9}{'alone s':>9}{'around s':>9}",
     ]
     for stage, seconds, flops, rate, ratio, _ in rows:
         lines.append(
             f"{stage:<15}{seconds:>8.3f}{seconds / step:>8.1%}{flops / 1e9:>9.2f}{rate / 1e9:>9.2f}{ratio:>9.1%}"
+            f"{alone.get(stage, float('nan')):>9.3f}{seconds - alone.get(stage, float('nan')):>9.3f}"
         )
     lines += [
         f"{'generate':<15}{gen_seconds:>8.3f}{gen_seconds / step:>8.1%}   {gen_rate:.0f} tok/s = "
@@ -253,6 +381,15 @@ def report(*, config, hf, records, limits, engines, bandwidth) -> list[str]:
         f"overhead (step - compute at the limit - generation at the engine's rate - the copy at memcpy "
         f"speed): {overhead:.3f} s = {overhead / step:.0%} of the step",
     ]
+    if alone:
+        inside = sum(max(alone.get(r[0], r[5]) - r[5], 0.0) for r in rows)
+        lines += [
+            f"  of which inside the model calls (each stage's call alone, one process, no Ray, beyond its "
+            f"compute at the limit: small GEMMs, elementwise ops, autograd, Megatron's schedule, the "
+            f"optimizer): {inside:.3f} s = {inside / step:.0%} of the step",
+            f"  and around them (Ray calls, batches built, moved and gathered, the driver between stages): "
+            f"{overhead - inside:.3f} s = {(overhead - inside) / step:.0%} of the step",
+        ]
     train_ratios = [r[4] for r in rows]
     if max(train_ratios, default=0.0) > 1.1:
         # A stage cannot run well above the limit (a few percent is the measurement's own noise, and
@@ -288,6 +425,8 @@ def main() -> int:
     parser.add_argument("--profile-after", type=int, default=2, help="steps the profiled run takes first")
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument(ENGINE_ALONE_FLAG, action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(MODEL_ALONE_FLAG, action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-alone-shape", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides")
     args = parser.parse_args()
     if args.engine_alone_json:
@@ -296,11 +435,21 @@ def main() -> int:
         result = engine_alone(load_config(args.recipe, args.overrides), repeats=args.engine_repeats)
         print(json.dumps(result))
         return 0
+    if args.model_alone_json:
+        from rltrain.config import load_config
+
+        samples, tokens, response_tokens = (int(v) for v in args.model_alone_shape.split(","))
+        config = load_config(args.recipe, args.overrides)
+        print(
+            json.dumps(model_alone(config, samples=samples, tokens=tokens, response_tokens=response_tokens))
+        )
+        return 0
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is warm-up)")
     if args.profile < 0 or args.profile_after < 1:
         parser.error("--profile must be >= 0 seconds and --profile-after >= 1 step")
     from rltrain.config import load_config
+    from rltrain.logging.metrics import RESPONSE_LENGTH_MEAN
     from rltrain.logging.plot import read_metrics
     from rltrain.models.source import resolve_model_dir
 
@@ -322,8 +471,23 @@ def main() -> int:
     rows = max(micro * seq_tokens, 64)
     limits = {t: matmul_limit(hf, rows, t) for t in sorted({1, os.cpu_count() or 1})}
     engines = {t: engine_alone_with_threads(args, t) for t in sorted({1, os.cpu_count() or 1})}
+    _, sizes = stage_rows(records, config, hf, limits[1])
+    alone = model_alone_in_child(
+        args,
+        samples=sizes["samples"],
+        tokens=sizes["tokens"],
+        response_tokens=sizes["mean"].get(RESPONSE_LENGTH_MEAN, 0.0) * sizes["samples"],
+    )
     bandwidth = memcpy_bandwidth(256 << 20)
-    lines = report(config=config, hf=hf, records=records, limits=limits, engines=engines, bandwidth=bandwidth)
+    lines = report(
+        config=config,
+        hf=hf,
+        records=records,
+        limits=limits,
+        engines=engines,
+        bandwidth=bandwidth,
+        alone=alone,
+    )
     load = os.getloadavg()
     lines.append(f"load average (1, 5, 15 min) at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}")
     if args.profile:
