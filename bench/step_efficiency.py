@@ -217,11 +217,11 @@ def model_alone(
 
     from rltrain.algo.token_batch import TokenBatch
     from rltrain.config.parallel import ParallelConfig
-    from rltrain.megatron.forward import MicroBatching
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
     from rltrain.models.source import resolve_model_dir
     from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
+    from rltrain.orchestrator.workers import role_batching as batching
 
     torch.set_num_threads(1)
     with socket.socket() as sock:
@@ -245,25 +245,17 @@ def model_alone(
         returns=torch.randn(samples, width, generator=gen),
     )
 
-    def batching(role, micro: int | None = None) -> MicroBatching:
-        return MicroBatching(
-            micro_batch_size=micro or role.ppo_micro_batch_size_per_gpu or 1,
-            use_dynamic_bsz=role.use_dynamic_bsz,
-            max_token_len=role.ppo_max_token_len_per_gpu,
-            use_remove_padding=getattr(role, "use_remove_padding", True),
-        )
-
     actor_cfg, critic_cfg = config.actor, config.critic
     actor = MegatronWorker(
         hf, ctx=ctx, role="actor", batching=batching(actor_cfg),
-        forward_batching=batching(actor_cfg, actor_cfg.log_prob_micro_batch_size_per_gpu), optim=actor_cfg.optim,
+        forward_batching=batching(actor_cfg, micro_batch_size=actor_cfg.log_prob_micro_batch_size_per_gpu), optim=actor_cfg.optim,
     )  # fmt: skip
     ref = MegatronWorker(
-        hf, ctx=ctx, role="reference", batching=batching(actor_cfg, config.ref.log_prob_micro_batch_size_per_gpu)
+        hf, ctx=ctx, role="reference", batching=batching(actor_cfg, micro_batch_size=config.ref.log_prob_micro_batch_size_per_gpu)
     )  # fmt: skip
     critic = MegatronWorker(
         hf, ctx=ctx, role="critic", batching=batching(critic_cfg),
-        forward_batching=batching(critic_cfg, critic_cfg.forward_micro_batch_size_per_gpu), optim=critic_cfg.optim,
+        forward_batching=batching(critic_cfg, micro_batch_size=critic_cfg.forward_micro_batch_size_per_gpu), optim=critic_cfg.optim,
     ) if config.critic_enabled() else None  # fmt: skip
     batch.old_logprobs = actor.compute_log_prob(batch).logprobs
     batch.ref_logprobs = ref.compute_log_prob(batch).logprobs

@@ -138,16 +138,6 @@ class _MegatronRankBase:
             model_dir, trust_remote_code=config.model.trust_remote_code
         )
 
-    def _batching(self, role_cfg, *, micro_batch_size: int | None = None):
-        from rltrain.megatron.forward import MicroBatching
-
-        return MicroBatching(
-            micro_batch_size=micro_batch_size or role_cfg.ppo_micro_batch_size_per_gpu or 1,
-            use_dynamic_bsz=role_cfg.use_dynamic_bsz,
-            max_token_len=role_cfg.ppo_max_token_len_per_gpu,
-            use_remove_padding=getattr(role_cfg, "use_remove_padding", True),
-        )
-
     def rank_info(self) -> dict[str, int]:
         c = self.ctx
         return dict(rank=c.rank, tp_rank=c.tp_rank, pp_rank=c.pp_rank, dp_rank=c.dp_rank, dp_size=c.dp_size)
@@ -175,6 +165,19 @@ class _MegatronRankBase:
             engine.shutdown()
             self.engine = None
         self.ctx.destroy()
+
+
+def role_batching(role_cfg, *, micro_batch_size: int | None = None):
+    """The ``MicroBatching`` of an actor or critic config section (``micro_batch_size``: a forward
+    pass's own size, e.g. ``log_prob_micro_batch_size_per_gpu``; None: ``ppo_micro_batch_size_per_gpu``)."""
+    from rltrain.megatron.forward import MicroBatching
+
+    return MicroBatching(
+        micro_batch_size=micro_batch_size or role_cfg.ppo_micro_batch_size_per_gpu or 1,
+        use_dynamic_bsz=role_cfg.use_dynamic_bsz,
+        max_token_len=role_cfg.ppo_max_token_len_per_gpu,
+        use_remove_padding=getattr(role_cfg, "use_remove_padding", True),
+    )
 
 
 def _fused_head(config: RLConfig):
@@ -224,8 +227,8 @@ class PolicyWorker(_MegatronRankBase):
             self.hf_config,
             ctx=self.ctx,
             role="actor",
-            batching=self._batching(actor),
-            forward_batching=self._batching(actor, micro_batch_size=actor.log_prob_micro_batch_size_per_gpu),
+            batching=role_batching(actor),
+            forward_batching=role_batching(actor, micro_batch_size=actor.log_prob_micro_batch_size_per_gpu),
             optim=actor.optim,
             total_steps=_optimizer_steps(
                 config, total_steps, mini_batch_size=actor.ppo_mini_batch_size, epochs=actor.ppo_epochs
@@ -245,7 +248,7 @@ class PolicyWorker(_MegatronRankBase):
                 self.hf_config,
                 ctx=self.ctx,
                 role="reference",
-                batching=self._batching(actor, micro_batch_size=micro),
+                batching=role_batching(actor, micro_batch_size=micro),
                 params_dtype=dtype,
                 fused=fused,
                 moe=config.model.moe,
@@ -405,8 +408,8 @@ class CriticWorker(_MegatronRankBase):
             self.hf_config,
             ctx=self.ctx,
             role="critic",
-            batching=self._batching(critic),
-            forward_batching=self._batching(critic, micro_batch_size=critic.forward_micro_batch_size_per_gpu),
+            batching=role_batching(critic),
+            forward_batching=role_batching(critic, micro_batch_size=critic.forward_micro_batch_size_per_gpu),
             optim=critic.optim,
             total_steps=_optimizer_steps(config, total_steps, mini_batch_size=mini, epochs=epochs),
             params_dtype=_dtype(config.model.dtype),

@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from rltrain.tensor_checks import first_non_finite, global_max_abs
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def named(*tensors: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

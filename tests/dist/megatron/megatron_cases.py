@@ -254,7 +254,8 @@ def batching_case() -> dict[str, float]:
 def forward_batching_case() -> dict[str, float]:
     """One rank: actor and critic whose forward-only passes take micro-batches of 6 samples
     (``forward_batching``) while their update takes 1; how many micro-batches each call ran, and
-    the forward outputs against the same workers forwarding one sample at a time."""
+    the forward outputs against the same weights forwarded one sample at a time (an actor copy
+    without ``forward_batching``; the critic with its ``forward_batching`` taken away)."""
     import rltrain.megatron.forward as forward
 
     hf = tiny_llama(num_hidden_layers=2)
@@ -274,18 +275,18 @@ def forward_batching_case() -> dict[str, float]:
         six = MicroBatching(micro_batch_size=6)
         actor = MegatronWorker(hf, ctx=ctx, role="actor", batching=one, forward_batching=six, optim=optim())
         critic = MegatronWorker(hf, ctx=ctx, role="critic", batching=one, forward_batching=six, optim=optim())
+        before = [p.detach().clone() for p in actor.chunks[0].parameters()]
         forward._micro_batches = counting
-        lp, values = actor.compute_log_prob(batch), critic.compute_values(batch)
+        logprobs, values = actor.compute_log_prob(batch).logprobs, critic.compute_values(batch)
         actor.update(batch, policy_loss(float(batch.response_mask.sum())))
         out["micro_batches_logprob"], out["micro_batches_values"], out["micro_batches_update"] = counts
         forward._micro_batches = real
-        actor._forward_batching = critic._forward_batching = None  # back to the update's batching
-        for group in actor.optimizer.param_groups:
-            group["lr"] = 0.0  # the update above moved the weights: compare on the moved ones
-        lp = actor.compute_log_prob(batch)
-        actor._forward_batching = six
-        out["logprobs_diff"] = float((actor.compute_log_prob(batch).logprobs - lp.logprobs).abs().max())
-        critic._forward_batching = None
+        # the actor's weights before its update, forwarded one sample at a time
+        one_at_a_time = MegatronWorker(hf, ctx=ctx, role="actor", batching=one)
+        for mine, theirs in zip(one_at_a_time.chunks[0].parameters(), before):
+            mine.data.copy_(theirs)
+        out["logprobs_diff"] = float((one_at_a_time.compute_log_prob(batch).logprobs - logprobs).abs().max())
+        critic._forward_batching = None  # back to the update's batching
         out["values_diff"] = float((critic.compute_values(batch) - values).abs().max())
     finally:
         forward._micro_batches = real

@@ -7,7 +7,6 @@ import os
 import signal
 
 import pytest
-import torch.distributed as dist
 
 from rltrain.config import ConfigError, load_config
 from rltrain.errors import DivergenceError
@@ -25,13 +24,6 @@ class Worker:
 
     def double(self, x: int) -> int:
         return 2 * x
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_run_stop_travels_as_itself_and_other_errors_name_role_rank_method(gloo_world_of_one):
