@@ -4,10 +4,12 @@ Contract:
 - ``agenerate`` is one request (``sampling.n`` samples, in index order), a coroutine on the
   engine's event loop ``loop``; the engine batches whatever requests are in flight continuously.
   The agent loop runs its trajectories as coroutines on that loop (``run`` from sync code).
-- ``generate`` has ``RolloutEngine.generate``'s contract and results: every request goes through
-  ``agenerate`` at once. Results do not depend on the path: with a per-request seed the same prompts
-  and weights give the same tokens and logprobs as the offline engine (vLLM samples each request
-  with its own generator; outputs stream as ``RequestOutputKind.DELTA`` and are joined per sample).
+- ``generate`` has ``RolloutEngine.generate``'s contract and results. Its requests (and
+  ``start_batch``'s) reach the engine core while the scheduler is paused, so that they start in one
+  step, as the offline engine's do. Results do not depend on the path: with a per-request seed the
+  same prompts and weights give the same tokens and logprobs as the offline engine (vLLM samples
+  each request with its own generator; outputs stream as ``RequestOutputKind.DELTA`` and are joined
+  per sample).
 - Weight sync, sleep/wake, prefix-cache reset and digests are ``RolloutEngine``'s code, run on a
   blocking view of the ``AsyncLLM`` (``_BlockingCalls``). ``AsyncLLM`` keeps its engine core in a
   process of its own, so this engine is always multi-process: weights take the remote path of
@@ -75,6 +77,10 @@ class AsyncRolloutEngine(RolloutEngine):
         self.partial_rollout = partial_rollout  # rollout.partial_rollout, read at each weight_update
         self.policy_version = 0  # the version of the weights serving now; weight_update sets it
         self._update_lock = threading.Lock()
+        # Held (on the loop) while the scheduler's pause state changes: a batch's own pause and
+        # resume (_submit_together) never interleave with a weight update's.
+        self._scheduler_lock = asyncio.Lock()
+        self._paused_for_update = False
         self.model_path = str(model_path)
         self.in_process = self._place_workers()
         self.on_gpu = _on_gpu()
@@ -206,30 +212,93 @@ class AsyncRolloutEngine(RolloutEngine):
         samples = await self.agenerate_versioned(prompt_ids, sampling, request_id=request_id)
         return [s.as_sample() for s in samples]
 
-    async def _stream(
-        self, prompt_ids: list[int], sampling: SamplingConfig, streams: SampleStreams
-    ) -> list[VersionedSample]:
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        request_id = streams.request_id
+    def _check_can_generate(self, request_id: str) -> None:
         if asyncio.get_running_loop() is not self.loop:
             raise RuntimeError(f"{self._describe()}: agenerate({request_id!r}) must run on engine.loop")
         if self._asleep:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
+
+    def _stream_params(self, sampling: SamplingConfig) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
         # DELTA: tokens arrive as they are sampled (progress); the last output of each sample
         # carries its finish reason and weight version spans.
-        params = self._sampling_params(sampling, output_kind=RequestOutputKind.DELTA)
+        return self._sampling_params(sampling, output_kind=RequestOutputKind.DELTA)
+
+    async def _stream(
+        self, prompt_ids: list[int], sampling: SamplingConfig, streams: SampleStreams
+    ) -> list[VersionedSample]:
+        self._check_can_generate(streams.request_id)
+        collector = await self._submit(prompt_ids, self._stream_params(sampling), streams.request_id)
+        return await self._drain(collector, streams)
+
+    async def _submit(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        """Send one request to the engine core; its outputs arrive in the returned collector."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         try:
-            async for out in self.async_llm.generate(
-                {"prompt_token_ids": list(prompt_ids)}, params, request_id=request_id
-            ):
-                streams.add(out)
+            return await self.async_llm.add_request(
+                request_id, {"prompt_token_ids": list(prompt_ids)}, params
+            )
         except EngineDeadError as err:
             raise RuntimeError(
-                f"{self._describe()}: the engine core died during request {request_id!r}"
+                f"{self._describe()}: the engine core died while request {request_id!r} was sent"
             ) from err
+
+    async def _drain(self, collector: Any, streams: SampleStreams) -> list[VersionedSample]:
+        """Join a submitted request's outputs into its samples; a cancelled wait aborts the request."""
+        from vllm.outputs import STREAM_FINISHED
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            finished = False
+            while not finished:
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                if out is not STREAM_FINISHED:
+                    streams.add(out)
+        except EngineDeadError as err:
+            raise RuntimeError(
+                f"{self._describe()}: the engine core died during request {streams.request_id!r}"
+            ) from err
+        except BaseException:
+            if not self.async_llm.errored:
+                await self.async_llm.abort(streams.request_id, internal=True)
+            raise
+        finally:
+            collector.close()
         return streams.samples()
+
+    async def _submit_together(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, streams: list[SampleStreams]
+    ) -> list[Any]:
+        """Send a batch's requests with the scheduler paused, so that its next step schedules them
+        all at once, in order, as the offline engine does. Sent one by one to a running scheduler,
+        the batch would race the engine core: its first requests could take a step of their own,
+        run a step ahead of the rest, and their floats differ in the last bits from the offline
+        engine's (the batch shape of a step changes the kernels' sums). Within a weight update the
+        scheduler is paused already, and the batch starts with the new weights."""
+        for s in streams:
+            self._check_can_generate(s.request_id)
+        params = self._stream_params(sampling)
+        async with self._scheduler_lock:
+            pause_here = not self._paused_for_update
+            if pause_here:
+                await self.async_llm.pause_generation(mode="keep", clear_cache=False)
+            collectors: list[Any] = []
+            try:
+                for ids, s in zip(prompt_ids, streams):
+                    collectors.append(await self._submit(ids, params, s.request_id))
+            except BaseException:
+                if collectors and not self.async_llm.errored:
+                    await self.async_llm.abort(
+                        [s.request_id for s in streams[: len(collectors)]], internal=True
+                    )
+                raise
+            finally:
+                if pause_here and not self.async_llm.errored:
+                    await self.async_llm.resume_generation()
+        return collectors
 
     def start_batch(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutBatch:
         """Submit one request per prompt at once (from sync code, not the loop) and return at once;
@@ -241,25 +310,29 @@ class AsyncRolloutEngine(RolloutEngine):
         prompt_ids = [self._prompt_ids(p) for p in prompts]
         name = f"batch-{next(self._request_ids)}"
         streams = [SampleStreams(f"{name}-{i}", sampling.n) for i in range(len(prompt_ids))]
+        collectors = self.run(
+            self._submit_together(prompt_ids, sampling, streams),
+            what=f"sending {name}'s {len(prompt_ids)} requests to the engine core",
+        )
         futures = [
-            asyncio.run_coroutine_threadsafe(self._stream(ids, sampling, s), self.loop)
-            for ids, s in zip(prompt_ids, streams)
+            asyncio.run_coroutine_threadsafe(self._drain(c, s), self.loop)
+            for c, s in zip(collectors, streams)
         ]
         return RolloutBatch(
             self, name=f"{self._describe()} {name}", prompt_ids=prompt_ids, streams=streams, futures=futures
         )
 
     def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutOutput:
-        """``RolloutEngine.generate`` with every request in flight at once through ``agenerate``."""
+        """``RolloutEngine.generate``: the requests are sent together (``_submit_together``), then
+        generate as one continuous batch."""
         prompt_ids = [self._prompt_ids(p) for p in prompts]
-        batch = next(self._request_ids)
+        name = f"generate-{next(self._request_ids)}"
 
         async def all_requests() -> list[list[Sample]]:
-            requests = [
-                self.agenerate(ids, sampling, request_id=f"generate-{batch}-{i}")
-                for i, ids in enumerate(prompt_ids)
-            ]
-            return list(await asyncio.gather(*requests))
+            streams = [SampleStreams(f"{name}-{i}", sampling.n) for i in range(len(prompt_ids))]
+            collectors = await self._submit_together(prompt_ids, sampling, streams)
+            done = await asyncio.gather(*(self._drain(c, s) for c, s in zip(collectors, streams)))
+            return [[s.as_sample() for s in samples] for samples in done]
 
         samples = self.run(all_requests(), what=f"generate() of {len(prompt_ids)} prompts")
         return RolloutOutput.from_samples(prompt_ids, samples, n=sampling.n)
@@ -295,7 +368,7 @@ class AsyncRolloutEngine(RolloutEngine):
                 raise
             self._control(self.async_llm.update_weight_version(str(version)), f"labelling version {version}")
             self.policy_version = version
-            self._control(self.async_llm.resume_generation(), "resuming generation after the weight update")
+            self._control(self._resume_after_update(), "resuming generation after the weight update")
         finally:
             self._update_lock.release()
 
@@ -304,22 +377,32 @@ class AsyncRolloutEngine(RolloutEngine):
             # keep: no step runs; clear_cache preempts the running requests (KV freed, generator and
             # tokens kept), so they recompute prompt + prefix on the new weights when resumed.
             what = "pausing the requests in flight for a weight update (rollout.partial_rollout=true)"
-            pause = self.async_llm.pause_generation(mode="keep", clear_cache=True)
+            mode, clear_cache = "keep", True
         else:
             what = "the requests in flight to finish on the old weights (rollout.partial_rollout=false)"
-            pause = self.async_llm.pause_generation(mode="wait", clear_cache=False)
+            mode, clear_cache = "wait", False
         try:
-            self.run(pause, timeout_s=timeout_s, what=what)
+            self.run(self._pause_for_update_async(mode, clear_cache), timeout_s=timeout_s, what=what)
         except TimeoutError:
-            self._control(self.async_llm.resume_generation(), "resuming generation after a failed pause")
+            self._control(self._resume_after_update(), "resuming generation after a failed pause")
             raise
+
+    async def _pause_for_update_async(self, mode: str, clear_cache: bool) -> None:
+        async with self._scheduler_lock:  # after any batch being sent; batches sent later just queue
+            self._paused_for_update = True
+        await self.async_llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def _resume_after_update(self) -> None:
+        async with self._scheduler_lock:
+            self._paused_for_update = False
+            await self.async_llm.resume_generation()
 
     def _abort_paused(self) -> None:
         self._control(
             self.async_llm.pause_generation(mode="abort", clear_cache=True),
             "aborting the requests in flight after a failed weight update",
         )
-        self._control(self.async_llm.resume_generation(), "resuming generation after a failed weight update")
+        self._control(self._resume_after_update(), "resuming generation after a failed weight update")
 
     def _control(self, coro: Coroutine[Any, Any, T], what: str) -> T:
         return self.run(coro, timeout_s=CONTROL_TIMEOUT_S, what=what)
