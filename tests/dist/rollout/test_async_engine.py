@@ -90,7 +90,18 @@ def test_many_concurrent_requests_equal_one_at_a_time(engine):
 
     together = engine.run(concurrent(), timeout_s=120, what="16 concurrent requests")
     alone = engine.run(one_at_a_time(), timeout_s=120, what="16 requests one at a time")
-    assert together == alone
+    # the same samples; logprobs to the last bits only: requests sent one by one share engine steps
+    # as they happen to arrive, and a step's batch shape changes the kernels' sums
+    assert [[(s.token_ids, s.finish_reason, s.stop_reason) for s in r] for r in together] == [
+        [(s.token_ids, s.finish_reason, s.stop_reason) for s in r] for r in alone
+    ]
+    worst = max(
+        abs(a - b)
+        for r, r_alone in zip(together, alone)
+        for s, s_alone in zip(r, r_alone)
+        for a, b in zip(s.logprobs, s_alone.logprobs, strict=True)
+    )
+    assert worst < 1e-5
     assert all(len(s) == 2 for s in together)
     assert len({tuple(s[0].token_ids) for s in together}) > 8  # seeds and prompts give distinct samples
 
