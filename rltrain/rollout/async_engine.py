@@ -212,6 +212,14 @@ class AsyncRolloutEngine(RolloutEngine):
         samples = await self.agenerate_versioned(prompt_ids, sampling, request_id=request_id)
         return [s.as_sample() for s in samples]
 
+    async def _within(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        """Await ``coro`` on the loop for at most ``CONTROL_TIMEOUT_S``; a timeout raises naming ``what``."""
+        timeout_s = CONTROL_TIMEOUT_S
+        try:
+            return await asyncio.wait_for(coro, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{self._describe()}: {what} did not finish within {timeout_s:g} s") from None
+
     def _check_can_generate(self, request_id: str) -> None:
         if asyncio.get_running_loop() is not self.loop:
             raise RuntimeError(f"{self._describe()}: agenerate({request_id!r}) must run on engine.loop")
@@ -283,10 +291,11 @@ class AsyncRolloutEngine(RolloutEngine):
         params = self._stream_params(sampling)
         async with self._scheduler_lock:
             pause_here = not self._paused_for_update
-            if pause_here:
-                await self.async_llm.pause_generation(mode="keep", clear_cache=False)
             collectors: list[Any] = []
             try:
+                if pause_here:
+                    pause = self.async_llm.pause_generation(mode="keep", clear_cache=False)
+                    await self._within(pause, "pausing the scheduler to send a batch")
                 for ids, s in zip(prompt_ids, streams):
                     collectors.append(await self._submit(ids, params, s.request_id))
             except BaseException:
@@ -295,9 +304,10 @@ class AsyncRolloutEngine(RolloutEngine):
                         [s.request_id for s in streams[: len(collectors)]], internal=True
                     )
                 raise
-            finally:
+            finally:  # also after a pause that timed out: the engine core may have paused since
                 if pause_here and not self.async_llm.errored:
-                    await self.async_llm.resume_generation()
+                    resume = self.async_llm.resume_generation()
+                    await self._within(resume, "resuming the scheduler after sending a batch")
         return collectors
 
     def start_batch(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutBatch:

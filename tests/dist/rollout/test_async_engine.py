@@ -234,6 +234,28 @@ def test_run_timeout_names_what_it_waited_for(engine):
     assert engine.generate([PROMPTS[0]], GREEDY).finish_reasons == ["length"]  # the loop is free
 
 
+def test_a_batch_whose_pause_is_not_answered_raises_and_leaves_the_engine_serving(engine, monkeypatch):
+    """The engine core pauses but its answer comes late (a stand-in for a stuck engine core, which
+    cannot be made on demand): the batch raises naming the pause, and the scheduler is resumed."""
+    from rltrain.rollout import async_engine
+
+    pause = engine.async_llm.pause_generation
+
+    async def late_pause(**kwargs):
+        await pause(**kwargs)
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(engine.async_llm, "pause_generation", late_pause)
+    monkeypatch.setattr(async_engine, "CONTROL_TIMEOUT_S", 0.5)
+    with pytest.raises(
+        TimeoutError, match=r"pausing the scheduler to send a batch did not finish within 0\.5 s"
+    ):
+        engine.generate(PROMPTS, GREEDY)
+    monkeypatch.undo()
+    assert not engine.run(engine.async_llm.is_paused(), timeout_s=30, what="the pause state")
+    assert engine.generate([PROMPTS[0]], GREEDY).finish_reasons == ["length"]
+
+
 def test_dead_engine_core_raises_naming_the_engine(model_dir, engine):
     """A second engine (the shared one keeps serving): its engine core is killed mid-generation."""
     from rltrain.rollout.async_engine import AsyncRolloutEngine
