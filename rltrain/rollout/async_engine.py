@@ -220,9 +220,9 @@ class AsyncRolloutEngine(RolloutEngine):
         except TimeoutError:
             raise TimeoutError(f"{self._describe()}: {what} did not finish within {timeout_s:g} s") from None
 
-    def _check_can_generate(self, request_id: str) -> None:
+    def _check_can_generate(self, what: str) -> None:
         if asyncio.get_running_loop() is not self.loop:
-            raise RuntimeError(f"{self._describe()}: agenerate({request_id!r}) must run on engine.loop")
+            raise RuntimeError(f"{self._describe()}: {what} must run on engine.loop")
         if self._asleep:
             raise RuntimeError("generate() on a sleeping engine: call wake_up() first")
 
@@ -236,7 +236,7 @@ class AsyncRolloutEngine(RolloutEngine):
     async def _stream(
         self, prompt_ids: list[int], sampling: SamplingConfig, streams: SampleStreams
     ) -> list[VersionedSample]:
-        self._check_can_generate(streams.request_id)
+        self._check_can_generate(f"agenerate({streams.request_id!r})")
         collector = await self._submit(prompt_ids, self._stream_params(sampling), streams.request_id)
         return await self._drain(collector, streams)
 
@@ -286,8 +286,7 @@ class AsyncRolloutEngine(RolloutEngine):
         run a step ahead of the rest, and their floats differ in the last bits from the offline
         engine's (the batch shape of a step changes the kernels' sums). Within a weight update the
         scheduler is paused already, and the batch starts with the new weights."""
-        for s in streams:
-            self._check_can_generate(s.request_id)
+        self._check_can_generate("sending a batch")
         params = self._stream_params(sampling)
         async with self._scheduler_lock:
             pause_here = not self._paused_for_update
@@ -311,8 +310,8 @@ class AsyncRolloutEngine(RolloutEngine):
         return collectors
 
     def start_batch(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutBatch:
-        """Submit one request per prompt at once (from sync code, not the loop) and return at once;
-        the ``RolloutBatch`` yields each request's ``VersionedSample`` list as it finishes."""
+        """Submit one request per prompt together (from sync code, not the loop) and return once they
+        are sent (``_submit_together``); the ``RolloutBatch`` yields each request's ``VersionedSample`` list as it finishes."""
         if threading.current_thread() is self._thread:
             raise RuntimeError(
                 f"{self._describe()}: start_batch() called on the engine loop; await agenerate_versioned"
