@@ -5,6 +5,7 @@ cpu_compat.py   the few replacements that let Megatron run on a CPU-only torch (
 model.py        GPTModel chunks from an HF config (actor/reference LM head, critic value head)
 local_spec.py   CPU layer spec pieces: packed (THD) attention, sequence-parallel RMSNorm
 packed_attention.py  causal attention per sequence of a packed row, no [tokens, tokens] mask
+packed_rope.py  RoPE of a packed row as Megatron's THD path, its cos/sin built once a forward
 logprobs.py     per-token logprobs and entropy from vocab-parallel logits
 forward.py      micro-batching, packing, dynamic batch size, pipeline schedules
 train_step.py   DDP, distributed Adam + LR schedule, clipping, skip on non-finite grad norm

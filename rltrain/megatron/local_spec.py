@@ -6,7 +6,8 @@
   causal attention, never a [tokens, tokens] mask, with Megatron's softmax scale (including
   ``apply_query_key_layer_scaling``), grouped-query heads and attention dropout. It equals Megatron's
   masked path with a block-diagonal causal mask to rounding (tested). RoPE positions restart per
-  sequence through Megatron's own THD rotary path. Sliding windows and softmax offsets are refused.
+  sequence as in Megatron's own THD rotary path (``packed_rope``: the same bits, with the row's
+  cos/sin built once a forward instead of per sequence, query and layer). Sliding windows and softmax offsets are refused.
   Under context parallelism (Megatron's ``DotProductAttention`` refuses CP > 1; only TE's attention
   has it) each CP rank holds chunks r and 2·CP−1−r of every sequence (``forward._prepare``): the
   keys/values are all-gathered over the CP group (the backward sums their gradients over the group
@@ -37,6 +38,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from rltrain.data.packing import context_parallel_index
 from rltrain.megatron.packed_attention import context_parallel_causal_attention, packed_causal_attention
+from rltrain.megatron.packed_rope import install_packed_rope
 
 
 def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -199,7 +201,9 @@ def _local_layer_spec(config: TransformerConfig, *, num_experts: int | None) -> 
 
 def local_block_spec(config: TransformerConfig, *, vp_stage: int | None) -> TransformerBlockSubmodules:
     """The decoder-block spec of this pipeline stage (or virtual stage) for a CPU run; with a
-    per-layer ``moe_layer_freq`` list, layers marked 0 get a dense MLP."""
+    per-layer ``moe_layer_freq`` list, layers marked 0 get a dense MLP. Megatron's attention then
+    applies RoPE to packed rows through ``packed_rope`` (the same bits, cos/sin built once a forward)."""
+    install_packed_rope()
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     pattern = config.moe_layer_freq
     if config.num_moe_experts and isinstance(pattern, list):

@@ -97,18 +97,46 @@ def packed_causal_attention(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit query {tuple(query.shape)}"
         )
     repeats = heads // key.size(1)
-    outputs, positions = [], []
-    for group in segment_groups(cu_seqlens):
+    plan = _row_plan(cu_seqlens)
+    outputs = []
+    for group, (rows, offsets) in zip(plan.groups, plan.valid):
         # [segments, longest, heads, dim] → [segments, heads, longest, dim]
         q, k, v = (t[group.gather_index].transpose(1, 2) for t in (query, key, value))
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
-        outputs.append(out.transpose(1, 2)[group.valid])
-        positions.append(group.gather_index[group.valid])
-    order = torch.empty(tokens, dtype=torch.long, device=query.device)
-    order[torch.cat(positions)] = torch.arange(tokens, device=query.device)
-    return torch.cat(outputs).index_select(0, order)
+        outputs.append(out.transpose(1, 2)[rows, offsets])
+    return torch.cat(outputs).index_select(0, plan.order)
+
+
+@dataclass
+class _RowPlan:
+    """What ``packed_causal_attention`` derives from ``cu_seqlens`` alone, kept for the row's other
+    layers: the groups, each group's valid (segment, offset) pairs (``valid.nonzero()`` as index
+    tensors), and the packed order of the concatenated groups' outputs."""
+
+    cu_seqlens: torch.Tensor
+    groups: list[SegmentGroup]
+    valid: list[tuple[torch.Tensor, torch.Tensor]]
+    order: torch.Tensor
+
+
+_last_plan: _RowPlan | None = None
+"""One entry: every layer of a forward gets the same ``cu_seqlens`` object (identity is checked, and
+the entry holds the tensor, so a new one cannot reuse its id); the next micro-batch replaces it."""
+
+
+def _row_plan(cu_seqlens: torch.Tensor) -> _RowPlan:
+    global _last_plan
+    if _last_plan is None or _last_plan.cu_seqlens is not cu_seqlens:
+        groups = segment_groups(cu_seqlens)
+        valid = [tuple(group.valid.nonzero().unbind(1)) for group in groups]
+        positions = torch.cat([group.gather_index[rows, offsets] for group, (rows, offsets) in zip(groups, valid)])
+        tokens = int(cu_seqlens[-1])
+        order = torch.empty(tokens, dtype=torch.long, device=cu_seqlens.device)
+        order[positions] = torch.arange(tokens, device=cu_seqlens.device)
+        _last_plan = _RowPlan(cu_seqlens, groups, valid, order)
+    return _last_plan
 
 
 def context_parallel_causal_attention(
