@@ -189,8 +189,11 @@ MODEL_ALONE_FLAG = "--model-alone-json"
 """Internal: run only :func:`model_alone` in this process and print its result as JSON."""
 
 
-def model_alone_in_child(args, *, samples: int, tokens: float, response_tokens: float) -> dict[str, float]:
-    """:func:`model_alone` in a child process with one OpenMP and torch thread (a Ray worker's)."""
+def model_alone_in_child(
+    args, *, samples: int, tokens: float, response_tokens: float
+) -> dict[str, dict[str, float]]:
+    """:func:`model_alone` and :func:`transformers_alone` in a child process with one OpenMP and
+    torch thread (a Ray worker's): ``{"megatron": ..., "transformers": ...}``."""
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -295,6 +298,114 @@ def model_alone(
     return result
 
 
+def transformers_alone(
+    config, *, samples: int, tokens: int, response_tokens: int, repeats: int = 3
+) -> dict[str, float]:
+    """The same stages on the same model in plain transformers (eager, SDPA attention, fp32, this
+    process's one thread): no Megatron, no packing, no Ray. The reference for what an eager PyTorch
+    trainer pays at this model's width beyond the matmul limit.
+
+    The batch is ``samples`` sequences of equal length (the step's mean: prompt + response tokens),
+    so nothing is padded: the best case for an unpacked model. Log-prob stages: the causal LM's
+    forward without gradients in the recipe's log-prob micro-batches, then log-probs and entropy of
+    the response tokens (as the trainer computes both). Values: the backbone plus a linear value
+    head. Updates: per mini-batch (``ppo_mini_batch_size`` × n samples, ``ppo_epochs`` passes), the
+    recipe's micro-batches forward and backward through a PPO clipped surrogate (a clipped value
+    loss for the critic), the gradient norm clipped to ``grad_clip`` and torch's fused AdamW step.
+    Median of ``repeats`` after a warm-up, in seconds, keyed by stage."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from rltrain.models.source import resolve_model_dir
+
+    torch.set_num_threads(1)
+    model_dir = str(resolve_model_dir(config.model, data=config.data))
+    kwargs = {"torch_dtype": torch.float32, "attn_implementation": "sdpa"}
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    backbone = AutoModel.from_pretrained(model_dir, **kwargs)
+    value_head = torch.nn.Linear(backbone.config.hidden_size, 1)
+    response = max(1, round(response_tokens / samples))
+    length = max(response + 1, round(tokens / samples))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, policy.config.vocab_size, (samples, length), generator=gen)
+    targets = ids[:, -response:]
+    advantages, returns = torch.randn(samples, response, generator=gen), torch.randn(samples, response, generator=gen)
+    actor_cfg, critic_cfg, n = config.actor, config.critic, config.rollout.n
+
+    def logprobs_entropy(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = policy(input_ids=ids[rows]).logits[:, -response - 1 : -1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return logp.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1), entropy
+
+    def values(rows: slice) -> torch.Tensor:
+        return value_head(backbone(input_ids=ids[rows]).last_hidden_state[:, -response - 1 : -1]).squeeze(-1)
+
+    def micro_slices(size: int | None, start: int = 0, stop: int = samples) -> list[slice]:
+        size = size or stop - start
+        return [slice(i, min(i + size, stop)) for i in range(start, stop, size)]
+
+    with torch.no_grad():
+        old = torch.cat([logprobs_entropy(r)[0] for r in micro_slices(actor_cfg.log_prob_micro_batch_size_per_gpu)])
+        old_values = torch.cat([values(r) for r in micro_slices(critic_cfg.forward_micro_batch_size_per_gpu)])
+
+    def forward_only(fn, micro: int | None):
+        def run() -> None:
+            with torch.no_grad():
+                for rows in micro_slices(micro):
+                    fn(rows)
+
+        return run
+
+    def update(params, role, loss_of):
+        optim = role.optim
+        opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, fused=True)
+        per_mini = (role.ppo_mini_batch_size or actor_cfg.ppo_mini_batch_size) * n
+
+        def run() -> None:
+            for _ in range(role.ppo_epochs or actor_cfg.ppo_epochs):
+                for start in range(0, samples, per_mini):
+                    stop = min(start + per_mini, samples)
+                    opt.zero_grad(set_to_none=True)
+                    micros = micro_slices(role.ppo_micro_batch_size_per_gpu, start, stop)
+                    for rows in micros:
+                        (loss_of(rows) / len(micros)).backward()
+                    torch.nn.utils.clip_grad_norm_(params, optim.clip_grad or float("inf"))
+                    opt.step()
+
+        return run
+
+    def actor_loss(rows: slice) -> torch.Tensor:
+        logp, _ = logprobs_entropy(rows)
+        ratio = torch.exp(logp - old[rows])
+        clipped = ratio.clamp(1 - actor_cfg.clip_ratio, 1 + actor_cfg.clip_ratio)
+        return torch.maximum(-advantages[rows] * ratio, -advantages[rows] * clipped).mean()
+
+    def critic_loss(rows: slice) -> torch.Tensor:
+        v = values(rows)
+        clipped = old_values[rows] + (v - old_values[rows]).clamp(-critic_cfg.cliprange_value, critic_cfg.cliprange_value)
+        return 0.5 * torch.maximum((v - returns[rows]) ** 2, (clipped - returns[rows]) ** 2).mean()
+
+    stages = {
+        "old_logprob": forward_only(logprobs_entropy, actor_cfg.log_prob_micro_batch_size_per_gpu),
+        "ref": forward_only(logprobs_entropy, config.ref.log_prob_micro_batch_size_per_gpu),
+        "update_actor": update(list(policy.parameters()), actor_cfg, actor_loss),
+    }
+    if config.critic_enabled():
+        stages["values"] = forward_only(values, critic_cfg.forward_micro_batch_size_per_gpu)
+        critic_params = [*backbone.parameters(), *value_head.parameters()]
+        stages["update_critic"] = update(critic_params, critic_cfg, critic_loss)
+    result = {}
+    for stage, call in stages.items():
+        call()  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - start)
+        result[stage] = statistics.median(seconds)
+    return result
+
+
 def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[list[list], dict]:
     """Per stage: seconds, model FLOPs, achieved FLOP/s, ratio to ``limit`` (and the step's sizes)."""
     from rltrain.logging import metrics as mk
@@ -331,7 +442,9 @@ def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[lis
     return rows, sizes
 
 
-def report(*, config, hf, records, limits, engines, bandwidth, alone: dict[str, float]) -> list[str]:
+def report(
+    *, config, hf, records, limits, engines, bandwidth, alone: dict[str, float], transformers: dict[str, float]
+) -> list[str]:
     from rltrain.logging import metrics as mk
 
     limit = limits[1]
@@ -358,12 +471,15 @@ def report(*, config, hf, records, limits, engines, bandwidth, alone: dict[str, 
         f"{engines[cores][0]:.0f} at {cores} threads; {engine_tokens} tokens a batch; "
         f"memcpy {bandwidth / 1e9:.1f} GB/s",
         "",
-        f"{'stage':<15}{'s':>8}{'share':>8}{'GFLOP':>9}{'GFLOP/s':>9}{'/ limit':>9}{'alone s':>9}{'around s':>9}",
+        f"{'stage':<15}{'s':>8}{'share':>8}{'GFLOP':>9}{'GFLOP/s':>9}{'/ limit':>9}{'alone s':>9}{'around s':>9}"
+        f"{'HF s':>8}{'limit s':>9}",
     ]
-    for stage, seconds, flops, rate, ratio, _ in rows:
+    nan = float("nan")
+    for stage, seconds, flops, rate, ratio, ideal in rows:
         lines.append(
             f"{stage:<15}{seconds:>8.3f}{seconds / step:>8.1%}{flops / 1e9:>9.2f}{rate / 1e9:>9.2f}{ratio:>9.1%}"
-            f"{alone.get(stage, float('nan')):>9.3f}{seconds - alone.get(stage, float('nan')):>9.3f}"
+            f"{alone.get(stage, nan):>9.3f}{seconds - alone.get(stage, nan):>9.3f}"
+            f"{transformers.get(stage, nan):>8.3f}{ideal:>9.3f}"
         )
     lines += [
         f"{'generate':<15}{gen_seconds:>8.3f}{gen_seconds / step:>8.1%}   {gen_rate:.0f} tok/s = "
@@ -381,6 +497,17 @@ def report(*, config, hf, records, limits, engines, bandwidth, alone: dict[str, 
             f"optimizer): {inside:.3f} s = {inside / step:.0%} of the step",
             f"  and around them (Ray calls, batches built, moved and gathered, the driver between stages): "
             f"{overhead - inside:.3f} s = {(overhead - inside) / step:.0%} of the step",
+        ]
+    if transformers:
+        # The floor of an eager PyTorch trainer on this model: transformers' calls alone, nothing
+        # around them, generation at the engine's rate and the copy at memcpy speed.
+        hf_inside = sum(max(transformers.get(r[0], r[5]) - r[5], 0.0) for r in rows)
+        floor_step = explained + hf_inside
+        lines += [
+            f"reference: the same stages in plain transformers (eager, SDPA, equal-length unpadded rows, "
+            f"one process, no Megatron or Ray; column HF s) spend {hf_inside:.3f} s beyond their compute at "
+            f"the limit; a step made of those calls and nothing else would be {floor_step:.3f} s with an "
+            f"overhead of {hf_inside / floor_step:.0%}: the floor for an eager PyTorch trainer at this width"
         ]
     train_ratios = [r[4] for r in rows]
     if max(train_ratios, default=0.0) > 1.1:
@@ -432,9 +559,8 @@ def main() -> int:
 
         samples, tokens, response_tokens = (int(v) for v in args.model_alone_shape.split(","))
         config = load_config(args.recipe, args.overrides)
-        print(
-            json.dumps(model_alone(config, samples=samples, tokens=tokens, response_tokens=response_tokens))
-        )
+        shape = {"samples": samples, "tokens": tokens, "response_tokens": response_tokens}
+        print(json.dumps({"megatron": model_alone(config, **shape), "transformers": transformers_alone(config, **shape)}))
         return 0
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is warm-up)")
@@ -464,7 +590,7 @@ def main() -> int:
     limits = {t: matmul_limit(hf, rows, t) for t in sorted({1, os.cpu_count() or 1})}
     engines = {t: engine_alone_with_threads(args, t) for t in sorted({1, os.cpu_count() or 1})}
     _, sizes = stage_rows(records, config, hf, limits[1])
-    alone = model_alone_in_child(
+    both = model_alone_in_child(
         args,
         samples=sizes["samples"],
         tokens=sizes["tokens"],
@@ -478,7 +604,8 @@ def main() -> int:
         limits=limits,
         engines=engines,
         bandwidth=bandwidth,
-        alone=alone,
+        alone=both["megatron"],
+        transformers=both["transformers"],
     )
     load = os.getloadavg()
     lines.append(f"load average (1, 5, 15 min) at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}")

@@ -106,6 +106,8 @@ def packed_causal_attention(
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         outputs.append(out.transpose(1, 2)[rows, offsets])
+    if plan.order is None:  # one group whose valid rows are already the packed order
+        return outputs[0]
     return torch.cat(outputs).index_select(0, plan.order)
 
 
@@ -113,12 +115,14 @@ def packed_causal_attention(
 class _RowPlan:
     """What ``packed_causal_attention`` derives from ``cu_seqlens`` alone, kept for the row's other
     layers: the groups, each group's valid (segment, offset) pairs (``valid.nonzero()`` as index
-    tensors), and the packed order of the concatenated groups' outputs."""
+    tensors), and the packed order of the concatenated groups' outputs (None when there is one group
+    and its valid pairs, row by row, are the packed positions in order: its output is then the
+    result as it stands, without two copies of it)."""
 
     cu_seqlens: torch.Tensor
     groups: list[SegmentGroup]
     valid: list[tuple[torch.Tensor, torch.Tensor]]
-    order: torch.Tensor
+    order: torch.Tensor | None
 
 
 _last_plan: _RowPlan | None = None
@@ -133,8 +137,12 @@ def _row_plan(cu_seqlens: torch.Tensor) -> _RowPlan:
         valid = [tuple(group.valid.nonzero().unbind(1)) for group in groups]
         positions = torch.cat([group.gather_index[rows, offsets] for group, (rows, offsets) in zip(groups, valid)])
         tokens = int(cu_seqlens[-1])
-        order = torch.empty(tokens, dtype=torch.long, device=cu_seqlens.device)
-        order[positions] = torch.arange(tokens, device=cu_seqlens.device)
+        identity = torch.arange(tokens, device=cu_seqlens.device)
+        if len(groups) == 1 and torch.equal(positions, identity):
+            order = None
+        else:
+            order = torch.empty(tokens, dtype=torch.long, device=cu_seqlens.device)
+            order[positions] = identity
         _last_plan = _RowPlan(cu_seqlens, groups, valid, order)
     return _last_plan
 

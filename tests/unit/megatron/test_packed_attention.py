@@ -146,3 +146,18 @@ def test_packed_peak_memory_grows_linearly_with_the_pack() -> None:
     assert masked_large / masked_small > 12
     assert large / small < 5
     assert large * 10 < masked_large
+
+
+def test_a_row_of_one_length_class_skips_the_reorder_with_the_same_bits() -> None:
+    from rltrain.megatron import packed_attention
+
+    cu = cu_seqlens_of([9, 12, 16, 10])  # one class, (8, 16]: the output is already in packed order
+    plan = packed_attention._row_plan(cu)
+    assert plan.order is None
+    fast = values_and_grads(lambda q, k, v, _: packed(q, k, v, cu), [9, 12, 16, 10])
+    plan.order = torch.arange(int(cu[-1]))  # force the general path: concatenate, then reorder
+    general = values_and_grads(lambda q, k, v, _: packed(q, k, v, cu), [9, 12, 16, 10])
+    assert all(torch.equal(a, b) for a, b in zip(fast, general))
+    # Several classes: the groups' outputs interleave in packed order, so they are reordered.
+    order = packed_attention._row_plan(cu_seqlens_of(LENGTHS)).order
+    assert order is not None and not torch.equal(order, torch.arange(sum(LENGTHS)))
