@@ -114,6 +114,22 @@ class StepBatch:
     extra_metrics: dict[str, float] = field(default_factory=dict)
     """Metrics produced while building the batch (e.g. over-long prompt counts)."""
 
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """Pickled (every Ray call that carries a batch) with its tensors as numpy arrays. torch
+        pickles each tensor's storage through a serializer of its own, about 0.1 ms a tensor, ten
+        times numpy's: an update's four mini-batches of the quickstart took 3 ms to pickle and 2 ms
+        to unpickle, 0.2 ms each way as arrays. Values, dtypes and shapes come back exactly, in
+        tensors of their own (writable, sharing nothing with the sender); a tensor numpy cannot hold
+        (bfloat16, off the CPU, requiring grad, not strided) is pickled by torch as before."""
+        state, as_numpy = {}, []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if _numpy_compatible(value):
+                value = value.numpy()
+                as_numpy.append(f.name)
+            state[f.name] = value
+        return _rebuild_step_batch, (state, tuple(as_numpy))
+
     @property
     def batch_size(self) -> int:
         return self.input_ids.size(0)
@@ -167,6 +183,31 @@ class StepBatch:
                 values = [getattr(p, f.name) for p in parts]
                 updates[f.name] = None if values[0] is None else [x for v in values for x in v]
         return replace(first, **updates)
+
+
+_NUMPY_DTYPES = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {torch.float16, torch.float32, torch.float64}
+)
+
+
+def _numpy_compatible(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+        and value.dtype in _NUMPY_DTYPES
+        and not value.requires_grad
+    )
+
+
+def _rebuild_step_batch(state: dict[str, Any], as_numpy: tuple[str, ...]) -> StepBatch:
+    """Inverse of ``StepBatch.__reduce__``. An array unpickled from a buffer (in-band bytes, or
+    Ray's object store) is read-only and is copied; one that owns writable memory is taken as is."""
+    for name in as_numpy:
+        array = state[name]
+        state[name] = torch.from_numpy(array if array.flags.writeable and array.flags.owndata else array.copy())
+    return StepBatch(**state)
 
 
 def build_step_batch(

@@ -111,3 +111,34 @@ def test_a_sampled_mask_of_the_wrong_length_is_refused():
             response_length=3,
             sampled_masks=[[1]],
         )
+
+
+def test_a_pickled_batch_comes_back_exactly_in_tensors_of_its_own() -> None:
+    import pickle
+    import warnings
+
+    b = make_batch()
+    b.scores = torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=torch.float64)
+    b.old_logprobs = torch.randn(3, 4).t()  # not contiguous
+    b.values = torch.randn(4, 3, dtype=torch.bfloat16)  # numpy has no bfloat16: torch pickles it
+    b.routed_experts = torch.randint(0, 8, (4, 6, 2, 2), dtype=torch.int16)
+    b.sampled_mask = b.response_mask.bool()
+    b.extra_infos = [{"index": i} for i in range(4)]
+    b.extra_metrics = {"prompt/overlong": 1.0}
+    for protocol, out_of_band in ((4, False), (5, False), (5, True)):
+        buffers: list = []
+        data = pickle.dumps(b, protocol=protocol, buffer_callback=buffers.append if out_of_band else None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warns when it wraps a read-only array
+            # Out of band, as Ray passes arrays: the buffers are read-only memory.
+            back = pickle.loads(data, buffers=[memoryview(bytes(x.raw())) for x in buffers])
+        for name, value in vars(b).items():
+            other = getattr(back, name)
+            if isinstance(value, torch.Tensor):
+                assert other.dtype == value.dtype and other.shape == value.shape and torch.equal(other, value), name
+                # Writable, and its own memory: the sender's tensor is unchanged.
+                other.logical_not_() if other.dtype == torch.bool else other.add_(1)
+                assert not torch.equal(other, value), name
+            else:
+                assert other == value, name
+        assert back.old_logprobs is not None and back.ref_logprobs is None
