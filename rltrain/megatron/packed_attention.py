@@ -135,7 +135,9 @@ def _row_plan(cu_seqlens: torch.Tensor) -> _RowPlan:
     if _last_plan is None or _last_plan.cu_seqlens is not cu_seqlens:
         groups = segment_groups(cu_seqlens)
         valid = [tuple(group.valid.nonzero().unbind(1)) for group in groups]
-        positions = torch.cat([group.gather_index[rows, offsets] for group, (rows, offsets) in zip(groups, valid)])
+        positions = torch.cat(
+            [group.gather_index[rows, offsets] for group, (rows, offsets) in zip(groups, valid)]
+        )
         tokens = int(cu_seqlens[-1])
         identity = torch.arange(tokens, device=cu_seqlens.device)
         if len(groups) == 1 and torch.equal(positions, identity):

@@ -47,7 +47,10 @@ class _PackedCosSin:
     def fits(self, freqs: torch.Tensor, cu_seqlens: torch.Tensor, mscale: float, dtype: torch.dtype) -> bool:
         # Identity, not equality: the entry holds both tensors, so a new tensor cannot reuse their ids.
         return (
-            self.freqs is freqs and self.cu_seqlens is cu_seqlens and self.mscale == mscale and self.dtype == dtype
+            self.freqs is freqs
+            and self.cu_seqlens is cu_seqlens
+            and self.mscale == mscale
+            and self.dtype == dtype
         )
 
 
@@ -70,7 +73,9 @@ def packed_positions(cu_seqlens: torch.Tensor, freqs_len: int) -> torch.Tensor:
     return within
 
 
-def _packed_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor, mscale: float, dtype: torch.dtype) -> _PackedCosSin:
+def _packed_cos_sin(
+    freqs: torch.Tensor, cu_seqlens: torch.Tensor, mscale: float, dtype: torch.dtype
+) -> _PackedCosSin:
     global _last
     if _last is None or not _last.fits(freqs, cu_seqlens, mscale, dtype):
         packed = freqs[packed_positions(cu_seqlens, freqs.size(0))]

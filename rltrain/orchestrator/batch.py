@@ -206,7 +206,9 @@ def _rebuild_step_batch(state: dict[str, Any], as_numpy: tuple[str, ...]) -> Ste
     Ray's object store) is read-only and is copied; one that owns writable memory is taken as is."""
     for name in as_numpy:
         array = state[name]
-        state[name] = torch.from_numpy(array if array.flags.writeable and array.flags.owndata else array.copy())
+        state[name] = torch.from_numpy(
+            array if array.flags.writeable and array.flags.owndata else array.copy()
+        )
     return StepBatch(**state)
 
 

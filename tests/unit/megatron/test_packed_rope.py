@@ -23,7 +23,11 @@ LENGTHS = [5, 1, 17, 16, 2, 33, 9, 3, 1, 12]
 
 def config(*, interleaved: bool = False) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=1, hidden_size=32, num_attention_heads=4, rotary_interleaved=interleaved, apply_rope_fusion=False
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        rotary_interleaved=interleaved,
+        apply_rope_fusion=False,
     )
 
 
@@ -42,7 +46,9 @@ def cu_of(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def rotated(fn, heads: int, cu: torch.Tensor, freqs: torch.Tensor, cfg, *, mscale: float = 1.0, seed: int = 0):
+def rotated(
+    fn, heads: int, cu: torch.Tensor, freqs: torch.Tensor, cfg, *, mscale: float = 1.0, seed: int = 0
+):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(int(cu[-1]), heads, 8, generator=gen).requires_grad_()
     out = fn(x, freqs, cfg, cu_seqlens=cu, mscale=mscale, cp_group=dist.group.WORLD)
@@ -107,7 +113,7 @@ def test_install_replaces_the_name_megatrons_attention_calls_once() -> None:
         packed_rope.install_packed_rope()
         packed_rope.install_packed_rope()
         assert attention.apply_rotary_pos_emb is packed_rope.apply_rotary_pos_emb
-        original = getattr(packed_rope.apply_rotary_pos_emb, "_rltrain_original")
+        original = packed_rope.apply_rotary_pos_emb._rltrain_original
         assert original is rope_utils.apply_rotary_pos_emb
     finally:
         attention.apply_rotary_pos_emb = before

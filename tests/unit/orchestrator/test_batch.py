@@ -135,7 +135,9 @@ def test_a_pickled_batch_comes_back_exactly_in_tensors_of_its_own() -> None:
         for name, value in vars(b).items():
             other = getattr(back, name)
             if isinstance(value, torch.Tensor):
-                assert other.dtype == value.dtype and other.shape == value.shape and torch.equal(other, value), name
+                assert (
+                    other.dtype == value.dtype and other.shape == value.shape and torch.equal(other, value)
+                ), name
                 # Writable, and its own memory: the sender's tensor is unchanged.
                 other.logical_not_() if other.dtype == torch.bool else other.add_(1)
                 assert not torch.equal(other, value), name
