@@ -49,6 +49,13 @@ own rate or the weight copy (its bytes at this machine's memcpy bandwidth), as a
    limit: GEMMs too small for the matmul rate, elementwise ops, autograd, Megatron's schedule, the
    optimizer) and the part around them (Ray, building, moving and gathering batches, the driver).
    The goals are judged on the whole overhead, as before.
+6. The same model in plain transformers (since 2026-12-05; ``transformers_alone``, same child
+   process, one thread): each stage as an eager PyTorch trainer without Megatron, packing or Ray
+   runs it (SDPA attention, equal-length unpadded rows, the recipe's micro-batches, a PPO clipped
+   loss, gradient clipping and fused AdamW), printed as "HF s" beside "limit s" (the stage's FLOPs
+   at the limit). Its time beyond the limit, over a step made of those calls plus generation at the
+   engine's rate and the copy at memcpy speed, is the overhead an eager PyTorch trainer could not go
+   below at this model's width: the floor the overhead goal is read against.
 The goals of the issue are printed against the table; the load average is printed with it, and a
 load above the core count is flagged (the numbers then say little).
 """
@@ -283,18 +290,23 @@ def model_alone(
             critic_cfg,
             lambda c: critic_loss_fn(critic_cfg, c, actor_loss_scale_factor=actor_cfg.loss_scale_factor),
         )
-    result = {}
     try:
-        for stage, call in stages.items():
-            call()  # warm-up
-            seconds = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                call()
-                seconds.append(time.perf_counter() - start)
-            result[stage] = statistics.median(seconds)
+        return median_seconds(stages, repeats)
     finally:
         ctx.destroy()
+
+
+def median_seconds(stages: dict, repeats: int) -> dict[str, float]:
+    """Each stage's call: one warm-up, then the median seconds of ``repeats`` calls."""
+    result = {}
+    for stage, call in stages.items():
+        call()  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - start)
+        result[stage] = statistics.median(seconds)
     return result
 
 
@@ -328,7 +340,10 @@ def transformers_alone(
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, policy.config.vocab_size, (samples, length), generator=gen)
     targets = ids[:, -response:]
-    advantages, returns = torch.randn(samples, response, generator=gen), torch.randn(samples, response, generator=gen)
+    advantages, returns = (
+        torch.randn(samples, response, generator=gen),
+        torch.randn(samples, response, generator=gen),
+    )
     actor_cfg, critic_cfg, n = config.actor, config.critic, config.rollout.n
 
     def logprobs_entropy(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +360,9 @@ def transformers_alone(
         return [slice(i, min(i + size, stop)) for i in range(start, stop, size)]
 
     with torch.no_grad():
-        old = torch.cat([logprobs_entropy(r)[0] for r in micro_slices(actor_cfg.log_prob_micro_batch_size_per_gpu)])
+        old = torch.cat(
+            [logprobs_entropy(r)[0] for r in micro_slices(actor_cfg.log_prob_micro_batch_size_per_gpu)]
+        )
         old_values = torch.cat([values(r) for r in micro_slices(critic_cfg.forward_micro_batch_size_per_gpu)])
 
     def forward_only(fn, micro: int | None):
@@ -382,7 +399,9 @@ def transformers_alone(
 
     def critic_loss(rows: slice) -> torch.Tensor:
         v = values(rows)
-        clipped = old_values[rows] + (v - old_values[rows]).clamp(-critic_cfg.cliprange_value, critic_cfg.cliprange_value)
+        clipped = old_values[rows] + (v - old_values[rows]).clamp(
+            -critic_cfg.cliprange_value, critic_cfg.cliprange_value
+        )
         return 0.5 * torch.maximum((v - returns[rows]) ** 2, (clipped - returns[rows]) ** 2).mean()
 
     stages = {
@@ -394,16 +413,7 @@ def transformers_alone(
         stages["values"] = forward_only(values, critic_cfg.forward_micro_batch_size_per_gpu)
         critic_params = [*backbone.parameters(), *value_head.parameters()]
         stages["update_critic"] = update(critic_params, critic_cfg, critic_loss)
-    result = {}
-    for stage, call in stages.items():
-        call()  # warm-up
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            call()
-            seconds.append(time.perf_counter() - start)
-        result[stage] = statistics.median(seconds)
-    return result
+    return median_seconds(stages, repeats)
 
 
 def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[list[list], dict]:
@@ -443,7 +453,15 @@ def stage_rows(records: list[dict], config, hf: dict, limit: float) -> tuple[lis
 
 
 def report(
-    *, config, hf, records, limits, engines, bandwidth, alone: dict[str, float], transformers: dict[str, float]
+    *,
+    config,
+    hf,
+    records,
+    limits,
+    engines,
+    bandwidth,
+    alone: dict[str, float],
+    transformers: dict[str, float],
 ) -> list[str]:
     from rltrain.logging import metrics as mk
 
@@ -560,7 +578,14 @@ def main() -> int:
         samples, tokens, response_tokens = (int(v) for v in args.model_alone_shape.split(","))
         config = load_config(args.recipe, args.overrides)
         shape = {"samples": samples, "tokens": tokens, "response_tokens": response_tokens}
-        print(json.dumps({"megatron": model_alone(config, **shape), "transformers": transformers_alone(config, **shape)}))
+        print(
+            json.dumps(
+                {
+                    "megatron": model_alone(config, **shape),
+                    "transformers": transformers_alone(config, **shape),
+                }
+            )
+        )
         return 0
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is warm-up)")
