@@ -30,7 +30,6 @@ from megatron.core.models.common.embeddings import rope_utils
 
 _TARGET_MODULE = "megatron.core.transformer.attention"
 _TARGET_NAME = "apply_rotary_pos_emb"
-_ORIGINAL = "_rltrain_original"
 
 
 @dataclass
@@ -119,7 +118,5 @@ def install_packed_rope() -> None:
             f"{_TARGET_MODULE}.{_TARGET_NAME} not found: the installed megatron-core is not the one "
             "rltrain's packed RoPE was written for"
         )
-    if current is apply_rotary_pos_emb:
-        return
-    setattr(apply_rotary_pos_emb, _ORIGINAL, current)
-    setattr(module, _TARGET_NAME, apply_rotary_pos_emb)
+    if current is not apply_rotary_pos_emb:
+        setattr(module, _TARGET_NAME, apply_rotary_pos_emb)

