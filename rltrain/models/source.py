@@ -1,6 +1,6 @@
 """Resolve ``model:`` in a recipe to an HF directory on local disk (config, safetensors, tokenizer).
 
-* ``path``: used as is; it must hold ``config.json``.
+* ``path``: used as is; it must hold ``config.json`` (otherwise a :class:`ConfigError` naming the key).
 * ``gguf_package``: the package's GGUF file is materialized once into ``cache_dir``.
 * ``tiny``: a tiny random model (and, with ``sft_warmup_steps``, its supervised warm-up on the
   recipe's generated task) is built once into ``cache_dir`` under a key of everything that shapes it,
@@ -17,7 +17,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from rltrain.config import DataConfig, ModelConfig
+from rltrain.config import ConfigError, DataConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,11 @@ def resolve_model_dir(model: ModelConfig, *, data: DataConfig, tools_file: str |
     if model.path is not None:
         path = Path(model.path).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.path={model.path}: no config.json there (expected an HF model directory)"
+            raise ConfigError(
+                [
+                    f"model.path={model.path}: no config.json there (expected a Hugging Face model "
+                    "directory: config.json, weights, tokenizer)"
+                ]
             )
         return path
     cache = Path(model.cache_dir).expanduser()

@@ -85,3 +85,23 @@ def test_bad_data_found_at_load_is_one_line_without_traceback(capsys, monkeypatc
         capsys.readouterr().err
         == "rltrain config: data/train.jsonl:3: not UTF-8 text (byte 0xe9 at column 16)\n"
     )
+
+
+def test_model_path_without_config_json_is_one_line_without_traceback(tmp_path):
+    """A ``model.path`` that is not an HF directory stops ``rltrain train`` before Ray starts, exit 2."""
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    result = run_cli(
+        "train",
+        "--skip-env-check",
+        str(QUICKSTART),
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+        "model.tiny=null",
+        f"model.path={empty}",
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"rltrain train: invalid configuration: model.path={empty}: no config.json there "
+        "(expected a Hugging Face model directory: config.json, weights, tokenizer)"
+    )
