@@ -27,7 +27,9 @@ def test_tiny_model_is_cached_and_keyed_by_its_settings(tmp_path):
 
 
 def test_missing_model_path_names_the_key(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"model\.path=.*no config\.json"):
+    from rltrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model\.path=.*no config\.json"):
         resolve_model_dir(ModelConfig(path=str(tmp_path)), data=DataConfig())
 
 
