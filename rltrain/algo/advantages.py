@@ -24,13 +24,17 @@ Estimators of this module (per-token returns; the group estimators ``grpo``, ``r
   (verl's ``compute_remax_outcome_advantage`` ignores it too). The caller generates the greedy
   baseline; the estimator needs no group ids and works for any ``rollout.n``.
 
-Departures from verl: (1) rewards on masked positions are ignored (verl sums them into the outcome
-score); (2) ``reinforce_plus_plus`` skips masked tokens like GAE does, where verl resets the running
-return to 0 at a masked token, which, for interior masks such as tool-output tokens of a multi-turn
-rollout, cuts the credit of earlier turns; with tail padding only both agree; (3) ``gae`` returns are
-zero on masked positions (verl leaves ``advantage + value`` there); (4) ``remax`` advantages are zero
-on interior masked positions, where verl leaves the reward-to-go (its baseline term is masked, its
-reward-to-go is not); with tail padding only both agree.
+``reinforce_plus_plus`` and ``gae`` skip a masked token (a tool-output token of a multi-turn
+rollout, or padding): its reward is not added and the running return passes it undiscounted. verl
+does the same for GAE and, since 0.9.0 (verl PR #7300, issue #7278), for REINFORCE++; older verl
+reset REINFORCE++'s running return to 0 there, cutting the credit of earlier turns.
+
+Departures from verl: (1) rewards on masked positions are ignored with ``torch.where``; verl
+multiplies them by the mask, which ignores them as well unless they are not finite (``nan · 0`` is
+``nan``); (2) ``gae`` returns are zero on masked positions (verl leaves ``advantage + value``
+there); (3) ``remax`` advantages are zero on interior masked positions, where verl leaves the
+reward-to-go (its baseline term is masked, its reward-to-go is not); with tail padding only both
+agree.
 """
 
 from __future__ import annotations
