@@ -20,11 +20,14 @@ gspo: Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071)
     ``s_i = exp(Σ_t m lr / Σ_t m)``, the geometric mean of the sequence's token ratios. Per token
     ``s_it = sg(s_i) · π(y_t) / sg(π(y_t))`` has the value ``s_i`` and the gradient
     ``s_i ∇logp_t`` (log clamped at 10, as verl); ``L_it = max(-A s_it, -A clip(s_it, 1-low,
-    1+high))``. Aggregated by seq-mean-token-mean whatever ``loss_agg_mode`` says, as verl does
-    (the paper's ``1/|y_i|`` inside, mean over sequences outside). With a token-level ``A`` this
-    is the paper's GSPO-token; with GRPO's sequence-level ``A`` it is GSPO. No dual clip. The
-    paper clips very tightly (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``). clipfrac: tokens
-    whose clipped term is the larger; clipfrac_lower 0.
+    1+high))``, aggregated by ``loss_agg_mode`` like any token loss, as verl 0.9.1 does (verl up
+    to 0.9.0 forced seq-mean-token-mean). Departure from the paper: the paper's objective is
+    seq-mean-token-mean (its ``1/|y_i|`` inside, mean over sequences outside); set
+    ``loss_agg_mode: seq-mean-token-mean`` for it, the default ``token-mean`` weights sequences by
+    their length. With a token-level ``A`` this is the paper's GSPO-token; with GRPO's
+    sequence-level ``A`` it is GSPO. No dual clip. The paper clips very tightly
+    (``clip_ratio_low=3e-4``, ``clip_ratio_high=4e-4``). clipfrac: tokens whose clipped term is
+    the larger; clipfrac_lower 0.
 
 cispo: Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv 2506.13585)
     ``L_t = -sg(clip(r, 1-low, 1+high)) · A · logp``: REINFORCE weighted by the clipped, detached
@@ -70,8 +73,6 @@ Williams 1992)
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -141,7 +142,7 @@ def gspo_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: Lo
     unclipped, clipped = _surrogates(torch.exp(token_log_ratio), advantages, params)
     weight = loss_weight(inputs, params)
     per_token = _weighted(torch.maximum(unclipped, clipped), weight)
-    loss = replace(agg, mode="seq-mean-token-mean")(per_token, mask)
+    loss = agg(per_token, mask)
     return _output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=clipped > unclipped)
 
 

@@ -129,8 +129,9 @@ class ActorConfig:
     ``policy_loss: {loss_mode: gspo}``."""
 
     loss_agg_mode: LossAggMode = "token-mean"
-    """How per-token losses become one number (policy, entropy and KL loss). gspo always uses
-    seq-mean-token-mean and geo_mean its own sequence mean, as in verl."""
+    """How per-token losses become one number (policy, entropy and KL loss). Every policy loss
+    follows it (gspo too, as in verl 0.9.1; the GSPO paper's is seq-mean-token-mean) except
+    geo_mean, its own sequence mean, as in verl."""
 
     loss_scale_factor: PositiveInt | None = None
     """The constant ``C`` of ``seq-mean-token-sum-norm`` (Dr. GRPO divides each sequence's token

@@ -52,25 +52,64 @@ def _grad_grid(values: list[float]) -> list[list[float]]:
 # -- gspo ------------------------------------------------------------------------------------------
 
 
-def test_gspo_clips_the_sequence_ratio_and_gives_per_token_gradients():
-    # row 0: log-ratios 0.3, -0.1, 0.4 -> s = e^0.2 > 1.2, A = 1: clipped, -1.2 per token
-    # row 2: log-ratios -0.5, 0.3 -> s = e^-0.1, A = -2, -1: unclipped, -A·s per token
-    inputs = _inputs([-1.0, -2.0, -0.5, -0.2, -3.0], [0.3, -0.1, 0.4, -0.5, 0.3], [1, 1, 1, -2, -1])
-    out, grad = _run("gspo", inputs, LossAgg(mode="token-mean"), clip_ratio=0.2)
-    s2 = math.exp(-0.1)
-    # seq-mean-token-mean whatever loss_agg_mode says: (mean(-1.2 ×3) + mean(2 s2, s2)) / 2
-    assert out.loss.item() == pytest.approx((-1.2 + 1.5 * s2) / 2, rel=1e-12)
-    # the clipped row has no gradient; row 2: -A_t · s2 / (2 tokens · 2 sequences)
-    assert grad.tolist() == _grad_grid([0.0, 0.0, 0.0, s2 / 2, s2 / 4])
+GSPO_LOGPROBS = [-1.0, -2.0, -0.5, -0.2, -3.0]
+GSPO_LOG_RATIOS = [0.3, -0.1, 0.4, -0.5, 0.3]
+GSPO_ADVANTAGES = [1.0, 1.0, 1.0, -2.0, -1.0]
+S2 = math.exp(-0.1)
+"""Row 2's sequence ratio: the mean of its log-ratios -0.5, 0.3 is -0.1."""
+
+
+# Row 0: log-ratios 0.3, -0.1, 0.4 -> s = e^0.2 > 1.2 with A = 1: clipped, -1.2 on each of its 3
+# tokens, no gradient. Row 2: s = e^-0.1 in [0.8, 1.2] with A = -2, -1: unclipped, -A·s per token
+# (2·S2, S2) with d/dlogp_t = -A_t·S2 (the token ratio's value is s, its gradient s·∇logp_t).
+# verl 0.9.1's agg_loss of these, with 5 valid tokens, 2 non-empty rows, response_len 4:
+@pytest.mark.parametrize(
+    ("mode", "expected_loss", "expected_grads"),
+    [
+        ("token-mean", (-3.6 + 3 * S2) / 5, [2 * S2 / 5, S2 / 5]),
+        ("token-sum", -3.6 + 3 * S2, [2 * S2, S2]),
+        ("seq-mean-token-sum", (-3.6 + 3 * S2) / 2, [S2, S2 / 2]),
+        ("seq-mean-token-mean", (-3.6 / 3 + 3 * S2 / 2) / 2, [S2 / 2, S2 / 4]),
+        ("seq-mean-token-sum-norm", (-3.6 / 4 + 3 * S2 / 4) / 2, [S2 / 4, S2 / 8]),
+    ],
+)
+def test_gspo_clips_the_sequence_ratio_and_aggregates_by_loss_agg_mode(mode, expected_loss, expected_grads):
+    inputs = _inputs(GSPO_LOGPROBS, GSPO_LOG_RATIOS, GSPO_ADVANTAGES)
+    out, grad = _run("gspo", inputs, LossAgg(mode=mode), clip_ratio=0.2)
+    assert out.loss.item() == pytest.approx(expected_loss, rel=1e-12)
+    assert grad.tolist() == _grad_grid([0.0, 0.0, 0.0, *expected_grads])
     assert out.clipfrac.item() == pytest.approx(3 / 5)
     assert out.clipfrac_lower.item() == 0.0
-    assert out.ppo_kl.item() == pytest.approx(-(0.3 - 0.1 + 0.4 - 0.5 + 0.3) / 5, rel=1e-12)
+    assert out.ppo_kl.item() == pytest.approx(-sum(GSPO_LOG_RATIOS) / 5, rel=1e-12)
 
 
-def test_gspo_with_global_counts_takes_the_mini_batch_sequence_count():
-    inputs = _inputs([-1.0, -2.0, -0.5, -0.2, -3.0], [0.3, -0.1, 0.4, -0.5, 0.3], [1, 1, 1, -2, -1])
-    out, _ = _run("gspo", inputs, LossAgg(global_num_tokens=50, global_num_seqs=4))
-    assert out.loss.item() == pytest.approx((-1.2 + 1.5 * math.exp(-0.1)) / 4, rel=1e-12)
+def test_gspo_follows_loss_agg_mode_token_mean_as_verl_0_9_1():
+    # rows of 1 and 3 valid tokens, A = +1 and -1, every ratio 1: per-token losses -1 | 1, 1, 1
+    logprobs = torch.tensor([[-1.0, 0.0, 0.0], [-1.0, -2.0, -0.5]], dtype=torch.float64)
+    inputs = PolicyLossInputs(
+        old_logprobs=logprobs.clone(),
+        logprobs=logprobs.clone().requires_grad_(),
+        advantages=torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64),
+        response_mask=torch.tensor([[1, 0, 0], [1, 1, 1]]),
+    )
+    out, grad = _run("gspo", inputs, LossAgg(mode="token-mean"))
+    # token-mean over 4 tokens: (-1 + 3) / 4; d/dlogp_t = -A_t · s / 4 with s = 1
+    # (seq-mean-token-mean, verl 0.9.0's, gave 0 and -1/2 | 1/6, 1/6, 1/6)
+    assert out.loss.item() == pytest.approx(0.5, rel=1e-12)
+    assert grad.tolist() == [
+        pytest.approx([-0.25, 0.0, 0.0], abs=1e-15),
+        pytest.approx([0.25, 0.25, 0.25], abs=1e-15),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("token-mean", (-3.6 + 3 * S2) / 50), ("seq-mean-token-mean", (-3.6 / 3 + 3 * S2 / 2) / 4)],
+)
+def test_gspo_with_global_counts_takes_the_mini_batch_denominators(mode, expected):
+    inputs = _inputs(GSPO_LOGPROBS, GSPO_LOG_RATIOS, GSPO_ADVANTAGES)
+    out, _ = _run("gspo", inputs, LossAgg(mode=mode, global_num_tokens=50, global_num_seqs=4))
+    assert out.loss.item() == pytest.approx(expected, rel=1e-12)
 
 
 # -- cispo -----------------------------------------------------------------------------------------
