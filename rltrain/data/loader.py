@@ -3,10 +3,12 @@
 Contract: epoch ``e`` visits the dataset in the order ``epoch_order(e)``, a permutation drawn
 from numpy's legacy ``RandomState([seed, epoch])`` (whose stream numpy keeps frozen across
 versions) when ``shuffle`` is on, the file order otherwise. The loader's whole state is
-``(epoch, position)``: the number of batches of the current epoch already handed out. Saving
+``(epoch, offset)``: the number of prompts of the current epoch's order already handed out. Saving
 ``state_dict()`` after a step and loading it into a fresh loader over the same dataset yields
-exactly the batches an uninterrupted run would have seen next; a state saved with another
-dataset size, batch size, seed or shuffle/drop_last setting is refused, naming the field.
+exactly the batches an uninterrupted run would have seen next. A loader with another batch size
+(``data.train_batch_size`` changed between a save and the resume) goes on from the same prompt of
+the same order, in batches of its own size; a state saved with another dataset size, seed or
+shuffle/drop_last setting is refused (:class:`LoaderStateMismatch`, one line naming the key).
 
 A dataset with fewer prompts than one batch is refused (:class:`~rltrain.data.dataset.DataRowError`
 naming its files and ``data.train_batch_size``).
@@ -24,6 +26,18 @@ from typing import Any
 import numpy as np
 
 from rltrain.data.dataset import DataRowError, PromptDataset, PromptExample
+
+_ORDER_KEYS = {
+    "num_examples": None,
+    "seed": "data.seed",
+    "shuffle": "data.shuffle",
+    "drop_last": "drop_last",
+}
+"""The settings that define the data order, with the config key each comes from."""
+
+
+class LoaderStateMismatch(ValueError):
+    """A saved data position belongs to another data order (other prompts, seed or shuffle)."""
 
 
 @dataclass
@@ -82,7 +96,11 @@ class PromptLoader:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.epoch = 0
+        self.offset = 0
+        """Prompts of this epoch's order handed out so far."""
         self.position = 0
+        """Batches of this epoch handed out so far (counted in this loader's batch size after a resume
+        with another one)."""
         self._order_cache: tuple[int, list[int]] | None = None
 
     def __len__(self) -> int:
@@ -98,26 +116,34 @@ class PromptLoader:
             self._order_cache = (epoch, [int(i) for i in order])
         return self._order_cache[1]
 
+    def _epoch_has_a_batch(self) -> bool:
+        """Whether the current epoch still holds a batch (a whole one with ``drop_last``)."""
+        left = len(self.dataset) - self.offset
+        return left >= self.batch_size if self.drop_last else left > 0
+
+    def _next_epoch_if_done(self) -> None:
+        if not self._epoch_has_a_batch():
+            self.epoch, self.offset, self.position = self.epoch + 1, 0, 0
+
     def next_batch(self) -> PromptBatch:
         """The next batch, moving on to the next epoch when the current one is exhausted."""
-        if self.position >= len(self):
-            self.epoch, self.position = self.epoch + 1, 0
-        start = self.position * self.batch_size
-        positions = self.epoch_order(self.epoch)[start : start + self.batch_size]
+        self._next_epoch_if_done()
+        positions = self.epoch_order(self.epoch)[self.offset : self.offset + self.batch_size]
         batch = PromptBatch([self.dataset[i] for i in positions], epoch=self.epoch, position=self.position)
+        self.offset += len(positions)
         self.position += 1
         return batch
 
     def __iter__(self) -> Iterator[PromptBatch]:
-        if self.position >= len(self):
-            self.epoch, self.position = self.epoch + 1, 0
-        while self.position < len(self):
+        self._next_epoch_if_done()
+        while self._epoch_has_a_batch():
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the data order plus the settings that define the order."""
         return {
             "epoch": self.epoch,
+            "offset": self.offset,
             "position": self.position,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -127,22 +153,35 @@ class PromptLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position; the order-defining settings must match this loader's."""
+        """Continue from a saved position; the order-defining settings must match this loader's
+        (:class:`LoaderStateMismatch` otherwise). A state saved with another batch size continues from
+        the same prompt; one saved before offsets were recorded counts ``position`` batches of its
+        ``batch_size``."""
         current = self.state_dict()
-        missing = sorted(set(current) - set(state))
+        missing = sorted({"epoch", "position", "batch_size", *_ORDER_KEYS} - set(state))
         if missing:
             raise KeyError(f"loader state lacks keys {missing}; has {sorted(state)}")
-        for key in ("num_examples", "batch_size", "seed", "shuffle", "drop_last"):
-            if state[key] != current[key]:
-                raise ValueError(
-                    f"loader state was saved with {key}={state[key]!r}, this loader has {key}={current[key]!r}"
+        for key, config_key in _ORDER_KEYS.items():
+            if state[key] == current[key]:
+                continue
+            if config_key is None:
+                raise LoaderStateMismatch(
+                    f"the data order was saved with {state[key]} training prompts, this run has "
+                    f"{current[key]} (data.train_files, data.generated or data.max_prompt_length changed)"
                 )
-        if not 0 <= state["position"] <= len(self) or state["epoch"] < 0:
-            raise ValueError(
-                f"loader state epoch={state['epoch']} position={state['position']} is outside "
-                f"0 <= position <= {len(self)} batches per epoch"
+            raise LoaderStateMismatch(
+                f"the data order was saved with {config_key}={state[key]!r}, this run has "
+                f"{config_key}={current[key]!r}"
             )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        offset = state.get("offset", state["position"] * state["batch_size"])
+        if not 0 <= offset <= len(self.dataset) or state["epoch"] < 0:
+            raise ValueError(
+                f"loader state epoch={state['epoch']} offset={offset} is outside 0 <= offset <= "
+                f"{len(self.dataset)} prompts per epoch"
+            )
+        same_size = state["batch_size"] == self.batch_size
+        self.epoch, self.offset = int(state["epoch"]), int(offset)
+        self.position = int(state["position"]) if same_size else -(-self.offset // self.batch_size)
 
 
 def _describe(dataset: Sequence[PromptExample]) -> str:

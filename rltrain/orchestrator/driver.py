@@ -25,6 +25,7 @@ after a lost worker (:mod:`~rltrain.orchestrator.recovery`) resumes a new traine
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,17 +43,17 @@ from rltrain.algo import (
     masked_mean,
 )
 from rltrain.config import RLConfig
-from rltrain.data.loader import PromptBatch
+from rltrain.data.loader import LoaderStateMismatch, PromptBatch, PromptLoader
 from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.samples import SAMPLES_LOGGER
 from rltrain.logging.timer import StageTimer
 from rltrain.orchestrator.batch import StepBatch, build_step_batch, sample_uids, step_uid_prefix
-from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointLoadError, RunCheckpoints
+from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointError, CheckpointLoadError, RunCheckpoints
 from rltrain.orchestrator.dynamic_sampling import (
     ScoredRound,
 )
-from rltrain.orchestrator.pipeline import build_source, read_state, write_state
+from rltrain.orchestrator.pipeline import PIPELINE_FILE, build_source, read_state, write_state
 from rltrain.orchestrator.preemption import StopSignals
 from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.roles import CriticRole, PolicyRole, RewardModelRole
@@ -466,6 +467,7 @@ class PPOTrainer(RolloutSide):
         A role that fails to load it raises :class:`CheckpointLoadError` (one line, naming role, rank
         and cause); a later load of another checkpoint overwrites whatever was loaded in part."""
         state = self.checkpoints.read_state(path)
+        resume_data_order(self.data.train, state["data"], checkpoint=path)  # refused before any role loads
         for role in (self.roles.policy, self.roles.critic):
             if role is None:
                 continue
@@ -479,11 +481,42 @@ class PPOTrainer(RolloutSide):
                 raise CheckpointLoadError(
                     f"a role checkpoint holds step {loaded}, {STATE_FILE} {state['step']}"
                 )
-        self.data.train.load_state_dict(state["data"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         read_state(self.source, path)
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
+
+
+def resume_data_order(loader: PromptLoader, saved: dict[str, Any], *, checkpoint: Path) -> None:
+    """Put ``loader`` where the checkpoint's data order stopped. Another batch size goes on from the same
+    prompt (said in the log); another order, or another batch size with untrained pipeline batches of
+    the old one in the checkpoint, raises :class:`CheckpointError` (one line naming the key)."""
+    pipeline = checkpoint / PIPELINE_FILE
+    resized = saved["batch_size"] != loader.batch_size
+    if resized and pipeline.exists() and json.loads(pipeline.read_text())["batches"]:
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: it holds rollouts of {saved['batch_size']} prompts not "
+            f"trained yet ({PIPELINE_FILE}) and this run draws {loader.batch_size} "
+            "(data.train_batch_size / data.gen_batch_size changed): resume with the saved batch size"
+        )
+    try:
+        loader.load_state_dict(saved)
+    except LoaderStateMismatch as err:
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: {err}; resume with the saved setting or start a new run "
+            "(trainer.experiment_name=...)"
+        ) from None
+    if resized:
+        log.warning(
+            "the data batch size was %d when %s was saved and is %d now: resuming at prompt %d of epoch %d's "
+            "order in batches of %d",
+            saved["batch_size"],
+            checkpoint.name,
+            loader.batch_size,
+            loader.offset,
+            loader.epoch,
+            loader.batch_size,
+        )
 
 
 def _due(freq: int, step: int, last: bool) -> bool:

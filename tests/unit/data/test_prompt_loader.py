@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rltrain.data.dataset import DataRowError, PromptExample
-from rltrain.data.loader import PromptLoader
+from rltrain.data.loader import LoaderStateMismatch, PromptLoader
 
 
 def make_dataset(n: int) -> list[PromptExample]:
@@ -87,18 +87,55 @@ def test_resume_with_epoch_iteration() -> None:
     assert seen + rest == reference
 
 
+@pytest.mark.parametrize(("old", "new"), [(4, 2), (2, 4), (4, 3), (3, 5)])
+def test_a_new_batch_size_resumes_at_the_same_prompt(old: int, new: int) -> None:
+    """Resumed with another ``data.train_batch_size``, the run goes on from the prompt it stopped at,
+    in the same epoch order, in batches of the new size (an epoch's tail shorter than one batch is
+    dropped, as always with drop_last)."""
+    first = PromptLoader(make_dataset(13), old, seed=7)
+    seen = flat(take(first, 2))
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = PromptLoader(make_dataset(13), new, seed=7)
+    resumed.load_state_dict(state)
+    order = resumed.epoch_order(0)
+    assert seen == order[: 2 * old]
+    rest_of_epoch = (13 - 2 * old) // new
+    got = take(resumed, rest_of_epoch)
+    assert got == [order[2 * old + i * new : 2 * old + (i + 1) * new] for i in range(rest_of_epoch)]
+    assert [b.epoch for b in [resumed.next_batch()]] == [1]  # the next epoch starts from its first prompt
+    assert resumed.state_dict()["offset"] == new and resumed.state_dict()["epoch"] == 1
+    assert take(resumed, 1) == [resumed.epoch_order(1)[new : 2 * new]]
+
+
+def test_a_state_saved_before_offsets_existed_resumes_at_its_position() -> None:
+    state = {k: v for k, v in PromptLoader(make_dataset(10), 3, seed=1).state_dict().items() if k != "offset"}
+    state["position"] = 2
+    resumed = PromptLoader(make_dataset(10), 2, seed=1)
+    resumed.load_state_dict(state)
+    assert take(resumed, 1) == [resumed.epoch_order(0)[6:8]]
+
+
 def test_state_mismatch_is_refused_naming_the_field() -> None:
     state = PromptLoader(make_dataset(10), 2, seed=1).state_dict()
-    with pytest.raises(ValueError, match="saved with num_examples=10, this loader has num_examples=9"):
+    with pytest.raises(
+        LoaderStateMismatch,
+        match=r"^the data order was saved with 10 training prompts, this run has 9 \(data\.train_files",
+    ):
         PromptLoader(make_dataset(9), 2, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="saved with seed=1, this loader has seed=2"):
+    with pytest.raises(
+        LoaderStateMismatch, match=r"^the data order was saved with data\.seed=1, this run has data\.seed=2"
+    ):
         PromptLoader(make_dataset(10), 2, seed=2).load_state_dict(state)
+    with pytest.raises(
+        LoaderStateMismatch, match=r"^the data order was saved with data\.shuffle=True, this run has"
+    ):
+        PromptLoader(make_dataset(10), 2, seed=1, shuffle=False).load_state_dict(state)
     with pytest.raises(KeyError, match=r"lacks keys \['position'\]"):
         PromptLoader(make_dataset(10), 2, seed=1).load_state_dict(
             {k: v for k, v in state.items() if k != "position"}
         )
-    with pytest.raises(ValueError, match="position=9 is outside"):
-        PromptLoader(make_dataset(10), 2, seed=1).load_state_dict({**state, "position": 9})
+    with pytest.raises(ValueError, match="offset=18 is outside"):
+        PromptLoader(make_dataset(10), 2, seed=1).load_state_dict({**state, "position": 9, "offset": 18})
     with pytest.raises(DataRowError, match=r"^3 prompts, fewer than one batch \(data.train_batch_size=4\)$"):
         PromptLoader(make_dataset(3), 4, seed=0)
 
