@@ -1,7 +1,7 @@
 """Pure tensor math of the RL algorithms: advantages, KL, losses, and the registries that name them.
 
-Importing this package registers every variant (the policy losses of ``policy_losses`` included),
-whichever of its modules a caller names.
+Importing this package registers every variant (the policy losses of ``policy_losses`` and
+``trust_region_losses`` included), whichever of its modules a caller names.
 
 Nothing here imports Megatron, Ray or vLLM, and nothing runs a collective: callers pass global
 denominators (``LossAgg``) so results do not depend on how a batch was split.
@@ -49,6 +49,12 @@ from rltrain.algo.policy_losses import (  # registers gspo, cispo, geo_mean, cli
     policy_gradient_loss,
 )
 from rltrain.algo.registry import Registry, UnknownNameError
+from rltrain.algo.trust_region_losses import (  # registers sapo, dro, dppo_tv, dppo_kl
+    dppo_kl_policy_loss,
+    dppo_tv_policy_loss,
+    dro_policy_loss,
+    sapo_policy_loss,
+)
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -80,6 +86,9 @@ __all__ = [
     "compute_kl_loss",
     "compute_policy_loss",
     "compute_value_loss",
+    "dppo_kl_policy_loss",
+    "dppo_tv_policy_loss",
+    "dro_policy_loss",
     "geo_mean_policy_loss",
     "gspo_policy_loss",
     "kl_cov_policy_loss",
@@ -89,4 +98,5 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_gradient_loss",
+    "sapo_policy_loss",
 ]

@@ -23,9 +23,9 @@ Sequences with no valid token are not counted in the local ``N_seq``. This follo
 older verl omitted the ``/ N_seq`` in ``seq-mean-token-sum-norm``.
 
 Policy losses are registered in ``POLICY_LOSSES`` (verl's ``policy_loss.loss_mode``; the losses other
-than ``vanilla`` live in :mod:`rltrain.algo.policy_losses`, registered when ``rltrain.algo`` is
-imported); ``vanilla`` is
-PPO's clipped surrogate (Schulman et al. 2017) with asymmetric clip ranges (DAPO's
+than ``vanilla`` live in :mod:`rltrain.algo.policy_losses` and
+:mod:`rltrain.algo.trust_region_losses`, registered when ``rltrain.algo`` is imported); ``vanilla``
+is PPO's clipped surrogate (Schulman et al. 2017) with asymmetric clip ranges (DAPO's
 ``clip_ratio_low/high``), dual-clip for negative advantages (Ye et al. 2020, ``clip_ratio_c``) and an
 optional truncated importance-sampling correction (TIS, Yao et al. 2025) for the gap between the
 rollout engine's and the trainer's log-probs. Metrics are detached 0-dim tensors (no host sync),
@@ -219,6 +219,15 @@ class PolicyLossParams:
     ppo_kl_coef: float = 0.1
     """kl_cov: weight of ``|logprobs - old_logprobs|`` on the selected tokens."""
 
+    tau_pos: float = 1.0
+    """sapo: temperature of the gate on tokens with ``A > 0``."""
+
+    tau_neg: float = 1.05
+    """sapo: temperature of the gate on tokens with ``A <= 0``."""
+
+    dro_beta: float | None = None
+    """dro: weight of the quadratic log-ratio penalty; must be set (> 0) for dro."""
+
     def __post_init__(self) -> None:
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {self.clip_ratio_c}")
@@ -228,6 +237,10 @@ class PolicyLossParams:
             raise ValueError(
                 f"clip_cov_ratio and kl_cov_ratio must be > 0, got {self.clip_cov_ratio}, {self.kl_cov_ratio}"
             )
+        if self.tau_pos <= 0 or self.tau_neg <= 0:
+            raise ValueError(f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+        if self.dro_beta is not None and self.dro_beta <= 0:
+            raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
 
     @property
     def low(self) -> float:
@@ -249,7 +262,8 @@ class PolicyLossOutput:
 
     clipfrac: torch.Tensor
     """Fraction of valid tokens where the clipped surrogate was active (verl ``pg_clipfrac``; each
-    loss of :mod:`rltrain.algo.policy_losses` says what it counts)."""
+    loss of :mod:`rltrain.algo.policy_losses` and :mod:`rltrain.algo.trust_region_losses` says what
+    it counts)."""
 
     clipfrac_lower: torch.Tensor
     """Fraction of valid tokens where the dual clip was active (negative advantage, verl

@@ -8,7 +8,9 @@ weights multiply each token's loss (geo_mean: each sequence's). Notation: ``m`` 
 ``lr = logp - old_logp``, ``r = exp(lr)``, ``A`` the advantage, ``sg`` stop-gradient, ``low`` and
 ``high`` the clip ε's (``actor.clip_ratio_low/high``, each ``clip_ratio`` when unset), ``N_seq``
 the sequences with a valid token. ``ppo_kl`` is always the token mean of ``-lr``; ``clipfrac`` and
-``clipfrac_lower`` count what each section says, 0 where a loss has no such event.
+``clipfrac_lower`` count what each section says, 0 where a loss has no such event. sapo, dro,
+dppo_tv and dppo_kl, which bound the update without PPO's clip, are in
+:mod:`rltrain.algo.trust_region_losses`.
 
 Split invariance (micro-batch losses with global denominators add up to the mini-batch loss)
 holds for gspo, cispo, geo_mean, gpg and reinforce: a token's or sequence's term depends on its
@@ -96,7 +98,7 @@ def _fraction(event: torch.Tensor, mask: torch.Tensor, agg: LossAgg, dtype: torc
     return agg.token_mean(event.to(dtype), mask).detach()
 
 
-def _output(
+def loss_output(
     loss: torch.Tensor,
     inputs: PolicyLossInputs,
     agg: LossAgg,
@@ -106,7 +108,9 @@ def _output(
     clipped: torch.Tensor | None = None,
     clipped_lower: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
-    """The loss with its metrics; a ``None`` event has a zero fraction."""
+    """The 0-dim ``loss`` with its metrics: ``clipped`` / ``clipped_lower`` are boolean
+    ``[batch, response_len]`` events counted as clipfrac / clipfrac_lower (``None``: 0),
+    ``log_ratio`` ``[batch, response_len]`` feeds ``ppo_kl``, ``weight`` the IS weight mean."""
     mask, dtype = inputs.response_mask, inputs.logprobs.dtype
     with torch.no_grad():
         zero = torch.zeros((), dtype=dtype, device=loss.device)
@@ -119,7 +123,8 @@ def _output(
         )
 
 
-def _weighted(per_token: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+def weighted(per_token: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """``per_token`` ``[batch, response_len]`` times the IS ``weight`` of the same shape, if any."""
     return per_token if weight is None else per_token * weight
 
 
@@ -141,9 +146,9 @@ def gspo_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: Lo
     token_log_ratio = (logprobs - logprobs.detach() + seq_log_ratio).clamp(max=GSPO_MAX_LOG_RATIO)
     unclipped, clipped = _surrogates(torch.exp(token_log_ratio), advantages, params)
     weight = loss_weight(inputs, params)
-    per_token = _weighted(torch.maximum(unclipped, clipped), weight)
+    per_token = weighted(torch.maximum(unclipped, clipped), weight)
     loss = agg(per_token, mask)
-    return _output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=clipped > unclipped)
+    return loss_output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=clipped > unclipped)
 
 
 @POLICY_LOSSES.register("cispo")
@@ -155,9 +160,9 @@ def cispo_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: L
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - params.low, 1.0 + params.high)
     weight = loss_weight(inputs, params)
-    per_token = _weighted(-clipped_ratio.detach() * inputs.advantages * inputs.logprobs, weight)
+    per_token = weighted(-clipped_ratio.detach() * inputs.advantages * inputs.logprobs, weight)
     loss = agg(per_token, inputs.response_mask)
-    return _output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=ratio != clipped_ratio)
+    return loss_output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=ratio != clipped_ratio)
 
 
 @POLICY_LOSSES.register("geo_mean")
@@ -178,7 +183,7 @@ def geo_mean_policy_loss(
     if weight is not None:
         seq_loss = seq_loss * torch.exp(masked_mean(torch.log(weight + 1e-10), mask, dim=-1))
     outside = log_ratio != clamped
-    return _output(
+    return loss_output(
         agg.seq_mean(seq_loss, mask),
         inputs,
         agg,
@@ -223,9 +228,9 @@ def clip_cov_policy_loss(
             positions = positions[torch.randperm(positions.numel())[:num_cut].to(positions.device)]
         cut = _at(positions, mask)
     weight = loss_weight(inputs, params)
-    per_token = _weighted(torch.maximum(unclipped, clipped) * (~cut).to(unclipped.dtype), weight)
+    per_token = weighted(torch.maximum(unclipped, clipped) * (~cut).to(unclipped.dtype), weight)
     loss = agg(per_token, mask)
-    return _output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=cut)
+    return loss_output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=cut)
 
 
 @POLICY_LOSSES.register("kl_cov")
@@ -246,8 +251,8 @@ def kl_cov_policy_loss(inputs: PolicyLossInputs, params: PolicyLossParams, agg: 
         penalized = _at(positions, mask)
     per_token = torch.where(penalized, per_token + params.ppo_kl_coef * log_ratio.abs(), per_token)
     weight = loss_weight(inputs, params)
-    loss = agg(_weighted(per_token, weight), mask)
-    return _output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=penalized)
+    loss = agg(weighted(per_token, weight), mask)
+    return loss_output(loss, inputs, agg, log_ratio=log_ratio, weight=weight, clipped=penalized)
 
 
 @POLICY_LOSSES.register("gpg")
@@ -258,9 +263,9 @@ def policy_gradient_loss(
 
     All inputs ``[batch, response_len]``; 0-dim loss and metrics."""
     weight = loss_weight(inputs, params)
-    per_token = _weighted(-inputs.advantages * inputs.logprobs, weight)
+    per_token = weighted(-inputs.advantages * inputs.logprobs, weight)
     loss = agg(per_token, inputs.response_mask)
-    return _output(loss, inputs, agg, log_ratio=inputs.logprobs - inputs.old_logprobs, weight=weight)
+    return loss_output(loss, inputs, agg, log_ratio=inputs.logprobs - inputs.old_logprobs, weight=weight)
 
 
 POLICY_LOSSES.register("reinforce")(policy_gradient_loss)

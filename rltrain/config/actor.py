@@ -1,9 +1,10 @@
 """Actor (policy), reference and critic roles: PPO update sizes, losses, parallel layout.
 
 The policy loss is verl's ``actor.policy_loss`` section (``loss_mode`` names a loss registered in
-rltrain/algo: vanilla in losses.py, the others in policy_losses.py, with their formulas). The plain
-string ``policy_loss: gspo`` (rltrain's older spelling) is short for ``policy_loss: {loss_mode:
-gspo}``; it is a whole value, so set further keys of the section with the section spelling.
+rltrain/algo: vanilla in losses.py, the others in policy_losses.py and trust_region_losses.py, with
+their formulas). The plain string ``policy_loss: gspo`` (rltrain's older spelling) is short for
+``policy_loss: {loss_mode: gspo}``; it is a whole value, so set further keys of the section with the
+section spelling.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ LossAggMode = Literal[
 
 @dataclass
 class PolicyLossConfig:
-    """verl's ``actor.policy_loss``: which policy loss, and the settings of the covariance losses.
+    """verl's ``actor.policy_loss``: which policy loss, and the settings of the covariance losses and
+    dro.
 
     The clip ranges (``actor.clip_ratio*``) stay in the actor section, as in verl."""
 
     loss_mode: str = "vanilla"
     """Registered policy loss: vanilla, gspo, cispo, geo_mean, clip_cov, kl_cov, gpg, reinforce
-    (rltrain/algo/policy_losses.py)."""
+    (rltrain/algo/policy_losses.py), sapo, dro, dppo_tv, dppo_kl
+    (rltrain/algo/trust_region_losses.py)."""
 
     clip_cov_ratio: PositiveFloat = 0.0002
     """clip_cov: fraction of the valid tokens (at least one) whose gradient is cut."""
@@ -48,6 +51,10 @@ class PolicyLossConfig:
     ppo_kl_coef: NonNegativeFloat = 0.1
     """kl_cov: weight of ``|log(π/π_old)|`` on the selected tokens."""
 
+    dro_beta: PositiveFloat | None = None
+    """dro: weight β of the penalty ``β/2 · log(π/π_old)²``; null (verl's default) is refused when
+    ``loss_mode`` is dro."""
+
     @staticmethod
     def expand_shorthand(value: Any) -> dict[str, Any] | None:
         """``policy_loss: gspo`` means ``policy_loss: {loss_mode: gspo}``; None for anything else
@@ -63,6 +70,8 @@ class PolicyLossConfig:
                 POLICY_LOSSES.get(self.loss_mode)
             except KeyError as err:  # the registry's message names the choices and the closest one
                 problems.append(f"{prefix}.loss_mode: {err}")
+        if self.loss_mode == "dro" and self.dro_beta is None:
+            problems.append(f"{prefix}.dro_beta is null: {prefix}.loss_mode=dro needs a value > 0")
         if self.clip_cov_lb >= self.clip_cov_ub:
             problems.append(
                 f"{prefix}.clip_cov_lb={self.clip_cov_lb} must be below {prefix}.clip_cov_ub={self.clip_cov_ub}"
@@ -111,8 +120,9 @@ class ActorConfig:
     ``clip_ratio_low``/``clip_ratio_high`` always wins, whatever ``clip_ratio`` says. (verl's YAML
     sets both to 0.2, so there changing ``clip_ratio`` alone changes nothing; here they default to
     null and ``clip_ratio`` sets both sides.) vanilla, gspo, cispo and clip_cov clip the ratio to
-    ``[1 - low, 1 + high]``; geo_mean clips the log-ratio to ``[-low, high]``; gpg, reinforce and
-    kl_cov do not clip."""
+    ``[1 - low, 1 + high]``; geo_mean clips the log-ratio to ``[-low, high]``; dppo_tv and dppo_kl
+    read low and high as bounds of the probability's move (TV) or of the binary KL; gpg, reinforce,
+    kl_cov, sapo and dro do not clip."""
 
     clip_ratio_low: float | None = None
     """Lower clip ε (ratio ≥ 1 − low); null means ``clip_ratio`` (see there)."""
@@ -122,7 +132,8 @@ class ActorConfig:
     sets it larger than the lower one."""
 
     clip_ratio_c: float = 3.0
-    """Dual-clip constant for negative advantages (Ye et al. 2020); must be > 1."""
+    """Dual-clip constant for negative advantages (Ye et al. 2020); must be > 1. dppo_tv and
+    dppo_kl cap their importance ratio at it instead (verl's DPPO example sets 10000)."""
 
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """The policy loss (``loss_mode``) and its settings; ``policy_loss: gspo`` is short for
@@ -130,14 +141,22 @@ class ActorConfig:
 
     loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses become one number (policy, entropy and KL loss). Every policy loss
-    follows it (gspo too, as in verl 0.9.1; the GSPO paper's is seq-mean-token-mean) except
-    geo_mean, its own sequence mean, as in verl."""
+    follows it (gspo too, as in verl 0.9.1; the GSPO paper's is seq-mean-token-mean) except sapo,
+    always seq-mean-token-mean, and geo_mean, its own sequence mean, as in verl."""
 
     loss_scale_factor: PositiveInt | None = None
     """The constant ``C`` of ``seq-mean-token-sum-norm`` (Dr. GRPO divides each sequence's token
     sum by it); null means the padded response length of the mini-batch. Set it (e.g. to
     ``rollout.response_length``) to keep the normalization constant across steps. Other modes
     ignore it."""
+
+    tau_pos: PositiveFloat = 1.0
+    """sapo: temperature of the gate on tokens with a positive advantage (verl's default, which
+    verl's YAML gives as the paper's for Qwen3-30B-A3B-Base)."""
+
+    tau_neg: PositiveFloat = 1.05
+    """sapo: temperature of the gate on tokens with a zero or negative advantage; the larger
+    temperature fades their gradient faster as the ratio leaves 1."""
 
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""

@@ -124,6 +124,9 @@ def actor_loss_fn(
         clip_cov_ub=section.clip_cov_ub,
         kl_cov_ratio=section.kl_cov_ratio,
         ppo_kl_coef=section.ppo_kl_coef,
+        tau_pos=cfg.tau_pos,
+        tau_neg=cfg.tau_neg,
+        dro_beta=section.dro_beta,
     )
     # Metrics are token means over the mini-batch whatever the loss aggregation mode.
     token_mean = counts.agg("token-mean")

@@ -83,11 +83,15 @@ def test_algorithm_registries_hold_verl_names():
     assert POLICY_LOSSES.names() == (
         "cispo",
         "clip_cov",
+        "dppo_kl",
+        "dppo_tv",
+        "dro",
         "geo_mean",
         "gpg",
         "gspo",
         "kl_cov",
         "reinforce",
+        "sapo",
         "vanilla",
     )
     assert AGG_MODES.names() == (

@@ -244,7 +244,9 @@ def test_an_overlapping_pipeline_needs_engines_of_their_own_and_one_step_off_its
 
 
 def test_unknown_policy_loss_mode_gets_the_registrys_line_naming_the_key(tmp_path):
-    registered = "cispo, clip_cov, geo_mean, gpg, gspo, kl_cov, reinforce, vanilla"
+    registered = (
+        "cispo, clip_cov, dppo_kl, dppo_tv, dro, geo_mean, gpg, gspo, kl_cov, reinforce, sapo, vanilla"
+    )
     assert problems(tmp_path, ["actor.policy_loss.loss_mode=gpso"]) == [
         "override 'actor.policy_loss.loss_mode=gpso': actor.policy_loss.loss_mode: unknown policy loss "
         f"'gpso'; registered: {registered}; did you mean 'gspo'?"
