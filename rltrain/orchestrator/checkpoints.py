@@ -11,9 +11,12 @@ Layout under ``root`` (``<run dir>/checkpoints``)::
 Save: everything goes into ``.tmp-step_<n>``, the manifest last; the directory is renamed, and only
 then ``latest`` rewritten, so a crash at any point leaves ``latest`` naming a complete checkpoint.
 Older ones beyond ``keep`` (counted among those not newer than the save) are deleted after that. A
-save that fails (no space left, no permission) raises :class:`CheckpointError` in one line naming
-the path, the cause (with the innermost error a worker's traceback names) and the free space (said
-to be less than the previous checkpoint takes, when it is), after deleting its partial directory;
+save that fails raises :class:`CheckpointError` in one line naming the path and the cause, after
+deleting its partial directory: a full disk (ENOSPC anywhere in the error, or the short write torch's
+writer reports as "unexpected pos" with less free than the save needs) as "no space left on the
+device" with the free space and what the save needs (the previous checkpoint's size, else more than
+it had written), without the writers' internal text; any other cause (no permission, ...) with the
+innermost error a worker's traceback names and the free space;
 ``latest`` still names the previous checkpoint, from which the run resumes once the cause is fixed.
 A worker that died or stopped answering during the save
 (:class:`~rltrain.orchestrator.recovery.WorkerLost`) is raised as itself, after the same clean-up,
@@ -32,6 +35,7 @@ holding checkpoints never restarts from step 0 by itself. A fresh start over exi
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -122,13 +126,28 @@ class RunCheckpoints:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _save_failed(self, name: str, tmp: Path, err: Exception) -> CheckpointError:
+        written = _bytes_under(tmp) if tmp.is_dir() else 0
         self._discard(tmp)
         current, problem = self._read_marker()
         kept = f"{self.root / LATEST} still names {current}" if problem is None else "no earlier checkpoint"
-        previous = self.root / current if problem is None else None
+        previous = self.root / current if problem is None and (self.root / current).is_dir() else None
+        free = shutil.disk_usage(_existing(self.root)).free
+        needed = _bytes_under(previous) if previous is not None else None
+        if _no_space(err, short_of_space=needed is not None and free < needed):
+            need = (
+                f"about {_size(needed)} needed (the size of {previous.name})"
+                if needed is not None
+                else f"more than the {_size(written)} it had written needed"
+            )
+            return CheckpointError(
+                f"checkpoint {name} could not be saved in {tmp}: no space left on the device "
+                f"({_size(free)} free there, {need}); {kept}"
+            )
+        said = f"{_size(free)} free there"
+        if needed is not None and free < needed:
+            said += f", less than {previous.name} takes ({_size(needed)})"
         return CheckpointError(
-            f"checkpoint {name} could not be saved in {tmp}: {_first_line(err)} "
-            f"({_free_space(self.root, previous=previous)}); {kept}"
+            f"checkpoint {name} could not be saved in {tmp}: {_first_line(err)} ({said}); {kept}"
         )
 
     def _prune(self, *, saved: Path) -> None:
@@ -328,14 +347,30 @@ def _size(num_bytes: int) -> str:
     return f"{value:.1f} {unit}"
 
 
-def _free_space(path: Path, *, previous: Path | None) -> str:
-    """``12.0 MiB free there``, saying so where that is less than the ``previous`` checkpoint takes."""
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (what ``disk_usage`` can measure)."""
     while not path.exists() and path != path.parent:
         path = path.parent
-    free = shutil.disk_usage(path).free
-    said = f"{_size(free)} free there"
-    if previous is not None and previous.is_dir():
-        taken = sum(p.stat().st_size for p in previous.rglob("*") if p.is_file())
-        if free < taken:
-            said += f", less than {previous.name} takes ({_size(taken)})"
-    return said
+    return path
+
+
+def _bytes_under(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+_SHORT_WRITE = "unexpected pos"
+"""How torch's zip writer (``inline_container.cc``) reports a write the disk took only in part."""
+
+
+def _no_space(err: BaseException, *, short_of_space: bool) -> bool:
+    """Whether ``err`` is a full disk: ENOSPC in its chain or text (a worker's error travels as text),
+    or a short write of torch's writer while less is free than the save needs."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(err)
+    if "No space left on device" in text or "[Errno 28]" in text:
+        return True
+    return short_of_space and _SHORT_WRITE in text
