@@ -351,22 +351,26 @@ def train(config: RLConfig) -> int:
     import ray
 
     from rltrain.orchestrator.preemption import StopSignals
+    from rltrain.orchestrator.reaper import reaped_run
 
     ray_target = None if ray.is_initialized() else resolve_ray(config)  # a refusing cluster: fail now
     setup = prepare_run(config)
-    started_ray = connect_ray(config, ray_target)
-    gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
-    workers = None
-    # After connect_ray: a Ray it started put its own SIGTERM handler in (it would exit at once).
-    with StopSignals().installed() as stop:
-        try:
-            workers = RunWorkers(config, setup, gpu=gpu)
-            return run_driver(config, setup, workers.start, stop=stop, restart_roles=workers.restart)
-        finally:
-            if workers is not None:
-                workers.release()
-            if started_ray:
-                ray.shutdown()
+    # Every process started from here on (a private Ray's daemons and workers, engines, sandboxes) is
+    # killed when the driver ends, by any means: nothing of the run outlives it by more than a moment.
+    with reaped_run():
+        started_ray = connect_ray(config, ray_target)
+        gpu = config.cluster.backend == "nccl" or (config.cluster.backend == "auto" and _cuda())
+        workers = None
+        # After connect_ray: a Ray it started put its own SIGTERM handler in (it would exit at once).
+        with StopSignals().installed() as stop:
+            try:
+                workers = RunWorkers(config, setup, gpu=gpu)
+                return run_driver(config, setup, workers.start, stop=stop, restart_roles=workers.restart)
+            finally:
+                if workers is not None:
+                    workers.release()
+                if started_ray:
+                    ray.shutdown()
 
 
 def run_driver(
