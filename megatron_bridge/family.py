@@ -10,6 +10,11 @@ Contract:
   norms, tying, experts and their router), not in any builder's vocabulary: the Megatron builder
   (``rltrain/megatron/model.py``) translates it into ``TransformerConfig`` fields, and nothing else
   in the trainer asks which family a model belongs to.
+- A ``config.json`` may leave out any key whose value is transformers' default for its
+  ``model_type`` (``AutoConfig`` fills it in; hand-written and trimmed configs do this). Each family
+  declares those defaults for the keys the bridge reads (``hf_defaults``), and every reader goes
+  through ``hf_config.config_value``, which applies them: the bridge reads such a config as
+  transformers does, without importing transformers.
 - Each family lives in one file under ``megatron_bridge/models/``; ``megatron_bridge.registry``
   finds it by ``model_type``. A family's causal LM and its ``*ForSequenceClassification`` model share
   the ``model_type`` (and so the family): they differ only in the head (``score_head``).
@@ -18,10 +23,11 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from megatron_bridge.hf_config import config_value as config_value  # the families' reader, re-exported
 from megatron_bridge.mappings import AnyMapping
 
 
@@ -106,15 +112,14 @@ class ModelFamily:
     score_head: str = "score.weight"
     """HF name of the scalar head of the family's ``*ForSequenceClassification`` checkpoint
     ([num_labels, hidden], no bias), which a reward model's ``output_layer.weight`` loads."""
+    hf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """The field defaults of the transformers config class of ``model_types`` (its
+    ``configuration_<model>.py``) for every config key the bridge reads that the class defines: what
+    a ``config.json`` that leaves the key out means (``config_value`` applies them). ``None`` where
+    the class derives the value from other keys (``num_key_value_heads``: ``num_attention_heads``);
+    the readers derive it the same way. ``tests/unit/bridge/test_trimmed_hf_configs.py`` checks the
+    table against the installed transformers, and that no key the bridge reads is missing."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiny_preset", MappingProxyType(dict(self.tiny_preset)))
-
-
-def config_value(config: Any, *names: str, default: Any = None) -> Any:
-    """The first of ``names`` that ``config`` (a ``PretrainedConfig`` or a dict) sets to a non-None value."""
-    for name in names:
-        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
+        object.__setattr__(self, "hf_defaults", MappingProxyType(dict(self.hf_defaults)))

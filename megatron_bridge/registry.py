@@ -1,9 +1,9 @@
 """Registry of model families keyed by HF ``model_type``.
 
 Contract: ``get_family(model_type)`` returns the registered ``ModelFamily`` or raises ``KeyError``
-listing every supported ``model_type``. Families register themselves when ``megatron_bridge.models``
-is imported (every module there but ``common``), which ``get_family`` and ``supported_model_types``
-do on first use.
+listing every supported ``model_type``; ``registered_family(model_type)`` returns it or None.
+Families register themselves when ``megatron_bridge.models`` is imported (every module there but
+``common``), which each of these functions does on first use.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def supported_model_types() -> list[str]:
     import megatron_bridge.models  # noqa: F401  (registers the families)
 
     return sorted(_FAMILIES)
+
+
+def registered_family(model_type: str) -> ModelFamily | None:
+    """The family of ``model_type``, or None for a type no family serves."""
+    import megatron_bridge.models  # noqa: F401  (registers the families)
+
+    return _FAMILIES.get(model_type)
 
 
 def get_family(model_type: str) -> ModelFamily:

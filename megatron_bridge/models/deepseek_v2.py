@@ -27,7 +27,7 @@ def deepseek_v2_facts(config: Any) -> ArchitectureFacts:
     """Facts of a DeepSeek-V2 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
     top_k = get("num_experts_per_tok")
-    method = get("topk_method", default="greedy")
+    method = get("topk_method")
     if method == "greedy":
         groups, group_topk = None, None
     elif method == "group_limited_greedy":
@@ -46,7 +46,7 @@ def deepseek_v2_facts(config: Any) -> ArchitectureFacts:
         raise NotImplementedError(
             f"deepseek_v2: scoring_func={get('scoring_func')!r} is not supported (softmax)"
         )
-    if get("norm_topk_prob", default=False):
+    if get("norm_topk_prob"):
         raise NotImplementedError(
             "deepseek_v2: norm_topk_prob=true is not supported (transformers' DeepseekV2 never "
             "renormalizes the top-k probabilities; vLLM would)"
@@ -61,6 +61,36 @@ def deepseek_v2_facts(config: Any) -> ArchitectureFacts:
         expert_bias=False,
     )
 
+
+HF_DEFAULTS = {
+    # transformers' DeepseekV2Config (64 experts and no top-k: released configs set it); None:
+    # derived (KV heads = heads) or unset. It has no scoring_func key (softmax) and derives head_dim
+    # from qk_rope_head_dim
+    "vocab_size": 102400,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": None,
+    "topk_method": "greedy",
+    "n_group": None,
+    "topk_group": None,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "moe_intermediate_size": 1407,
+    "first_k_dense_replace": 0,
+}
+"""What a DeepSeek-V2 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 
 DEEPSEEK_V2 = register(
     ModelFamily(
@@ -88,5 +118,6 @@ DEEPSEEK_V2 = register(
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
             "tie_word_embeddings": False,
         },
+        hf_defaults=HF_DEFAULTS,
     )
 )

@@ -84,7 +84,7 @@ def mla_facts(config: Any, name: str) -> MLAFacts:
     """The attention of a DeepSeek-V2/V3 config ``name``; raises ``NotImplementedError`` naming the
     key Megatron's MLA cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
-    if get("attention_bias", default=False):
+    if get("attention_bias"):
         raise NotImplementedError(f"{name}: attention_bias=true is not supported")
     if not get("rope_interleave", default=True):
         raise NotImplementedError(
@@ -108,14 +108,14 @@ def deepseek_facts(config: Any) -> ArchitectureFacts:
     """Facts of a DeepSeek-V3 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
     top_k = get("num_experts_per_tok")
-    groups, group_topk = get("n_group", default=1), get("topk_group", default=1)
+    groups, group_topk = get("n_group"), get("topk_group")
     if top_k % group_topk or top_k // group_topk != 2:
         # HF scores a group by its top-2 experts; Megatron by its top (num_experts_per_tok / topk_group).
         raise NotImplementedError(
             f"deepseek_v3: num_experts_per_tok={top_k} / topk_group={group_topk} must be 2 "
             "(HF ranks groups by their top-2 experts, Megatron by their top num_experts_per_tok/topk_group)"
         )
-    if not get("norm_topk_prob", default=True) and top_k > 1:
+    if not get("norm_topk_prob") and top_k > 1:
         raise NotImplementedError(
             "deepseek_v3: norm_topk_prob=false is not supported (Megatron's sigmoid router renormalizes)"
         )
@@ -151,24 +151,53 @@ def deepseek_architecture(
     return ArchitectureFacts(
         qkv_bias=False,
         qk_norm=False,
-        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
         moe=MoEFacts(
             num_experts=get("n_routed_experts", "num_local_experts"),
             top_k=get("num_experts_per_tok"),
             ffn_hidden_size=moe_ffn,
             renormalize_topk=renormalize_topk,
             aux_loss_coeff=0.0,
-            shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts", default=0),
-            dense_layers=tuple(range(get("first_k_dense_replace", default=0))),
+            shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts"),
+            dense_layers=tuple(range(get("first_k_dense_replace"))),
             score_function=score_function,
             num_groups=num_groups,
             group_topk=group_topk,
-            topk_scaling_factor=float(get("routed_scaling_factor", default=1.0)),
+            topk_scaling_factor=float(get("routed_scaling_factor")),
             expert_bias=expert_bias,
         ),
         mla=mla_facts(config, name),
     )
 
+
+HF_DEFAULTS = {
+    # transformers' DeepseekV3Config (DeepSeek-V3, 671B), which has no scoring_func / topk_method keys
+    # (it always routes by sigmoid with noaux_tc) and derives head_dim from qk_rope_head_dim
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "rope_interleave": True,
+    "tie_word_embeddings": False,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "moe_intermediate_size": 2048,
+    "first_k_dense_replace": 3,
+}
+"""What a DeepSeek-V3 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 
 DEEPSEEK_V3 = register(
     ModelFamily(
@@ -198,5 +227,6 @@ DEEPSEEK_V3 = register(
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
             "tie_word_embeddings": False,
         },
+        hf_defaults=HF_DEFAULTS,
     )
 )

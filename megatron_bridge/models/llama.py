@@ -12,6 +12,20 @@ from megatron_bridge.models.common import (
 )
 from megatron_bridge.registry import register
 
+HF_DEFAULTS = {
+    # transformers' LlamaConfig; None: derived (KV heads = heads, head_dim = hidden / heads)
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+"""What a Llama ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
+
 LLAMA = register(
     ModelFamily(
         name="llama",
@@ -24,5 +38,6 @@ LLAMA = register(
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         },
+        hf_defaults=HF_DEFAULTS,
     )
 )

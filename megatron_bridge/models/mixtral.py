@@ -14,6 +14,22 @@ from megatron_bridge.models.common import (
 )
 from megatron_bridge.registry import register
 
+HF_DEFAULTS = {
+    # transformers' MixtralConfig (Mixtral-8x7B); head_dim None: hidden / heads
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": None,
+    "tie_word_embeddings": False,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.001,
+}
+"""What a Mixtral ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
+
 MIXTRAL = register(
     ModelFamily(
         name="mixtral",
@@ -39,5 +55,6 @@ MIXTRAL = register(
             "router_aux_loss_coef": 0.01,
             "tie_word_embeddings": False,
         },
+        hf_defaults=HF_DEFAULTS,
     )
 )

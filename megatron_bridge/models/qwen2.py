@@ -12,6 +12,18 @@ from megatron_bridge.models.common import (
 )
 from megatron_bridge.registry import register
 
+HF_DEFAULTS = {
+    # transformers' Qwen2Config
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+}
+"""What a Qwen2 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
+
 QWEN2 = register(
     ModelFamily(
         name="qwen2",
@@ -19,5 +31,6 @@ QWEN2 = register(
         mappings=(*embeddings_and_head(), *attention(bias=True), *gated_mlp(L + "mlp.", H + "mlp.")),
         facts=decoder_facts(qkv_bias=True),
         tiny_preset={**TINY_SHAPE, "intermediate_size": 256, "rope_theta": 1e6, "tie_word_embeddings": True},
+        hf_defaults=HF_DEFAULTS,
     )
 )

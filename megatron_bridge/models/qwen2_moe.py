@@ -20,6 +20,27 @@ from megatron_bridge.models.common import (
 )
 from megatron_bridge.registry import register
 
+HF_DEFAULTS = {
+    # transformers' Qwen2MoeConfig (Qwen1.5-MoE-A2.7B); mlp_only_layers None: none
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "qkv_bias": True,
+    "tie_word_embeddings": False,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.001,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": None,
+}
+"""What a Qwen2-MoE ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
+
 QWEN2_MOE = register(
     ModelFamily(
         name="qwen2_moe",
@@ -40,5 +61,6 @@ QWEN2_MOE = register(
             "rope_theta": 1e6,
             "tie_word_embeddings": False,
         },
+        hf_defaults=HF_DEFAULTS,
     )
 )

@@ -12,6 +12,20 @@ from megatron_bridge.models.common import (
 )
 from megatron_bridge.registry import register
 
+HF_DEFAULTS = {
+    # transformers' Qwen3Config (head_dim is its own key, not hidden / heads)
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+"""What a Qwen3 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
+
 QWEN3 = register(
     ModelFamily(
         name="qwen3",
@@ -25,5 +39,6 @@ QWEN3 = register(
             "rope_theta": 1e6,
             "tie_word_embeddings": True,
         },
+        hf_defaults=HF_DEFAULTS,
     )
 )
