@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from megatron_bridge.hf_config import config_value
 from megatron_bridge.vllm_names import fused_group
 from rltrain.config.actor import CPU_ROUTED_EXPERTS_REFUSAL
 from rltrain.rollout import checksum, worker_fns
@@ -91,10 +92,11 @@ def cpu_moe_reload_problem(config: dict[str, Any], tp: int) -> str | None:
     fails to copy it into the padded one ("The size of tensor a (64) must match the size of tensor b
     (32) at non-singleton dimension 1", seen with DeepSeek-V3's moe_intermediate_size 32 at TP=2,
     where every size whose per-rank share is a multiple of 32 reloads)."""
-    if not any(config.get(k) for k in ("num_local_experts", "n_routed_experts", "num_experts")):
+    # keys the file leaves out read as the transformers defaults of its model_type
+    if not config_value(config, "num_local_experts", "n_routed_experts", "num_experts"):
         return None
-    key = "moe_intermediate_size" if config.get("moe_intermediate_size") else "intermediate_size"
-    size = int(config[key])
+    key = "moe_intermediate_size" if config_value(config, "moe_intermediate_size") else "intermediate_size"
+    size = int(config_value(config, key))
     if (size // tp) % CPU_MOE_ALIGNMENT == 0:
         return None
     return (

@@ -23,6 +23,11 @@ from rltrain.rollout.engine import _refuse_unreloadable_cpu_moe, cpu_moe_reload_
         ({"num_local_experts": 4, "intermediate_size": 128}, 8, True),  # 16 a rank
         ({"intermediate_size": 40}, 2, False),  # dense: no experts to pad
         ({"num_experts": 0, "intermediate_size": 40}, 1, False),  # experts off (qwen2 with num_experts 0)
+        # keys left out read as transformers' defaults of the model_type: DeepSeek-V3 has 256 experts
+        ({"model_type": "deepseek_v3", "moe_intermediate_size": 32}, 2, True),
+        ({"model_type": "qwen3_moe"}, 16, True),  # 128 experts of 768 channels: 48 a rank
+        ({"model_type": "qwen3_moe"}, 8, False),  # 96 a rank
+        ({"model_type": "llama", "intermediate_size": 40}, 2, False),
     ],
 )
 def test_refused_exactly_where_a_rank_gets_a_padded_expert_size(config, tp, refused):
