@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rltrain.config.fields import NonNegativeInt, PositiveFloat, PositiveInt
+from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from rltrain.config.pools import GLOBAL_POOL, ResourcePoolConfig, RolePoolConfig
 from rltrain.requirements import OPTIONAL, WANDB
 
@@ -55,6 +55,13 @@ class TimeoutConfig:
 
     call_s: PositiveFloat = 300.0
     """Any other call (rank layout, rendezvous addresses)."""
+
+    liveness_s: NonNegativeFloat = 30.0
+    """Apart from the deadlines above: while the driver waits for any call, every rank of every role
+    is asked every few seconds whether its process lives (answered on a thread of its own, whatever
+    the rank is doing); a rank silent this long, or one whose child process (an engine) stays
+    stopped this long, is named as frozen and handled like a dead worker (``trainer.max_restarts``)
+    long before a step's deadline. 0 turns the questions off (:mod:`rltrain.orchestrator.liveness`)."""
 
     collective_s: PositiveFloat = 1800.0
     """A wait inside one torch.distributed collective on a worker (Megatron's process groups, the

@@ -206,6 +206,7 @@ class RunWorkers:
     the role handles; :meth:`stop` kills them all, and the engines they host with them."""
 
     def __init__(self, config: RLConfig, setup: RunSetup, *, gpu: bool) -> None:
+        from rltrain.orchestrator.liveness import Liveness
         from rltrain.orchestrator.placement import run_placement
         from rltrain.orchestrator.worker_group import check_pools_fit, reserve_bundles
 
@@ -217,6 +218,8 @@ class RunWorkers:
         check_pools_fit(bundles, pool_sizes(config))
         self.pg = reserve_bundles(bundles, timeout_s=config.trainer.timeouts.init_s)
         self.groups: list = []
+        self.liveness = Liveness(config.trainer.timeouts.liveness_s)
+        """One watch over every group's ranks: a frozen critic is found while the driver waits on the actor."""
 
     def placement_of(self, role: str):
         """Where ``role``'s ranks go: its pool's bundles, an equal share of each per role there."""
@@ -246,6 +249,7 @@ class RunWorkers:
             kwargs=kwargs,
             timeouts=self.config.trainer.timeouts,
             wait=False,
+            liveness=self.liveness,
         )
         self.groups.append(group)
         return group

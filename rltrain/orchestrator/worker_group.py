@@ -8,8 +8,11 @@ rank and the method, with the worker's traceback; a worker process that died as 
 (a WorkerError, in one line). Every wait has a deadline (``trainer.timeouts``, the field per method
 in :data:`TIMEOUT_KEYS`): ranks not back by then (a stopped or deadlocked process, or one waiting in
 a collective for it) raise :class:`WorkerTimeout`, a :class:`WorkerError` naming the role, those
-ranks and the method, in one line. Both are :class:`~rltrain.orchestrator.recovery.WorkerLost`, what
-``trainer.max_restarts`` recovers from. A worker's :class:`~rltrain.errors.RunStopped` (e.g.
+ranks and the method, in one line. Apart from those deadlines, every wait asks the ranks of the run's
+groups whether they live (:mod:`~rltrain.orchestrator.liveness`): a frozen process, or a stopped child
+of one (an engine core), is named after ``trainer.timeouts.liveness_s`` as
+:class:`~rltrain.orchestrator.liveness.WorkerUnresponsive`. All three are
+:class:`~rltrain.orchestrator.recovery.WorkerLost`, what ``trainer.max_restarts`` recovers from. A worker's :class:`~rltrain.errors.RunStopped` (e.g.
 divergence) is raised again in the driver as the same class, its one-line message prefixed with the
 role and rank.
 Each rank's process logs as :func:`~rltrain.logging.console.configure_worker_logging` sets up, and
@@ -31,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
+from rltrain.orchestrator.liveness import Liveness, kill_descendants, stopped_children
 from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.workers import RankInfo
 from rltrain.ports import HeldPort
@@ -90,10 +94,15 @@ TIMEOUT_KEYS: dict[str, str] = {
 }
 """The ``trainer.timeouts`` field that bounds each worker method; any other method gets ``call_s``."""
 
+KILL_CHILDREN_S = 5.0
+"""How long :meth:`RayWorkerGroup.kill` waits for its ranks to kill their child processes."""
 
-@ray.remote
+
+@ray.remote(concurrency_groups={"liveness": 1})
 class _RankHost:
-    """One rank: builds the worker object, then runs its methods, capturing failures as text."""
+    """One rank: builds the worker object, then runs its methods one at a time, capturing failures as
+    text; :meth:`alive` and :meth:`kill_children` run on a thread of their own (the ``liveness``
+    group), answered whatever the rank's methods are doing."""
 
     def __init__(self, role: str, rank: int) -> None:
         configure_worker_logging()
@@ -131,6 +140,18 @@ class _RankHost:
             return False, err
         except BaseException as err:
             return False, _describe(err)
+
+    @ray.method(concurrency_group="liveness")
+    def alive(self) -> list[tuple[int, str]]:
+        """The driver's liveness question (:mod:`~rltrain.orchestrator.liveness`): this process's
+        stopped child processes, ``(pid, name)`` each."""
+        return stopped_children()
+
+    @ray.method(concurrency_group="liveness")
+    def kill_children(self) -> None:
+        """SIGKILL every process below this one (engines, their workers; stopped ones too), before
+        the group kills this one."""
+        kill_descendants()
 
 
 ROLE_CPUS_ENV = "RLTRAIN_ROLE_CPUS"
@@ -247,13 +268,16 @@ class RayWorkerGroup:
         env: dict[str, str] | None = None,
         timeouts: TimeoutConfig | None = None,
         wait: bool = True,
+        liveness: Liveness | None = None,
     ) -> None:
         """``timeouts``: how long each method may take (``trainer.timeouts``; its defaults if None).
         ``wait=False`` returns once the ranks' processes are up and building their workers, so that
-        several groups build at once; :meth:`started` then waits for them."""
+        several groups build at once; :meth:`started` then waits for them. ``liveness``: the run's
+        watch over every group's ranks, this group's added (one of the group's own if None)."""
         self.role = role
         self.world_size = world_size
         self.timeouts = timeouts or TimeoutConfig()
+        self.liveness = liveness or Liveness(self.timeouts.liveness_s)
         self.hosts = [
             _RankHost.options(
                 **placement.actor_options(),
@@ -266,6 +290,7 @@ class RayWorkerGroup:
             ).remote(role, rank)
             for rank in range(world_size)
         ]
+        self.liveness.watch(role, self.hosts)
         addr, port = self.free_address()
         refs = []
         for rank, host in enumerate(self.hosts):
@@ -282,6 +307,7 @@ class RayWorkerGroup:
         """Wait until every rank has built its worker (``trainer.timeouts.init_s``); returns self."""
         if self._building:
             self.pids = self._gather("__init__", self._building)
+            self.liveness.set_pids(self.hosts, self.pids)
             self._building = []
         return self
 
@@ -333,11 +359,19 @@ class RayWorkerGroup:
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
         pending = list(refs)
+        waiting_for = f"{self.role}'s {method}"
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            done, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, min(left, self.liveness.probe_s))
+            )
             if not done:
-                ranks = sorted(rank_of[ref] for ref in pending)
-                raise WorkerTimeout(self.role, ranks, method, seconds=seconds, key=key)
+                if time.monotonic() >= deadline:
+                    ranks = sorted(rank_of[ref] for ref in pending)
+                    raise WorkerTimeout(self.role, ranks, method, seconds=seconds, key=key)
+                self.liveness.check(waiting_for)
+                continue
+            self.liveness.check(waiting_for)
             rank = rank_of[done[0]]
             try:
                 ok, value = ray.get(done[0])
@@ -351,5 +385,10 @@ class RayWorkerGroup:
         return results
 
     def kill(self) -> None:
+        """Kill every rank, and first the processes each started (a stopped engine would not notice its
+        parent's death); a rank that does not answer that within a few seconds is killed anyway."""
+        self.liveness.forget(self.hosts)
+        asked = [host.kill_children.remote() for host in self.hosts]
+        ray.wait(asked, num_returns=len(asked), timeout=KILL_CHILDREN_S)
         for host in self.hosts:
             ray.kill(host, no_restart=True)

@@ -3,7 +3,9 @@ do a worker process that died (one line, a WorkerLost) and one that stops answer
 its timeout."""
 
 import os
+import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -11,6 +13,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import DivergenceError, RunStopped
+from rltrain.orchestrator.liveness import Liveness, WorkerUnresponsive
 from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.worker_group import (
     Placement,
@@ -49,6 +52,18 @@ class RankedWorker:
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
+
+    def spin(self, seconds: float) -> int:
+        """Pure Python work holding the interpreter (it hands the GIL over every few milliseconds)."""
+        end, count = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            count += 1
+        return self.rank
+
+    def start_child(self) -> int:
+        """A child process as an engine core would be (the rank's own process group)."""
+        self.child = subprocess.Popen(["sleep", "120"])
+        return self.child.pid
 
     def diverge(self) -> None:
         if self.rank == 1:
@@ -155,3 +170,113 @@ def test_bundles_the_cluster_cannot_place_fail_naming_them(local_ray):
         "Ray could not place the run's 1 bundles [{'CPU': 64}] within 1 s (trainer.timeouts.init_s); "
         f"the cluster has {{'CPU': {have}}}"
     )
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state in ``/proc/<pid>/stat`` (``T`` stopped, ``Z`` zombie, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0]
+
+
+def test_a_stopped_worker_is_named_by_liveness_long_before_its_deadline(placement):
+    """The call may take 600 s; rank 1's process is stopped (SIGSTOP) during it and named after
+    ``liveness_s`` (3 s here) of silence, in one line naming the role, rank, pid and the call."""
+    group = RayWorkerGroup(
+        "critic",
+        RankedWorker,
+        world_size=2,
+        placement=placement,
+        args=(1,),
+        timeouts=TimeoutConfig(call_s=600.0, liveness_s=3.0),
+    )
+    pid = group.pids[1]
+    try:
+        calls = group.submit("nap", 60.0)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerUnresponsive) as info:
+            group.wait("nap", calls)
+        waited = time.monotonic() - start
+        assert 2.4 <= waited < 6.0, waited  # asked every 0.5 s: silent 3 s after the last answer
+        err = info.value
+        assert isinstance(err, RunStopped) and isinstance(err, WorkerLost)
+        assert (err.role, err.rank, err.method) == ("critic", 1, "critic's nap")
+        assert re.fullmatch(
+            rf"critic rank 1: its process \(pid {pid}\) gave no sign of life for \d s "
+            r"\(trainer\.timeouts\.liveness_s=3\): stopped, frozen or swapped out, while the driver waited "
+            r"for critic's nap",
+            str(err),
+        ), str(err)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        group.kill()
+
+
+def test_busy_workers_keep_answering(placement):
+    """Ranks busy in Python (holding the interpreter between switches) or asleep for four times the
+    liveness bound are not taken for frozen."""
+    group = RayWorkerGroup(
+        "actor",
+        RankedWorker,
+        world_size=2,
+        placement=placement,
+        args=(1,),
+        timeouts=TimeoutConfig(call_s=60.0, liveness_s=1.0),
+    )
+    try:
+        assert group.call_each("spin", [(4.0,), (4.0,)]) == [0, 1]
+        assert group.call("nap", 4.0) == [0, 1]
+    finally:
+        group.kill()
+
+
+def test_a_stopped_child_process_is_named_and_killed_with_its_rank(placement):
+    """An engine-like child of rank 0 is stopped: the rank still answers, saying so, and is named once
+    the child has been stopped for ``liveness_s``; killing the group kills the stopped child too."""
+    group = RayWorkerGroup(
+        "actor_rollout_ref",
+        RankedWorker,
+        world_size=2,
+        placement=placement,
+        args=(1,),
+        timeouts=TimeoutConfig(call_s=600.0, liveness_s=2.0),
+    )
+    child = group.call("start_child")[0]
+    try:
+        os.kill(child, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerUnresponsive) as info:
+            group.call("nap", 60.0)
+        assert 1.9 <= time.monotonic() - start < 5.0
+        assert re.fullmatch(
+            rf"actor_rollout_ref rank 0: its child process {child} \(sleep\) has been stopped for \d s "
+            r"\(trainer\.timeouts\.liveness_s=2\), while the driver waited for actor_rollout_ref's nap",
+            str(info.value),
+        ), str(info.value)
+        assert process_state(child) == "T"
+    finally:
+        group.kill()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and process_state(child) != "Z":
+        assert time.monotonic() < deadline, "the stopped child outlived its rank"
+        time.sleep(0.05)
+
+
+def test_one_watch_finds_a_frozen_rank_of_another_group(placement):
+    """Groups sharing the run's :class:`Liveness`: the critic frozen while the driver waits on the actor."""
+    liveness = Liveness(2.0)
+    timeouts = TimeoutConfig(call_s=600.0, liveness_s=2.0)
+    common = dict(world_size=1, placement=placement, args=(1,), timeouts=timeouts, liveness=liveness)
+    actor = RayWorkerGroup("actor_rollout_ref", RankedWorker, **common)
+    critic = RayWorkerGroup("critic", RankedWorker, **common)
+    try:
+        os.kill(critic.pids[0], signal.SIGSTOP)
+        with pytest.raises(WorkerUnresponsive) as info:
+            actor.call("nap", 60.0)
+        assert (info.value.role, info.value.rank) == ("critic", 0)
+        assert str(info.value).endswith("while the driver waited for actor_rollout_ref's nap")
+    finally:
+        os.kill(critic.pids[0], signal.SIGCONT)
+        actor.kill()
+        critic.kill()

@@ -1,0 +1,170 @@
+"""Liveness of the run's worker processes, apart from the progress deadlines of ``trainer.timeouts``.
+
+A step's deadlines must allow for long-tail generations and slow updates (minutes to an hour), so
+they cannot tell a frozen process quickly. While the driver waits for any call, every rank of every
+watched group is asked, every few seconds, whether it lives: the question runs on a thread of its own
+in the rank's process (Ray's ``liveness`` concurrency group), so a rank answers whatever its main
+thread is doing, and says which of its child processes (an engine core, the engine's workers) are
+stopped. A rank that leaves a question unanswered for ``trainer.timeouts.liveness_s`` (its process
+stopped, frozen or swapped out, or its node gone) or that reports a child stopped for that long
+raises :class:`WorkerUnresponsive`, one line naming the role, rank, process and the call the driver
+was waiting for, a :class:`~rltrain.orchestrator.recovery.WorkerLost` that ``trainer.max_restarts``
+recovers from.
+
+A rank is watched from its first answer on (a rank that never answers is the ``init_s`` deadline's
+business); a process that died is not this module's business either (its calls fail at once with
+Ray's own error). Imports Ray lazily: the functions a rank runs need only psutil.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from rltrain.errors import RunStopped
+from rltrain.orchestrator.recovery import WorkerLost
+
+STOPPED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
+
+def stopped_children() -> list[tuple[int, str]]:
+    """``(pid, name)`` of this process's descendants that are stopped (SIGSTOP, a tracer)."""
+    stopped = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() in STOPPED_STATES:
+                stopped.append((child.pid, child.name()))
+        except psutil.NoSuchProcess:
+            continue
+    return stopped
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process below this one."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            continue
+
+
+class WorkerUnresponsive(RunStopped, WorkerLost):
+    """A rank's process (or a child of it) gave no sign of life for ``trainer.timeouts.liveness_s``."""
+
+    def __init__(self, role: str, rank: int, method: str, *, cause: str) -> None:
+        self.role, self.rank, self.method, self.cause = role, rank, method, cause
+        super().__init__(f"{role} rank {rank}: {cause}, while the driver waited for {method}")
+
+
+@dataclass
+class _Rank:
+    role: str
+    rank: int
+    host: Any
+    """The rank's Ray actor (``_RankHost``)."""
+    pid: int | None = None
+    asked: Any = None
+    """The question in flight (an ObjectRef), or None."""
+    asked_at: float = 0.0
+    answered: bool = False
+    """Whether it ever answered: only then is it watched."""
+    gone: bool = False
+    """Its process died (its calls say so themselves)."""
+    stopped_since: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """Child pid -> (name, when it was first seen stopped)."""
+
+
+class Liveness:
+    """Asks every watched rank whether it lives and raises :class:`WorkerUnresponsive` for one that
+    does not answer (or keeps a child stopped) for ``timeout_s``. ``timeout_s`` 0 turns it off."""
+
+    def __init__(self, timeout_s: float, *, probe_s: float | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.probe_s = probe_s if probe_s is not None else min(5.0, max(timeout_s / 6, 0.1))
+        """How often a rank is asked (and how long the driver waits for a call between checks)."""
+        self._ranks: list[_Rank] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    def watch(self, role: str, hosts: list, pids: list[int] | None = None) -> None:
+        """Watch ``hosts[r]`` as rank r of ``role``; asks each at once."""
+        if not self.enabled:
+            return
+        for rank, host in enumerate(hosts):
+            entry = _Rank(role, rank, host, pid=pids[rank] if pids else None)
+            self._ask(entry, time.monotonic())
+            self._ranks.append(entry)
+
+    def set_pids(self, hosts: list, pids: list[int]) -> None:
+        for entry in self._ranks:
+            if entry.host in hosts:
+                entry.pid = pids[hosts.index(entry.host)]
+
+    def forget(self, hosts: list) -> None:
+        self._ranks = [entry for entry in self._ranks if not any(entry.host is h for h in hosts)]
+
+    def check(self, method: str) -> None:
+        """Collect the answers, ask again those due, raise for a rank silent or stopped too long
+        (``method``: the call the driver is waiting for, named in the error)."""
+        if not self.enabled or not self._ranks:
+            return
+        import ray
+
+        now = time.monotonic()
+        asked = {entry.asked: entry for entry in self._ranks if entry.asked is not None}
+        if asked:
+            done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)
+            for ref in done:
+                entry = asked[ref]
+                entry.asked = None
+                try:
+                    stopped = ray.get(ref)
+                except ray.exceptions.RayError:
+                    entry.gone = True  # died: the waited-for call reports it
+                    continue
+                entry.answered = True
+                self._note_stopped(entry, stopped, now)
+        for entry in self._ranks:
+            if entry.gone:
+                continue
+            if entry.asked is not None:
+                silent = now - entry.asked_at
+                if entry.answered and silent >= self.timeout_s:
+                    raise WorkerUnresponsive(
+                        entry.role,
+                        entry.rank,
+                        method,
+                        cause=f"its process{_pid(entry.pid)} gave no sign of life for {silent:.0f} s "
+                        f"(trainer.timeouts.liveness_s={self.timeout_s:g}): stopped, frozen or swapped out",
+                    )
+            elif now - entry.asked_at >= self.probe_s:
+                self._ask(entry, now)
+            for child, (name, since) in entry.stopped_since.items():
+                if now - since >= self.timeout_s:
+                    raise WorkerUnresponsive(
+                        entry.role,
+                        entry.rank,
+                        method,
+                        cause=f"its child process {child} ({name}) has been stopped for {now - since:.0f} s "
+                        f"(trainer.timeouts.liveness_s={self.timeout_s:g})",
+                    )
+
+    @staticmethod
+    def _ask(entry: _Rank, now: float) -> None:
+        entry.asked, entry.asked_at = entry.host.alive.remote(), now
+
+    @staticmethod
+    def _note_stopped(entry: _Rank, stopped: list[tuple[int, str]], now: float) -> None:
+        current = {pid: name for pid, name in stopped}
+        entry.stopped_since = {
+            pid: entry.stopped_since.get(pid, (name, now)) for pid, name in current.items()
+        }
+
+
+def _pid(pid: int | None) -> str:
+    return "" if pid is None else f" (pid {pid})"
