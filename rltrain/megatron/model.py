@@ -191,7 +191,7 @@ def transformer_config_from_hf(
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
+        num_layers_in_last_pipeline_stage=_last_stage_layers(parallel),
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size
@@ -410,3 +410,15 @@ def build_model(
         model.to(ctx.device)
         chunks.append(model)
     return chunks
+
+
+def _last_stage_layers(parallel: ParallelConfig) -> int | None:
+    """``num_layers_in_last_pipeline_stage`` as Megatron-Core is told it. With virtual stages and both
+    counts set at PP=2 (no middle stage) Megatron-Core 0.16's layer offset divides by the number of
+    middle stages (ZeroDivisionError); there the last stage's count is implied by the first's, so it
+    is left out (the same split: 6 layers 2 + 4 at PP=2 × VPP=2 trains like one stage)."""
+    last = parallel.num_layers_in_last_pipeline_stage
+    both = parallel.num_layers_in_first_pipeline_stage is not None and last is not None
+    if both and parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size == 2:
+        return None
+    return last

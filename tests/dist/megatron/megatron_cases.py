@@ -89,6 +89,21 @@ def uneven_pp2_case(tmp: str) -> dict[str, dict[str, float]]:
     return {"pp2_2+3": max_diffs(ref, actor_round(hf, uneven, batching, load_from=f"{tmp}/ref"))}
 
 
+def uneven_pp2_vpp2_case(tmp: str) -> dict[str, dict[str, float]]:
+    """Uneven stages with virtual stages: 6 layers at PP=2 × VPP=2, 2 on the first stage (a layer per
+    virtual chunk) and 4 on the last (two per chunk), against a single-stage run of the same weights."""
+    hf = tiny_llama(num_hidden_layers=6)
+    batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+    ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
+    uneven = ParallelConfig(
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        num_layers_in_first_pipeline_stage=2,
+        num_layers_in_last_pipeline_stage=4,
+    )
+    return {"pp2_vpp2_2+4": max_diffs(ref, actor_round(hf, uneven, batching, load_from=f"{tmp}/ref"))}
+
+
 def ep2_case(tmp: str) -> dict[str, dict[str, float]]:
     """MoE (4 experts, top-2, aux loss): EP=2 loads the weights an EP=1 run saved, then must match it."""
     hf = tiny_mixtral()
@@ -552,7 +567,9 @@ def fused_adam_case() -> dict[str, float]:
             worst = max(worst, float((p.detach() - expected).abs().max()))
             moved = max(moved, float((p.detach() - before[name]).abs().max()))
         return {
-            "fused": float(all(o.defaults["fused"] and all(g["fused"] for g in o.param_groups) for o in inner)),
+            "fused": float(
+                all(o.defaults["fused"] and all(g["fused"] for g in o.param_groups) for o in inner)
+            ),
             "max_diff": worst,
             "max_move": moved,
         }
