@@ -53,9 +53,43 @@ def overrides(run_root, cache, *extra):
     ]
 
 
+def hf_greedy_val_accuracy(config, model_dir: Path, tokenizer_dir: Path) -> float:
+    """The reference for ``val/accuracy``: transformers' greedy decoding of each held-out prompt (the
+    prompt tokens as the run builds them) on ``model_dir``, an answer right when the decoded response
+    is the ground-truth integer (surrounding whitespace and one final period allowed)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rltrain.orchestrator.entry import build_data
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    val = build_data(config, tokenizer).val
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = 0
+    for example in val:
+        ids = torch.tensor([example.prompt_ids])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=config.rollout.response_length,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+        answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip().removesuffix(".")
+        correct += answer == example.ground_truth.strip()
+    return correct / len(val)
+
+
 def test_quickstart_tp2_end_to_end(local_ray, tmp_path, model_cache):
+    """Also: the adaptive KL controller (verl's update, checked step by step from the logged KL and
+    coefficient) and validation before training and after steps 2 and 4, whose accuracy equals
+    transformers' greedy answers on the initial model and on the run's exported step-4 actor."""
+    from rltrain.models.source import resolve_model_dir
     from rltrain.orchestrator.entry import train
 
+    target_kl, horizon = 0.05, 64
     config = load_config(
         RECIPE,
         overrides(
@@ -65,12 +99,29 @@ def test_quickstart_tp2_end_to_end(local_ray, tmp_path, model_cache):
             "actor.parallel.tensor_model_parallel_size=2",
             "actor.ppo_micro_batch_size_per_gpu=8",
             "critic.ppo_micro_batch_size_per_gpu=4",
+            "trainer.val_before_train=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            f"algorithm.kl_ctrl.target_kl={target_kl}",
+            f"algorithm.kl_ctrl.horizon={horizon}",
         ),
     )
     assert train(config) == 4
     run_dir = config.run_dir()
     records = {r["step"]: r for r in read_metrics(run_dir)}
     assert sorted(records) == [0, 1, 2, 3, 4]
+    # adaptive KL: β_{s+1} = β_s (1 + clip(KL_s / target - 1, ±0.2) · samples / horizon), from kl_coef
+    samples = config.data.train_batch_size * config.rollout.n
+    beta = config.algorithm.kl_ctrl.kl_coef
+    for step in (1, 2, 3, 4):
+        assert records[step]["actor/kl_coef"] == pytest.approx(beta, rel=1e-9), step
+        error = min(max(records[step]["actor/kl"] / target_kl - 1.0, -0.2), 0.2)
+        beta *= 1.0 + error * samples / horizon
+    assert records[2]["actor/kl_coef"] != records[1]["actor/kl_coef"]  # it moved (step 1's KL is 0)
+    print("kl_coef by step:", [records[s]["actor/kl_coef"] for s in (1, 2, 3, 4)])
+    print("val/accuracy at steps 0, 2, 4:", [records[s]["val/accuracy"] for s in (0, 2, 4)])
+    # validation: before training on the initial model, after step 4 on the exported actor
+    model_dir = resolve_model_dir(config.model, data=config.data)
+    assert records[0]["val/accuracy"] == pytest.approx(hf_greedy_val_accuracy(config, model_dir, model_dir))
     for step in (1, 2, 3, 4):
         r = records[step]
         assert all(v is not None and math.isfinite(v) for v in r.values()), r
@@ -94,6 +145,9 @@ def test_quickstart_tp2_end_to_end(local_ray, tmp_path, model_cache):
 
     export = run_conversion("mcore-to-hf", ckpt / "step_4" / "actor", tmp_path / "export", atol=1e-4)
     assert export.bit_exact_tensors == export.num_tensors > 0 and export.max_abs_logit_diff <= 1e-4
+    assert records[4]["val/accuracy"] == pytest.approx(
+        hf_greedy_val_accuracy(config, tmp_path / "export", model_dir)
+    )
     assert load_config(run_dir / "config.yaml") == config
     # TensorBoard scalars read back equal the JSONL values
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
