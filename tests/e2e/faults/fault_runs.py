@@ -2,6 +2,8 @@
 that breaks a run while the test's thread drives it."""
 
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -96,6 +98,32 @@ class Saboteur(threading.Thread):
         self.join(timeout=60)
         if self.error is not None:
             raise self.error
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed Ray worker may linger as one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def train_sabotaged(config, sabotage: Callable[[], None], *, stopped: list[int]) -> None:
+    """Train ``config`` to :data:`STEPS` in this thread while ``sabotage`` breaks it from another; the
+    processes it SIGSTOPped (``stopped``, filled as it goes) are continued afterwards if still there
+    (the restarts should have killed them; a stopped process is never left behind)."""
+    from rltrain.orchestrator.entry import train
+
+    saboteur = Saboteur(sabotage)
+    saboteur.start()
+    try:
+        assert train(config) == STEPS
+    finally:
+        for pid in stopped:
+            if running(pid):
+                os.kill(pid, signal.SIGCONT)
+    saboteur.finish()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,16 @@ import time
 
 import psutil
 import pytest
-from fault_runs import RECIPE, STEPS, Saboteur, assert_same_metrics, fault_overrides, metrics_of, wait_for
+from fault_runs import (
+    RECIPE,
+    STEPS,
+    assert_same_metrics,
+    fault_overrides,
+    metrics_of,
+    running,
+    train_sabotaged,
+    wait_for,
+)
 
 from rltrain.config import load_config
 from rltrain.orchestrator.recovery import RESTARTS
@@ -24,13 +33,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 DEFAULT_DEADLINES = ("trainer.timeouts.compute_s=900", "trainer.timeouts.update_s=1800")
 """``fault_overrides`` shortens these for the deadline tests; this one runs at the defaults."""
-
-
-def running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def engine_core(pid: int) -> psutil.Process:
@@ -44,8 +46,6 @@ def engine_core(pid: int) -> psutil.Process:
 def test_a_stopped_critic_actor_and_engine_are_named_within_60_s_and_recovered(
     local_ray, fault_cache, reference, tmp_path, worker_groups, caplog
 ):
-    from rltrain.orchestrator.entry import train
-
     groups = worker_groups
     overrides = fault_overrides(
         tmp_path, fault_cache, *DEFAULT_DEADLINES, "trainer.max_restarts=3", "rollout.engine=async"
@@ -54,8 +54,10 @@ def test_a_stopped_critic_actor_and_engine_are_named_within_60_s_and_recovered(
     assert config.trainer.timeouts.liveness_s == 30.0  # the default
     latest = config.run_dir() / "checkpoints" / "latest"
     stopped: list[tuple[str, int, float]] = []  # (what, pid, when)
+    stopped_pids: list[int] = []
 
     def stop(what: str, pid: int) -> None:
+        stopped_pids.append(pid)
         os.kill(pid, signal.SIGSTOP)
         stopped.append((what, pid, time.time()))
 
@@ -69,16 +71,8 @@ def test_a_stopped_critic_actor_and_engine_are_named_within_60_s_and_recovered(
         wait_for(lambda: len(groups) == 6, timeout_s=300, what="the second restart's worker groups")
         stop("engine", engine_core(groups[4].pids[0]).pid)
 
-    saboteur = Saboteur(sabotage)
     caplog.set_level(logging.INFO)
-    saboteur.start()
-    try:
-        assert train(config) == STEPS
-    finally:
-        for _, pid, _ in stopped:  # the restarts killed them; never leave a stopped process behind
-            if running(pid):
-                os.kill(pid, signal.SIGCONT)
-    saboteur.finish()
+    train_sabotaged(config, sabotage, stopped=stopped_pids)
 
     said = [r for r in caplog.records if r.name == "rltrain.orchestrator.recovery"]
     # a failure during a restart's start is followed by the next restart, not by a "resumed" line

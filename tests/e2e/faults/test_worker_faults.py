@@ -11,7 +11,16 @@ import re
 import signal
 
 import pytest
-from fault_runs import RECIPE, STEPS, Saboteur, assert_same_metrics, fault_overrides, metrics_of, wait_for
+from fault_runs import (
+    RECIPE,
+    STEPS,
+    assert_same_metrics,
+    fault_overrides,
+    metrics_of,
+    running,
+    train_sabotaged,
+    wait_for,
+)
 
 from rltrain.config import load_config
 from rltrain.orchestrator.recovery import RECOVER_SECONDS, RESTARTS
@@ -19,21 +28,9 @@ from rltrain.orchestrator.recovery import RECOVER_SECONDS, RESTARTS
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a killed Ray worker may linger as a zombie of the raylet for a moment
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
-
-
 def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
     local_ray, fault_cache, reference, tmp_path, worker_groups, caplog
 ):
-    from rltrain.orchestrator.entry import train
-
     groups = worker_groups
     config = load_config(RECIPE, fault_overrides(tmp_path, fault_cache, "trainer.max_restarts=2"))
     run_dir, latest = config.run_dir(), config.run_dir() / "checkpoints" / "latest"
@@ -54,16 +51,8 @@ def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
         stopped.append(groups[3].pids[0])
         os.kill(stopped[0], signal.SIGSTOP)
 
-    saboteur = Saboteur(sabotage)
     caplog.set_level(logging.INFO)
-    saboteur.start()
-    try:
-        assert train(config) == STEPS
-    finally:
-        for pid in stopped:  # killed by the restart already; never leave a stopped process behind
-            if alive(pid):
-                os.kill(pid, signal.SIGCONT)
-    saboteur.finish()
+    train_sabotaged(config, sabotage, stopped=stopped)
 
     said = [r.getMessage() for r in caplog.records if r.name == "rltrain.orchestrator.recovery"]
     assert len(said) == 4, said
@@ -97,7 +86,7 @@ def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
     assert latest.read_text().strip() == f"step_{STEPS}"
     # every group of the failed attempts is gone, the stopped process too; the last ones with the run
     wait_for(
-        lambda: not any(alive(pid) for group in groups for pid in group.pids),
+        lambda: not any(running(pid) for group in groups for pid in group.pids),
         timeout_s=30,
         what="exit of every worker process",
     )
