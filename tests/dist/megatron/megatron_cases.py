@@ -75,33 +75,22 @@ def pp2_case(tmp: str) -> dict[str, dict[str, float]]:
     }
 
 
-def uneven_pp2_case(tmp: str) -> dict[str, dict[str, float]]:
-    """5 layers at PP=2 with 2 on the first stage and 3 on the last (Megatron-Core's uneven PP) load
-    the weights a single-stage run saved, then must match it (outputs, loss and grad norm of two steps)."""
-    hf = tiny_llama(num_hidden_layers=5)
+def uneven_pp2_case(tmp: str, virtual: bool = False) -> dict[str, dict[str, float]]:
+    """Megatron-Core's uneven PP against a single-stage run of the same weights (outputs, loss and grad
+    norm of two steps): 5 layers at PP=2 split 2 + 3; ``virtual``: 6 layers at PP=2 × VPP=2 split 2 + 4
+    (a layer per virtual chunk on the first stage, two on the last)."""
+    num_layers, last, vpp = (6, 4, 2) if virtual else (5, 3, None)
+    hf = tiny_llama(num_hidden_layers=num_layers)
     batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
     ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
     uneven = ParallelConfig(
         pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=vpp,
         num_layers_in_first_pipeline_stage=2,
-        num_layers_in_last_pipeline_stage=3,
+        num_layers_in_last_pipeline_stage=last,
     )
-    return {"pp2_2+3": max_diffs(ref, actor_round(hf, uneven, batching, load_from=f"{tmp}/ref"))}
-
-
-def uneven_pp2_vpp2_case(tmp: str) -> dict[str, dict[str, float]]:
-    """Uneven stages with virtual stages: 6 layers at PP=2 × VPP=2, 2 on the first stage (a layer per
-    virtual chunk) and 4 on the last (two per chunk), against a single-stage run of the same weights."""
-    hf = tiny_llama(num_hidden_layers=6)
-    batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
-    ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
-    uneven = ParallelConfig(
-        pipeline_model_parallel_size=2,
-        virtual_pipeline_model_parallel_size=2,
-        num_layers_in_first_pipeline_stage=2,
-        num_layers_in_last_pipeline_stage=4,
-    )
-    return {"pp2_vpp2_2+4": max_diffs(ref, actor_round(hf, uneven, batching, load_from=f"{tmp}/ref"))}
+    name = f"pp2{'_vpp2' if virtual else ''}_2+{last}"
+    return {name: max_diffs(ref, actor_round(hf, uneven, batching, load_from=f"{tmp}/ref"))}
 
 
 def ep2_case(tmp: str) -> dict[str, dict[str, float]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from megatron_cases import ep2_case, ep2_mixed_case, etp_case, pp2_case, uneven_pp2_case, uneven_pp2_vpp2_case
+from megatron_cases import ep2_case, ep2_mixed_case, etp_case, pp2_case, uneven_pp2_case
 
 pytestmark = pytest.mark.dist
 TOL = 1e-5
@@ -33,7 +33,7 @@ def test_uneven_pp2_matches_single_stage(tmp_path) -> None:
 
 
 def test_uneven_pp2_with_virtual_stages_matches_single_stage(tmp_path) -> None:
-    _check(run_ranks(uneven_pp2_vpp2_case, 2, str(tmp_path)))
+    _check(run_ranks(uneven_pp2_case, 2, str(tmp_path), True))
 
 
 def test_ep2_moe_matches_single_rank(tmp_path) -> None:
