@@ -1,9 +1,9 @@
 """A checkpoint whose ``config.json`` leaves out the keys transformers fills in by itself (its
 ``model_type``'s defaults) converts exactly like the same checkpoint with the full config (issue 42).
 
-One dense family and DeepSeek-V3 in the configuration of the report, one rank each; every family's
-facts, shapes and mapping table from a trimmed config are compared in
-``tests/unit/bridge/test_trimmed_hf_configs.py``.
+Every registered family's tiny model (DeepSeek-V3 in the configuration of the report), one rank
+each; the facts, shapes and mapping tables of trimmed configs are compared beyond the tiny presets
+in ``tests/unit/bridge/test_trimmed_hf_configs.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ REPORTED_V3 = {"n_routed_experts": 16, "num_experts_per_tok": 8, "n_group": 8, "
     ("model_type", "overrides", "left_out"),
     [
         ("llama", {}, {"rms_norm_eps", "head_dim", "tie_word_embeddings"}),
+        ("qwen2", {}, set()),
+        ("qwen3", {}, set()),
+        ("mixtral", {}, set()),
+        ("qwen2_moe", {}, set()),
+        ("qwen3_moe", {}, set()),
+        ("deepseek_v2", {}, set()),
         ("deepseek_v3", REPORTED_V3, {"num_experts_per_tok", "n_group", "topk_group", "rms_norm_eps"}),
     ],
 )
@@ -39,7 +45,8 @@ def test_trimmed_config_converts_exactly_like_the_full_one(tmp_path, model_type,
     short = tmp_path / "trimmed"
     shutil.copytree(full, short)
     config = trimmed(json.loads((full / "config.json").read_text()))
-    assert left_out <= set(json.loads((full / "config.json").read_text())) - set(config)
+    dropped = set(json.loads((full / "config.json").read_text())) - set(config)
+    assert dropped and left_out <= dropped, dropped
     (short / "config.json").write_text(json.dumps(config, indent=2))
 
     run_conversion("hf-to-mcore", full, tmp_path / "mcore_full", verify=False)
