@@ -37,7 +37,7 @@ def stopped_children() -> list[tuple[int, str]]:
         try:
             if child.status() in STOPPED_STATES:
                 stopped.append((child.pid, child.name()))
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone meanwhile, or not ours to read
             continue
     return stopped
 
@@ -47,7 +47,7 @@ def kill_descendants() -> None:
     for child in psutil.Process().children(recursive=True):
         try:
             child.kill()
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
 
 
@@ -124,9 +124,11 @@ class Liveness:
                 entry.asked = None
                 try:
                     stopped = ray.get(ref)
-                except ray.exceptions.RayError:
+                except ray.exceptions.RayActorError:
                     entry.gone = True  # died: the waited-for call reports it
                     continue
+                except ray.exceptions.RayError:
+                    stopped = []  # the question failed inside the rank: it lives all the same
                 entry.answered = True
                 self._note_stopped(entry, stopped, now)
         for entry in self._ranks:

@@ -35,12 +35,24 @@ DEFAULT_DEADLINES = ("trainer.timeouts.compute_s=900", "trainer.timeouts.update_
 """``fault_overrides`` shortens these for the deadline tests; this one runs at the defaults."""
 
 
-def engine_core(pid: int) -> psutil.Process:
-    """The vLLM engine core among the process's children (the asynchronous engine's own process)."""
-    children = psutil.Process(pid).children(recursive=True)
-    cores = [c for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
-    assert len(cores) == 1, [(c.pid, c.name()) for c in children]
-    return cores[0]
+def engine_core(pid: int) -> int:
+    """The pid of the vLLM engine core among the process's children (the asynchronous engine's own
+    process); other children (a compiler the engine runs, say) may come and go meanwhile."""
+    found: list[int] = []
+
+    def one_core() -> bool:
+        cores = []
+        for child in psutil.Process(pid).children(recursive=True):
+            try:
+                if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                    cores.append(child.pid)
+            except psutil.NoSuchProcess:
+                continue
+        found[:] = cores
+        return len(cores) == 1
+
+    wait_for(one_core, timeout_s=60, what=f"one engine core process under {pid}")
+    return found[0]
 
 
 def test_a_stopped_critic_actor_and_engine_are_named_within_60_s_and_recovered(
@@ -69,7 +81,7 @@ def test_a_stopped_critic_actor_and_engine_are_named_within_60_s_and_recovered(
         wait_for(lambda: len(groups) == 4, timeout_s=300, what="the first restart's worker groups")
         stop("policy", groups[2].pids[0])
         wait_for(lambda: len(groups) == 6, timeout_s=300, what="the second restart's worker groups")
-        stop("engine", engine_core(groups[4].pids[0]).pid)
+        stop("engine", engine_core(groups[4].pids[0]))
 
     caplog.set_level(logging.INFO)
     train_sabotaged(config, sabotage, stopped=stopped_pids)
