@@ -29,13 +29,14 @@ class FakeLoader:
     """The data position: each batch is its index in the run."""
 
     position: int = 0
+    batch_size: int = 1
 
     def next_batch(self) -> int:
         self.position += 1
         return self.position
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = state["position"]

@@ -155,14 +155,17 @@ VAL = [example(100 + i, a, b) for i, (a, b) in enumerate([(4, 5), (2, 6)])]
 class Loader:
     examples: list[PromptExample]
     position: int = 0
+    batch_size: int = 4
 
     def next_batch(self) -> PromptBatch:
-        start = (self.position * 4) % len(self.examples)
+        start = (self.position * self.batch_size) % len(self.examples)
         self.position += 1
-        return PromptBatch(examples=self.examples[start : start + 4], epoch=0, position=self.position - 1)
+        return PromptBatch(
+            examples=self.examples[start : start + self.batch_size], epoch=0, position=self.position - 1
+        )
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = state["position"]
