@@ -7,7 +7,10 @@ start, sandboxes. It also starts this module as a watcher in a session of its ow
 Ctrl-C does not reach it), unmarked, holding a pipe from the driver. When the pipe closes (the run
 ended and the driver closed it, or the driver died and the kernel closed it) or the watcher's parent
 changes (the driver died while a forked child still holds the pipe), the watcher kills every process
-whose environment carries the token, until none is left, and exits.
+whose environment carries the token, until none is left, and exits. When the driver itself is gone
+(not a run that ended in a driver that goes on), it first kills every process it saw below the
+driver, born since the watcher started (``/proc`` scanned every half second): a process that renames
+itself, as Ray's workers do, may overwrite the environment that ``/proc`` shows.
 
 Why: Ray stops its GCS and raylet with a driver that dies, but the agents the raylet started first
 try for 60 s to report the raylet's death to the dead GCS (about 62 s in all on Ray 2.60), and a
@@ -32,8 +35,9 @@ from pathlib import Path
 RUN_MARK_ENV = "RLTRAIN_RUN_MARK"
 """The environment variable whose value marks every process of one run."""
 
-POLL_S = 0.25
-"""How often the watcher checks that its parent (the driver) is still its parent."""
+POLL_S = 0.5
+"""How often the watcher checks that its parent (the driver) is still its parent, and notes the
+processes below it."""
 
 
 @contextlib.contextmanager
@@ -97,14 +101,62 @@ def kill_marked(token: str, *, rounds: int = 20) -> int:
     return killed
 
 
+def _stat(pid: str, proc: Path) -> tuple[int, int] | None:
+    """``(parent pid, start time in clock ticks)`` of a process, or None when it is gone."""
+    try:
+        fields = (proc / pid / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int, *, proc: Path = Path("/proc")) -> dict[int, int]:
+    """Every process below ``root``: pid -> start time (which tells a pid reused later)."""
+    if not proc.is_dir():
+        return {}
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit() and (stat := _stat(entry.name, proc)) is not None:
+            children.setdefault(stat[0], []).append((int(entry.name), stat[1]))
+    found, todo = {}, [root]
+    while todo:
+        for pid, started in children.get(todo.pop(), []):
+            if pid not in found:
+                found[pid] = started
+                todo.append(pid)
+    return found
+
+
+def kill_seen(seen: dict[int, int]) -> None:
+    """SIGKILL the processes of ``seen`` still running with the same start time (not a reused pid)."""
+    for pid, started in seen.items():
+        stat = _stat(str(pid), Path("/proc"))
+        if stat is not None and stat[1] == started and pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def watch(token: str) -> None:
-    """Wait for the driver's end (EOF on stdin, or a new parent), then kill the run's processes."""
+    """Wait for the driver's end (EOF on stdin, or a new parent), then kill the run's processes: those
+    carrying the token, and those seen below the driver meanwhile (a process that renames itself may
+    overwrite the environment that ``/proc`` shows)."""
     driver = os.getppid()
+    own = _stat(str(os.getpid()), Path("/proc"))
+    born_after = own[1] if own is not None else 0  # the driver's older children are not the run's
     stdin = sys.stdin.buffer
+    seen: dict[int, int] = {}
     while os.getppid() == driver:
+        seen.update({pid: t for pid, t in descendants(driver).items() if t >= born_after})
         ready, _, _ = select.select([stdin], [], [], POLL_S)
         if ready and not stdin.read1(4096):
             break
+    # The pipe also closes when the driver dies, a moment before this process gets a new parent.
+    deadline = time.monotonic() + POLL_S
+    while os.getppid() == driver and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if os.getppid() != driver:  # the driver is gone: everything started below it in the run goes
+        seen.pop(os.getpid(), None)
+        kill_seen(seen)
     kill_marked(token)
 
 

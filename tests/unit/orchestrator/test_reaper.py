@@ -8,6 +8,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from rltrain.orchestrator.reaper import RUN_MARK_ENV, marked_processes, reaped_run
 
@@ -45,9 +46,13 @@ def test_processes_started_in_the_run_die_at_its_end_and_others_live(tmp_path):
         outside.kill()
 
 
-def test_a_killed_driver_takes_its_processes_along(tmp_path):
-    """A driver (here a child python) SIGKILLed inside ``reaped_run``: the watcher kills what it started."""
+@pytest.mark.parametrize("env", ["inherited", "cleared"])
+def test_a_killed_driver_takes_its_processes_along(tmp_path, env):
+    """A driver (here a child python) SIGKILLed inside ``reaped_run``: the watcher kills what it started,
+    marked or not (``cleared``: a process whose environment no longer shows the mark, as a process
+    that renamed itself over it; the watcher saw it below the driver)."""
     pid_file = tmp_path / "pid"
+    env_arg = ", env={}" if env == "cleared" else ""
     driver = subprocess.Popen(
         [
             sys.executable,
@@ -55,7 +60,8 @@ def test_a_killed_driver_takes_its_processes_along(tmp_path):
             "import subprocess, sys, time\n"
             "from rltrain.orchestrator.reaper import reaped_run\n"
             "with reaped_run():\n"
-            "    p = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+            f"    p = subprocess.Popen(['/bin/sleep', '60']{env_arg})\n"
+            "    time.sleep(1.5)\n"  # the watcher notes the processes below the driver every 0.5 s
             f"    open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
             "    time.sleep(60)\n",
         ]
