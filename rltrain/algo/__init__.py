@@ -25,15 +25,13 @@ from rltrain.algo.kl import (
     build_kl_controller,
     kl_penalty,
 )
+from rltrain.algo.loss_agg import AGG_MODES, LossAgg, agg_loss
 from rltrain.algo.losses import (
-    AGG_MODES,
     POLICY_LOSSES,
-    LossAgg,
     PolicyLossInputs,
     PolicyLossOutput,
     PolicyLossParams,
     ValueLossOutput,
-    agg_loss,
     compute_entropy_loss,
     compute_kl_loss,
     compute_policy_loss,

@@ -78,9 +78,9 @@ from __future__ import annotations
 
 import torch
 
+from rltrain.algo.loss_agg import LossAgg
 from rltrain.algo.losses import (
     POLICY_LOSSES,
-    LossAgg,
     PolicyLossInputs,
     PolicyLossOutput,
     PolicyLossParams,

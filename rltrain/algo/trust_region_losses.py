@@ -50,9 +50,9 @@ from dataclasses import replace
 
 import torch
 
+from rltrain.algo.loss_agg import LossAgg
 from rltrain.algo.losses import (
     POLICY_LOSSES,
-    LossAgg,
     PolicyLossInputs,
     PolicyLossOutput,
     PolicyLossParams,

@@ -12,7 +12,8 @@ from rltrain.algo.kl import (
     build_kl_controller,
     kl_penalty,
 )
-from rltrain.algo.losses import LossAgg, compute_kl_loss
+from rltrain.algo.loss_agg import LossAgg
+from rltrain.algo.losses import compute_kl_loss
 
 LOGPROBS = torch.tensor([[-1.0, -2.0, -0.25]], dtype=torch.float64)
 REF_LOGPROBS = torch.tensor([[-1.5, -0.5, -0.25]], dtype=torch.float64)

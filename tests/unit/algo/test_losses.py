@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from rltrain.algo.kl import kl_penalty
+from rltrain.algo.loss_agg import LossAgg, agg_loss
 from rltrain.algo.losses import (
-    LossAgg,
     PolicyLossInputs,
     PolicyLossParams,
-    agg_loss,
     compute_entropy_loss,
     compute_kl_loss,
     compute_policy_loss,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rltrain.algo import POLICY_LOSSES
-from rltrain.algo.losses import LossAgg, PolicyLossInputs, PolicyLossParams, compute_policy_loss
+from rltrain.algo.loss_agg import LossAgg
+from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams, compute_policy_loss
 
 MASK = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0]])
 VALID = [(0, 0), (0, 1), (0, 3), (2, 0), (2, 1)]

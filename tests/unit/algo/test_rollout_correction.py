@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from rltrain.algo.losses import LossAgg, PolicyLossInputs, PolicyLossParams, compute_policy_loss, tis_weight
+from rltrain.algo.loss_agg import LossAgg
+from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams, compute_policy_loss, tis_weight
 from rltrain.algo.rollout_correction import (
     RejectionBound,
     RolloutCorrectionSpec,

@@ -15,7 +15,8 @@ import re
 import pytest
 import torch
 
-from rltrain.algo.losses import LossAgg, PolicyLossInputs, PolicyLossParams, compute_policy_loss
+from rltrain.algo.loss_agg import LossAgg
+from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams, compute_policy_loss
 
 MASK = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]])
 VALID = [(0, 0), (0, 1), (2, 0), (2, 1), (2, 2)]

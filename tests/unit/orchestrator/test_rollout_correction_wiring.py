@@ -4,7 +4,8 @@ bit-identical to the loss's own TIS, and the config resolves to the right correc
 import pytest
 import torch
 
-from rltrain.algo.losses import LossAgg, PolicyLossInputs, PolicyLossParams, compute_policy_loss
+from rltrain.algo.loss_agg import LossAgg
+from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams, compute_policy_loss
 from rltrain.algo.rollout_correction import RolloutCorrectionSpec, correction_stats, parse_rejection
 from rltrain.algo.token_batch import ModelOutput, TokenBatch
 from rltrain.config import ActorConfig
