@@ -124,10 +124,11 @@ def train_spmd(config: RLConfig) -> int:
 
     from rltrain.orchestrator.checkpoints import RunCheckpoints
     from rltrain.orchestrator.driver import Roles
-    from rltrain.orchestrator.entry import prepare_run, role_stage, run_driver
+    from rltrain.orchestrator.entry import prepare_run, run_driver
     from rltrain.orchestrator.placement import rollout_placement
     from rltrain.orchestrator.preemption import StopSignals
     from rltrain.orchestrator.roles import CriticRole, PolicyRole
+    from rltrain.orchestrator.run_workers import role_stage
     from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
 
     check_world(config)

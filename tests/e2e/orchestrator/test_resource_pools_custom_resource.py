@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from rltrain.config import load_config
-from rltrain.orchestrator.entry import RunWorkers
+from rltrain.orchestrator.run_workers import RunWorkers
 from rltrain.orchestrator.worker_group import PoolsDoNotFit, RayWorkerGroup
 from tests.e2e.conftest import STAND_IN_GPU
 
