@@ -11,7 +11,8 @@ With ``reward.launch_reward_fn_async`` the reward is scored on a thread during t
 values, and joined before the advantages.
 
 The rollout side of the step (the batch from the engines, rewards, the extra rollouts) is
-:class:`~rltrain.orchestrator.rollout_side.RolloutSide`, mixed in.
+:class:`~rltrain.orchestrator.rollout_side.RolloutSide`, mixed in; saving, resuming and loading the
+run's checkpoints is :class:`~rltrain.orchestrator.run_state.CheckpointedRun`, mixed in too.
 
 The driver holds no model: roles are handles whose methods run on their workers. Every random
 choice is a function of (seed, step), so a run resumed from a checkpoint repeats the metrics of an
@@ -25,12 +26,10 @@ after a lost worker (:mod:`~rltrain.orchestrator.recovery`) resumes a new traine
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -43,25 +42,23 @@ from rltrain.algo import (
     masked_mean,
 )
 from rltrain.config import RLConfig
-from rltrain.data.loader import LoaderStateMismatch, PromptBatch, PromptLoader
+from rltrain.data.loader import PromptBatch
 from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.samples import SAMPLES_LOGGER
 from rltrain.logging.timer import StageTimer
-from rltrain.orchestrator.batch import StepBatch, build_step_batch, sample_uids, step_uid_prefix
-from rltrain.orchestrator.checkpoints import STATE_FILE, CheckpointError, CheckpointLoadError, RunCheckpoints
+from rltrain.orchestrator.batch import StepBatch, step_uid_prefix
+from rltrain.orchestrator.checkpoints import RunCheckpoints
 from rltrain.orchestrator.dynamic_sampling import (
     ScoredRound,
 )
-from rltrain.orchestrator.pipeline import PIPELINE_FILE, build_source, read_state, write_state
+from rltrain.orchestrator.pipeline import build_source
 from rltrain.orchestrator.preemption import StopSignals
-from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.roles import CriticRole, PolicyRole, RewardModelRole
 from rltrain.orchestrator.rollout_side import RolloutSide
-from rltrain.orchestrator.sample_records import dump_rollout, dump_validation, trace_advantages
-from rltrain.orchestrator.worker_group import WorkerError
+from rltrain.orchestrator.run_state import CheckpointedRun
+from rltrain.orchestrator.sample_records import dump_rollout, trace_advantages
 from rltrain.rollout.mismatch import logprob_mismatch
-from rltrain.rollout.types import SamplingConfig
 
 if TYPE_CHECKING:
     from rltrain.orchestrator.entry import RunData
@@ -116,7 +113,7 @@ class Progress(Protocol):
     def update(self, metrics: Mapping[str, float] | None = None) -> None: ...
 
 
-class PPOTrainer(RolloutSide):
+class PPOTrainer(RolloutSide, CheckpointedRun):
     def __init__(
         self,
         config: RLConfig,
@@ -361,162 +358,6 @@ class PPOTrainer(RolloutSide):
         return metrics | batch.extra_metrics
 
     # ---------------------------------------------------------------------------------- eval/ckpt
-    def validate(self, *, step: int) -> dict[str, float]:
-        """Greedy (``rollout.val_kwargs``) accuracy on the held-out prompts, after ``step``; with
-        ``reward.reward_model`` also the model's mean score of the samples and the weighted total;
-        with ``trainer.validation_data_dir`` its samples go to ``<dir>/<step>.jsonl``."""
-        if self.data.val is None:
-            return {}
-        self.source.ensure_current()
-        val, cfg = self.data.val, self.config.rollout
-        sampling = SamplingConfig(
-            temperature=cfg.val_kwargs.temperature,
-            top_p=cfg.val_kwargs.top_p,
-            n=cfg.val_kwargs.n,
-            response_length=cfg.response_length,
-            seed=cfg.seed,
-        )
-        output = self.roles.policy.generate(
-            self.engine_prompts(
-                [ex.prompt_ids for ex in val], [ex.ground_truth for ex in val], [ex.data_source for ex in val]
-            ),
-            sampling,
-        )
-        masks = output.sampled_masks or [[1] * len(ids) for ids in output.response_ids]
-        texts = [
-            self.tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
-            for ids, mask in zip(output.response_ids, masks)
-        ]
-        n = sampling.n
-        result = self.rewards(
-            texts,
-            ground_truths=[ex.ground_truth for ex in val for _ in range(n)],
-            extra_infos=[ex.extra_info for ex in val for _ in range(n)],
-            data_sources=[ex.data_source for ex in val for _ in range(n)],
-        )
-        if self.config.trainer.validation_data_dir:
-            uids = sample_uids(step_uid_prefix(step, "val"), len(val), n)
-            dump_validation(
-                self.config.trainer.validation_data_dir,
-                step,
-                uids=uids,
-                examples=val,
-                output=output,
-                responses=texts,
-                result=result,
-                tokenizer=self.tokenizer,
-            )
-        metrics = {
-            mk.VAL_ACCURACY: float(result.correct.float().mean()),
-            mk.VAL_SCORE_MEAN: float(result.scores.mean()),
-        }
-        if self.roles.reward_model is not None:  # as in training: the model scores the same tokens
-            rm = self.config.reward.reward_model
-            batch = build_step_batch(
-                prompt_ids=output.prompt_ids,
-                response_ids=output.response_ids,
-                response_logprobs=output.response_logprobs,
-                finish_reasons=output.finish_reasons,
-                n=n,
-                data_sources=[ex.data_source for ex in val],
-                ground_truths=[ex.ground_truth for ex in val],
-                pad_token_id=self.tokenizer.pad_token_id,
-                response_length=sampling.response_length,
-                sampled_masks=output.sampled_masks,
-            )
-            model_scores = self.model_scores(batch)
-            metrics[mk.VAL_MODEL_SCORE_MEAN] = float(model_scores.mean())
-            total = rm.score_weight * model_scores + rm.rule_weight * result.scores.float()
-            metrics[mk.VAL_TOTAL_MEAN] = float(total.mean())
-        return metrics
-
-    def save(self, step: int) -> None:
-        """Checkpoint every role and the driver's state as ``step_<step>``; a failed save raises
-        :class:`~rltrain.orchestrator.checkpoints.CheckpointError` and leaves ``latest`` as it was."""
-
-        def write_roles(path: Path) -> None:
-            self.roles.policy.save(str(path), step)
-            if self.roles.critic is not None:
-                self.roles.critic.save(str(path), step)
-            write_state(self.source, path)  # asynchronous pipelines: the batches not trained yet
-
-        state = {"step": step, "data": self.data.train.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
-        self.checkpoints.save(step, write_roles=write_roles, state=state)
-
-    def resume(self, *, recovering: bool = False) -> int:
-        """The step to continue after: 0 for a fresh start, else that of the newest checkpoint that
-        verifies and loads (:meth:`RunCheckpoints.resume` falls back past the others, one line each).
-        ``recovering`` (after a restart of the workers): the run's newest such checkpoint, else the
-        one it started from (``resume_from_path``), else step 0."""
-        trainer = self.config.trainer
-        explicit = trainer.resume_from_path if trainer.resume_mode == "resume_path" else None
-        if recovering:
-            step = self.checkpoints.resume(self.load_checkpoint)
-            if step is None and explicit is not None:
-                step = self.checkpoints.resume(self.load_checkpoint, explicit=explicit)
-            return step or 0
-        if trainer.resume_mode == "disable":
-            self.checkpoints.start_fresh(discard_existing=trainer.checkpoint.discard_existing)
-            return 0
-        step = self.checkpoints.resume(self.load_checkpoint, explicit=explicit)
-        return 0 if step is None else step
-
-    def load_checkpoint(self, path: Path) -> int:
-        """Load the checkpoint at ``path`` into every role and the driver; returns its step.
-
-        A role that fails to load it raises :class:`CheckpointLoadError` (one line, naming role, rank
-        and cause); a later load of another checkpoint overwrites whatever was loaded in part."""
-        state = self.checkpoints.read_state(path)
-        resume_data_order(self.data.train, state["data"], checkpoint=path)  # refused before any role loads
-        for role in (self.roles.policy, self.roles.critic):
-            if role is None:
-                continue
-            try:
-                loaded = role.load(str(path))
-            except WorkerLost:  # the worker, not the checkpoint: a restart's business
-                raise
-            except WorkerError as err:
-                raise CheckpointLoadError(str(err).splitlines()[0]) from err
-            if loaded != state["step"]:
-                raise CheckpointLoadError(
-                    f"a role checkpoint holds step {loaded}, {STATE_FILE} {state['step']}"
-                )
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        read_state(self.source, path)
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return int(state["step"])
-
-
-def resume_data_order(loader: PromptLoader, saved: dict[str, Any], *, checkpoint: Path) -> None:
-    """Put ``loader`` where the checkpoint's data order stopped. Another batch size goes on from the same
-    prompt (said in the log); another order, or another batch size with untrained pipeline batches of
-    the old one in the checkpoint, raises :class:`CheckpointError` (one line naming the key)."""
-    pipeline = checkpoint / PIPELINE_FILE
-    resized = saved["batch_size"] != loader.batch_size
-    if resized and pipeline.exists() and json.loads(pipeline.read_text())["batches"]:
-        raise CheckpointError(
-            f"cannot resume from {checkpoint}: it holds rollouts of {saved['batch_size']} prompts not "
-            f"trained yet ({PIPELINE_FILE}) and this run draws {loader.batch_size} "
-            "(data.train_batch_size / data.gen_batch_size changed): resume with the saved batch size"
-        )
-    try:
-        loader.load_state_dict(saved)
-    except LoaderStateMismatch as err:
-        raise CheckpointError(
-            f"cannot resume from {checkpoint}: {err}; resume with the saved setting or start a new run "
-            "(trainer.experiment_name=...)"
-        ) from None
-    if resized:
-        log.warning(
-            "the data batch size was %d when %s was saved and is %d now: resuming at prompt %d of epoch %d's "
-            "order in batches of %d",
-            saved["batch_size"],
-            checkpoint.name,
-            loader.batch_size,
-            loader.offset,
-            loader.epoch,
-            loader.batch_size,
-        )
 
 
 def _due(freq: int, step: int, last: bool) -> bool:

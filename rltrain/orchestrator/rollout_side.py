@@ -1,6 +1,7 @@
 """The rollout side of a step, mixed into :class:`~rltrain.orchestrator.driver.PPOTrainer`: sampling
 settings, the step batch from the engines' output, decoding and rewards (with DAPO's overlong
-shaping), and the rollouts a step may add to its own: dynamic sampling's further rounds and ReMax's
+shaping), validation on the held-out prompts (:meth:`RolloutSide.validate`), and the rollouts a step
+may add to its own: dynamic sampling's further rounds and ReMax's
 greedy baselines (:mod:`~rltrain.orchestrator.dynamic_sampling`), timed as the step's generate and
 reward stages. Each rollout's samples get ids of their own (``step3``, ``step3-r1``, ``step3-greedy``:
 :func:`~rltrain.orchestrator.batch.step_uid_prefix`), named in the run log's rollout and reward lines
@@ -16,8 +17,9 @@ import torch
 
 from rltrain.agent.loop import AgentPrompt
 from rltrain.agent.trajectory import step_metrics as agent_step_metrics
+from rltrain.logging import metrics as mk
 from rltrain.logging.metrics import REWARD_MODEL_SCORE, REWARD_TOTAL, summary_stats
-from rltrain.orchestrator.batch import StepBatch, build_step_batch, step_uid_prefix
+from rltrain.orchestrator.batch import StepBatch, build_step_batch, sample_uids, step_uid_prefix
 from rltrain.orchestrator.dynamic_sampling import (
     OVERLONG_FRAC,
     OVERLONG_PENALTY_MEAN,
@@ -27,7 +29,7 @@ from rltrain.orchestrator.dynamic_sampling import (
     overlong_penalty,
     round_seed,
 )
-from rltrain.orchestrator.sample_records import trace_rewards, trace_rollout
+from rltrain.orchestrator.sample_records import dump_validation, trace_rewards, trace_rollout
 from rltrain.rollout.types import SamplingConfig
 
 if TYPE_CHECKING:
@@ -183,3 +185,72 @@ class RolloutSide:
     def decode(self, batch: StepBatch) -> list[str]:
         ids, mask = batch.response_ids, batch.response_mask.bool()
         return [self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+    def validate(self, *, step: int) -> dict[str, float]:
+        """Greedy (``rollout.val_kwargs``) accuracy on the held-out prompts, after ``step``; with
+        ``reward.reward_model`` also the model's mean score of the samples and the weighted total;
+        with ``trainer.validation_data_dir`` its samples go to ``<dir>/<step>.jsonl``."""
+        if self.data.val is None:
+            return {}
+        self.source.ensure_current()
+        val, cfg = self.data.val, self.config.rollout
+        sampling = SamplingConfig(
+            temperature=cfg.val_kwargs.temperature,
+            top_p=cfg.val_kwargs.top_p,
+            n=cfg.val_kwargs.n,
+            response_length=cfg.response_length,
+            seed=cfg.seed,
+        )
+        output = self.roles.policy.generate(
+            self.engine_prompts(
+                [ex.prompt_ids for ex in val], [ex.ground_truth for ex in val], [ex.data_source for ex in val]
+            ),
+            sampling,
+        )
+        masks = output.sampled_masks or [[1] * len(ids) for ids in output.response_ids]
+        texts = [
+            self.tokenizer.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True)
+            for ids, mask in zip(output.response_ids, masks)
+        ]
+        n = sampling.n
+        result = self.rewards(
+            texts,
+            ground_truths=[ex.ground_truth for ex in val for _ in range(n)],
+            extra_infos=[ex.extra_info for ex in val for _ in range(n)],
+            data_sources=[ex.data_source for ex in val for _ in range(n)],
+        )
+        if self.config.trainer.validation_data_dir:
+            uids = sample_uids(step_uid_prefix(step, "val"), len(val), n)
+            dump_validation(
+                self.config.trainer.validation_data_dir,
+                step,
+                uids=uids,
+                examples=val,
+                output=output,
+                responses=texts,
+                result=result,
+                tokenizer=self.tokenizer,
+            )
+        metrics = {
+            mk.VAL_ACCURACY: float(result.correct.float().mean()),
+            mk.VAL_SCORE_MEAN: float(result.scores.mean()),
+        }
+        if self.roles.reward_model is not None:  # as in training: the model scores the same tokens
+            rm = self.config.reward.reward_model
+            batch = build_step_batch(
+                prompt_ids=output.prompt_ids,
+                response_ids=output.response_ids,
+                response_logprobs=output.response_logprobs,
+                finish_reasons=output.finish_reasons,
+                n=n,
+                data_sources=[ex.data_source for ex in val],
+                ground_truths=[ex.ground_truth for ex in val],
+                pad_token_id=self.tokenizer.pad_token_id,
+                response_length=sampling.response_length,
+                sampled_masks=output.sampled_masks,
+            )
+            model_scores = self.model_scores(batch)
+            metrics[mk.VAL_MODEL_SCORE_MEAN] = float(model_scores.mean())
+            total = rm.score_weight * model_scores + rm.rule_weight * result.scores.float()
+            metrics[mk.VAL_TOTAL_MEAN] = float(total.mean())
+        return metrics
