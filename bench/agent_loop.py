@@ -72,7 +72,7 @@ def engine_part(config, prompts_n: int, in_flight: int) -> list[str]:
     from rltrain.agent.loop import AgentLoop, AgentPrompt
     from rltrain.models.source import resolve_model_dir
     from rltrain.orchestrator.entry import build_data
-    from rltrain.orchestrator.workers import build_engine
+    from rltrain.orchestrator.rollout_worker import build_engine
     from rltrain.rollout.types import SamplingConfig
 
     multi_turn = config.rollout.multi_turn

@@ -169,7 +169,7 @@ def engine_alone(config, *, repeats: int) -> tuple[float, float, int]:
 
     from rltrain.models.source import resolve_model_dir
     from rltrain.orchestrator.entry import build_data
-    from rltrain.orchestrator.workers import build_engine
+    from rltrain.orchestrator.rollout_worker import build_engine
     from rltrain.rollout.types import SamplingConfig
 
     model_dir = str(resolve_model_dir(config.model, data=config.data))
@@ -231,7 +231,7 @@ def model_alone(
     from rltrain.megatron.worker import MegatronWorker
     from rltrain.models.source import resolve_model_dir
     from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
-    from rltrain.orchestrator.workers import role_batching as batching
+    from rltrain.orchestrator.rank_base import role_batching as batching
 
     torch.set_num_threads(1)
     with socket.socket() as sock:

@@ -111,8 +111,9 @@ class RunWorkers:
         does not race another role's allocations."""
         from rltrain.orchestrator.driver import Roles
         from rltrain.orchestrator.roles import CriticRole, PolicyRole, RewardModelRole
+        from rltrain.orchestrator.rollout_worker import RolloutWorker
         from rltrain.orchestrator.worker_group import Placement
-        from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
+        from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RewardModelWorker
 
         config, layout, world = self.config, self.layout, self.config.cluster.world_size()
         steps = {"total_steps": self.total_steps}

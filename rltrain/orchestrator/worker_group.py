@@ -35,8 +35,8 @@ from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.liveness import Liveness, kill_descendants, stopped_children
+from rltrain.orchestrator.rank_base import RankInfo
 from rltrain.orchestrator.recovery import WorkerLost
-from rltrain.orchestrator.workers import RankInfo
 from rltrain.ports import HeldPort
 
 

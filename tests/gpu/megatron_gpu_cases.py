@@ -54,7 +54,7 @@ def actor_numbers(worker: Any, ctx: Any, hf_config: Any, model_dir: str) -> dict
     and log-probs again."""
     from megatron_fixtures import make_batch, policy_loss
 
-    from rltrain.orchestrator.workers import load_hf_into
+    from rltrain.orchestrator.rank_base import load_hf_into
 
     load_hf_into(worker, ctx=ctx, hf_config=hf_config, model_dir=model_dir)
     batch = make_batch()

@@ -23,7 +23,8 @@ from rltrain.config import RLConfig
 from rltrain.config.actor import PolicyLossConfig
 from rltrain.orchestrator.placement import rollout_placement
 from rltrain.orchestrator.spmd import SPMDGroup
-from rltrain.orchestrator.workers import PolicyWorker, _token_batch
+from rltrain.orchestrator.rank_base import token_batch
+from rltrain.orchestrator.workers import PolicyWorker
 
 MICRO_BATCH = 3
 MICRO_SPLITS = ([0, 1, 2], [3, 4, 5], [6, 7])
@@ -170,7 +171,7 @@ def policy_loss_updates(model_dir: str) -> dict[str, Any]:
     batch = _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
     batch.sampled_mask = SAMPLED_MASK.clone()
     batch.advantages = ADVANTAGES.float()
-    out: dict[str, Any] = {"splits": worker.actor.batching.split(_token_batch(batch)), "cases": {}}
+    out: dict[str, Any] = {"splits": worker.actor.batching.split(token_batch(batch)), "cases": {}}
     for case in CASES:
         logprobs, entropy, _ = worker.compute_log_prob(batch)
         batch.old_logprobs = logprobs - LOG_RATIO.to(logprobs.dtype)

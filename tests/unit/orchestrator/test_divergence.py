@@ -25,7 +25,7 @@ def step(
     param_max_abs: float = 0.3,
     lr: float = 1e-6,
 ) -> dict[str, float]:
-    """One optimizer step's metrics as the workers report them (``_step_metrics``' key order)."""
+    """One optimizer step's metrics as the workers report them (``rank_base.step_metrics``' key order)."""
     return {
         f"{role}/loss": loss,
         f"{role}/pg_loss": loss,

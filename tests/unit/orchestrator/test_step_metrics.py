@@ -1,10 +1,10 @@
-"""``_step_metrics``: how one optimizer step's result becomes the step's metric keys."""
+"""``rank_base.step_metrics``: how one optimizer step's result becomes the step's metric keys."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rltrain.orchestrator.workers import _step_metrics
+from rltrain.orchestrator.rank_base import step_metrics
 
 
 def _result(**moe: float) -> SimpleNamespace:
@@ -20,7 +20,7 @@ def _result(**moe: float) -> SimpleNamespace:
 
 def test_router_metrics_are_moe_keys_for_the_actor_and_prefixed_for_the_critic() -> None:
     moe = {"moe/aux_loss": 1.25, "moe/layer_1/load_max_over_mean": 1.75}
-    assert _step_metrics("actor", _result(**moe)) == {
+    assert step_metrics("actor", _result(**moe)) == {
         "actor/loss": 0.5,
         "actor/pg_loss": 0.4,
         "moe/aux_loss": 1.25,
@@ -30,6 +30,6 @@ def test_router_metrics_are_moe_keys_for_the_actor_and_prefixed_for_the_critic()
         "actor/skipped_steps": 0.0,
         "actor/param_max_abs": 0.3,
     }
-    critic = _step_metrics("critic", _result(**moe))
+    critic = step_metrics("critic", _result(**moe))
     assert critic["critic/moe/aux_loss"] == 1.25 and "moe/aux_loss" not in critic
-    assert "moe/aux_loss" not in _step_metrics("actor", _result())
+    assert "moe/aux_loss" not in step_metrics("actor", _result())
