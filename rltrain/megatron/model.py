@@ -42,7 +42,7 @@ from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.cpu_compat import transformer_engine_problem
 from rltrain.megatron.local_spec import local_block_spec
-from rltrain.megatron.parallel import ParallelContext
+from rltrain.megatron.parallel import ParallelContext, last_stage_layers_for_megatron
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def transformer_config_from_hf(
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=_last_stage_layers(parallel),
+        num_layers_in_last_pipeline_stage=last_stage_layers_for_megatron(parallel),
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size
@@ -410,15 +410,3 @@ def build_model(
         model.to(ctx.device)
         chunks.append(model)
     return chunks
-
-
-def _last_stage_layers(parallel: ParallelConfig) -> int | None:
-    """``num_layers_in_last_pipeline_stage`` as Megatron-Core is told it. With virtual stages and both
-    counts set at PP=2 (no middle stage) Megatron-Core 0.16's layer offset divides by the number of
-    middle stages (ZeroDivisionError); there the last stage's count is implied by the first's, so it
-    is left out (the same split: 6 layers 2 + 4 at PP=2 × VPP=2 trains like one stage)."""
-    last = parallel.num_layers_in_last_pipeline_stage
-    both = parallel.num_layers_in_first_pipeline_stage is not None and last is not None
-    if both and parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size == 2:
-        return None
-    return last

@@ -150,3 +150,15 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def last_stage_layers_for_megatron(parallel: ParallelConfig) -> int | None:
+    """``num_layers_in_last_pipeline_stage`` as Megatron-Core is told it. With virtual stages and both
+    counts set at PP=2 (no middle stage) Megatron-Core 0.16's layer offset divides by the number of
+    middle stages (ZeroDivisionError); there the last stage's count is implied by the first's, so it
+    is left out (the same split: 6 layers 2 + 4 at PP=2 × VPP=2 trains like one stage)."""
+    last = parallel.num_layers_in_last_pipeline_stage
+    both = parallel.num_layers_in_first_pipeline_stage is not None and last is not None
+    if both and parallel.virtual_pipeline_model_parallel_size and parallel.pipeline_model_parallel_size == 2:
+        return None
+    return last
