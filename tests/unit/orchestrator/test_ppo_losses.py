@@ -9,6 +9,7 @@ import torch
 from rltrain.algo.losses import PolicyLossParams
 from rltrain.algo.token_batch import ModelOutput, TokenBatch
 from rltrain.config import ActorConfig, CriticConfig, load_config
+from rltrain.config.actor import PolicyLossConfig
 from rltrain.orchestrator import ppo_losses
 from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
 
@@ -112,6 +113,37 @@ def load_actor(tmp_path, overrides: list[str], actor_yaml: str = "") -> ActorCon
     return load_config(path, overrides).actor
 
 
+def record_policy_loss_calls(monkeypatch) -> list[tuple[str, PolicyLossParams]]:
+    """The ``(loss name, params)`` of every policy loss the actor's loss computes from now on."""
+    seen = []
+    real = ppo_losses.compute_policy_loss
+
+    def spy(name, inputs, *, params, agg):
+        seen.append((name, params))
+        return real(name, inputs, params=params, agg=agg)
+
+    monkeypatch.setattr(ppo_losses, "compute_policy_loss", spy)
+    return seen
+
+
+def test_tau_and_dro_beta_reach_the_policy_loss(monkeypatch):
+    """sapo's ``actor.tau_pos/tau_neg`` and dro's ``actor.policy_loss.dro_beta`` reach the loss, and
+    dro's value is its formula by hand: ``-(A logp - β/2 lr²)``, token-mean."""
+    seen = record_policy_loss_calls(monkeypatch)
+    cfg = ActorConfig(tau_pos=1.5, tau_neg=2.5, policy_loss=PolicyLossConfig(loss_mode="dro", dro_beta=0.5))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], dtype=torch.float64, requires_grad=True)
+    batch = micro(
+        mask,
+        old_logprobs=logprobs.detach() - torch.tensor([[0.2, -0.4], [0.0, 0.0]], dtype=torch.float64),
+        advantages=torch.tensor([[1.0, 1.0], [-0.5, 0.0]], dtype=torch.float64),
+    )
+    loss, _ = actor_loss_fn(cfg, GlobalCounts.of(mask))(ModelOutput(logprobs, torch.zeros(2, 2)), batch)
+    assert seen == [("dro", PolicyLossParams(tau_pos=1.5, tau_neg=2.5, dro_beta=0.5))]
+    # -(A logp - 0.25 lr²): 1 + 0.01, 2 + 0.04, -0.25; mean over 3 tokens
+    assert loss.item() == pytest.approx((1.01 + 2.04 - 0.25) / 3, rel=1e-12)
+
+
 def run_actor(cfg: ActorConfig, ref_logprobs: torch.Tensor | None = None):
     logprobs = LOGPROBS.clone().requires_grad_()
     batch = micro(LOSS_MASK, old_logprobs=LOGPROBS - 0.1, advantages=ADVANTAGES, ref_logprobs=ref_logprobs)
@@ -140,14 +172,7 @@ def run_actor(cfg: ActorConfig, ref_logprobs: torch.Tensor | None = None):
     ],
 )
 def test_policy_loss_section_reaches_the_actor_loss(tmp_path, monkeypatch, overrides, actor_yaml, loss_mode):
-    seen = []
-    real = ppo_losses.compute_policy_loss
-
-    def spy(name, inputs, *, params, agg):
-        seen.append((name, params))
-        return real(name, inputs, params=params, agg=agg)
-
-    monkeypatch.setattr(ppo_losses, "compute_policy_loss", spy)
+    seen = record_policy_loss_calls(monkeypatch)
     cfg = load_actor(tmp_path, overrides, actor_yaml)
     loss, metrics, _ = run_actor(cfg)
     settings = {
