@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from megatron_bridge.hf_config import config_value as config_value  # the families' reader, re-exported
 from megatron_bridge.mappings import AnyMapping
 
 

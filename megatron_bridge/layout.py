@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_bridge.family import MoEFacts, config_value
+from megatron_bridge.family import MoEFacts
+from megatron_bridge.hf_config import config_value
 from megatron_bridge.registry import get_family
 
 FIRST = "num_layers_in_first_pipeline_stage"

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from megatron_bridge.family import ArchitectureFacts, MoEFacts, config_value
+from megatron_bridge.family import ArchitectureFacts, MoEFacts
+from megatron_bridge.hf_config import config_value
 from megatron_bridge.mappings import (
     QKV,
     AnyMapping,

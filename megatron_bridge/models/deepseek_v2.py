@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_bridge.family import ArchitectureFacts, ModelFamily, config_value
+from megatron_bridge.family import ArchitectureFacts, ModelFamily
+from megatron_bridge.hf_config import config_value
 from megatron_bridge.models.common import embeddings_and_head
 from megatron_bridge.models.deepseek_v3 import TINY_MLA, deepseek_architecture, deepseek_moe, mla_attention
 from megatron_bridge.registry import register

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from megatron_bridge.family import ArchitectureFacts, MLAFacts, ModelFamily, MoEFacts, config_value
+from megatron_bridge.family import ArchitectureFacts, MLAFacts, ModelFamily, MoEFacts
+from megatron_bridge.hf_config import config_value
 from megatron_bridge.mappings import AnyMapping, ColumnParallel, Replicated, RowParallel
 from megatron_bridge.models.common import H, L, embeddings_and_head, gated_mlp, routed_experts
 from megatron_bridge.registry import register

@@ -35,7 +35,8 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_bridge.family import ArchitectureFacts, MoEFacts, config_value
+from megatron_bridge.family import ArchitectureFacts, MoEFacts
+from megatron_bridge.hf_config import config_value
 from megatron_bridge.layout import layout_problems
 from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.config.moe import MoEConfig

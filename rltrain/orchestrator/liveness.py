@@ -91,19 +91,21 @@ class Liveness:
     def enabled(self) -> bool:
         return self.timeout_s > 0
 
-    def watch(self, role: str, hosts: list, pids: list[int] | None = None) -> None:
+    def watch(self, role: str, hosts: list) -> None:
         """Watch ``hosts[r]`` as rank r of ``role``; asks each at once."""
         if not self.enabled:
             return
+        now = time.monotonic()
         for rank, host in enumerate(hosts):
-            entry = _Rank(role, rank, host, pid=pids[rank] if pids else None)
-            self._ask(entry, time.monotonic())
+            entry = _Rank(role, rank, host)
+            self._ask(entry, now)
             self._ranks.append(entry)
 
     def set_pids(self, hosts: list, pids: list[int]) -> None:
+        """Name ``hosts[r]``'s process ``pids[r]`` in what is said of it."""
+        pid_of = {id(host): pid for host, pid in zip(hosts, pids)}
         for entry in self._ranks:
-            if entry.host in hosts:
-                entry.pid = pids[hosts.index(entry.host)]
+            entry.pid = pid_of.get(id(entry.host), entry.pid)
 
     def forget(self, hosts: list) -> None:
         self._ranks = [entry for entry in self._ranks if not any(entry.host is h for h in hosts)]

@@ -35,6 +35,8 @@ from pathlib import Path
 RUN_MARK_ENV = "RLTRAIN_RUN_MARK"
 """The environment variable whose value marks every process of one run."""
 
+PROC = Path("/proc")
+
 POLL_S = 0.5
 """How often the watcher checks that its parent (the driver) is still its parent, and notes the
 processes below it."""
@@ -69,11 +71,11 @@ def reaped_run() -> Iterator[str]:
             watcher.wait(timeout=10)
 
 
-def marked_processes(token: str, *, proc: Path = Path("/proc")) -> list[int]:
+def marked_processes(token: str) -> list[int]:
     """The ids of the processes whose environment holds ``RLTRAIN_RUN_MARK=<token>`` (not this one)."""
     needle = f"{RUN_MARK_ENV}={token}".encode()
     found = []
-    for entry in proc.iterdir() if proc.is_dir() else ():
+    for entry in PROC.iterdir() if PROC.is_dir() else ():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
@@ -85,10 +87,9 @@ def marked_processes(token: str, *, proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
-def kill_marked(token: str, *, rounds: int = 20) -> int:
+def kill_marked(token: str, *, rounds: int = 20) -> None:
     """SIGKILL every process of the run until none is left (a dying parent may start one more), at most
-    ``rounds`` times; returns how many were killed."""
-    killed = 0
+    ``rounds`` times."""
     for _ in range(rounds):
         pids = marked_processes(token)
         if not pids:
@@ -96,27 +97,25 @@ def kill_marked(token: str, *, rounds: int = 20) -> int:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
         time.sleep(0.05)
-    return killed
 
 
-def _stat(pid: str, proc: Path) -> tuple[int, int] | None:
+def _stat(pid: int | str) -> tuple[int, int] | None:
     """``(parent pid, start time in clock ticks)`` of a process, or None when it is gone."""
     try:
-        fields = (proc / pid / "stat").read_text().rsplit(")", 1)[1].split()
+        fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return int(fields[1]), int(fields[19])
 
 
-def descendants(root: int, *, proc: Path = Path("/proc")) -> dict[int, int]:
+def descendants(root: int) -> dict[int, int]:
     """Every process below ``root``: pid -> start time (which tells a pid reused later)."""
-    if not proc.is_dir():
+    if not PROC.is_dir():
         return {}
     children: dict[int, list[tuple[int, int]]] = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit() and (stat := _stat(entry.name, proc)) is not None:
+    for entry in PROC.iterdir():
+        if entry.name.isdigit() and (stat := _stat(entry.name)) is not None:
             children.setdefault(stat[0], []).append((int(entry.name), stat[1]))
     found, todo = {}, [root]
     while todo:
@@ -130,7 +129,7 @@ def descendants(root: int, *, proc: Path = Path("/proc")) -> dict[int, int]:
 def kill_seen(seen: dict[int, int]) -> None:
     """SIGKILL the processes of ``seen`` still running with the same start time (not a reused pid)."""
     for pid, started in seen.items():
-        stat = _stat(str(pid), Path("/proc"))
+        stat = _stat(pid)
         if stat is not None and stat[1] == started and pid != os.getpid():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -141,7 +140,7 @@ def watch(token: str) -> None:
     carrying the token, and those seen below the driver meanwhile (a process that renames itself may
     overwrite the environment that ``/proc`` shows)."""
     driver = os.getppid()
-    own = _stat(str(os.getpid()), Path("/proc"))
+    own = _stat(os.getpid())
     born_after = own[1] if own is not None else 0  # the driver's older children are not the run's
     stdin = sys.stdin.buffer
     seen: dict[int, int] = {}

@@ -78,6 +78,13 @@ def placement(local_ray):
     remove_placement_group(pg)
 
 
+def ranked_group(placement, role: str, **timeouts: float) -> RayWorkerGroup:
+    """Two ranks of :class:`RankedWorker` as ``role``, with these ``trainer.timeouts``."""
+    return RayWorkerGroup(
+        role, RankedWorker, world_size=2, placement=placement, args=(1,), timeouts=TimeoutConfig(**timeouts)
+    )
+
+
 def test_results_come_back_in_rank_order(placement):
     group = RayWorkerGroup("toy", RankedWorker, world_size=2, placement=placement, args=(10,))
     assert group.call("times", 3) == [30, 31]
@@ -124,14 +131,7 @@ def test_constructor_failure_and_dead_process_are_named(placement):
 def test_a_stopped_worker_is_named_within_the_timeout(placement):
     """Rank 1 is stopped (SIGSTOP) in the middle of a call: the driver's wait ends at the method's
     bound with one line naming the role, that rank and the method; rank 0's answer came back."""
-    group = RayWorkerGroup(
-        "critic",
-        RankedWorker,
-        world_size=2,
-        placement=placement,
-        args=(1,),
-        timeouts=TimeoutConfig(call_s=3.0),
-    )
+    group = ranked_group(placement, "critic", call_s=3.0)
     pid = group.call("pid")[1]
     try:
         calls = group.submit("nap", 0.5)
@@ -181,14 +181,7 @@ def process_state(pid: int) -> str:
 def test_a_stopped_worker_is_named_by_liveness_long_before_its_deadline(placement):
     """The call may take 600 s; rank 1's process is stopped (SIGSTOP) during it and named after
     ``liveness_s`` (3 s here) of silence, in one line naming the role, rank, pid and the call."""
-    group = RayWorkerGroup(
-        "critic",
-        RankedWorker,
-        world_size=2,
-        placement=placement,
-        args=(1,),
-        timeouts=TimeoutConfig(call_s=600.0, liveness_s=3.0),
-    )
+    group = ranked_group(placement, "critic", call_s=600.0, liveness_s=3.0)
     pid = group.pids[1]
     try:
         calls = group.submit("nap", 60.0)
@@ -216,14 +209,7 @@ def test_a_stopped_worker_is_named_by_liveness_long_before_its_deadline(placemen
 def test_busy_workers_keep_answering(placement):
     """Ranks busy in Python (holding the interpreter between switches) or asleep for four times the
     liveness bound are not taken for frozen."""
-    group = RayWorkerGroup(
-        "actor",
-        RankedWorker,
-        world_size=2,
-        placement=placement,
-        args=(1,),
-        timeouts=TimeoutConfig(call_s=60.0, liveness_s=1.0),
-    )
+    group = ranked_group(placement, "actor", call_s=60.0, liveness_s=1.0)
     try:
         assert group.call_each("spin", [(4.0,), (4.0,)]) == [0, 1]
         assert group.call("nap", 4.0) == [0, 1]
@@ -234,14 +220,7 @@ def test_busy_workers_keep_answering(placement):
 def test_a_stopped_child_process_is_named_and_killed_with_its_rank(placement):
     """An engine-like child of rank 0 is stopped: the rank still answers, saying so, and is named once
     the child has been stopped for ``liveness_s``; killing the group kills the stopped child too."""
-    group = RayWorkerGroup(
-        "actor_rollout_ref",
-        RankedWorker,
-        world_size=2,
-        placement=placement,
-        args=(1,),
-        timeouts=TimeoutConfig(call_s=600.0, liveness_s=2.0),
-    )
+    group = ranked_group(placement, "actor_rollout_ref", call_s=600.0, liveness_s=2.0)
     child = group.call("start_child")[0]
     try:
         os.kill(child, signal.SIGSTOP)

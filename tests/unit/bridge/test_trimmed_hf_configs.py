@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from megatron_bridge.bridge import Bridge
-from megatron_bridge.family import config_value
+from megatron_bridge.hf_config import config_value
 from megatron_bridge.layout import layout_problems
 from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.models.tiny import tiny_hf_config
