@@ -12,18 +12,15 @@ import torch
 
 from rltrain.algo import POLICY_LOSSES
 from rltrain.algo.loss_agg import LossAgg
-from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams, compute_policy_loss
+from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams
+from tests.unit.algo.hand_batches import grid, run_loss, split_vs_full
 
 MASK = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0]])
 VALID = [(0, 0), (0, 1), (0, 3), (2, 0), (2, 1)]
 
 
 def _grid(values: list[float], padding: float) -> torch.Tensor:
-    """``[3, 4]`` with ``values`` at the VALID positions (in order) and ``padding`` elsewhere."""
-    grid = torch.full((3, 4), padding, dtype=torch.float64)
-    for (row, col), value in zip(VALID, values, strict=True):
-        grid[row, col] = value
-    return grid
+    return grid(VALID, (3, 4), values, padding)
 
 
 def _inputs(
@@ -38,12 +35,6 @@ def _inputs(
         response_mask=MASK,
         **extra,
     )
-
-
-def _run(name: str, inputs: PolicyLossInputs, agg: LossAgg | None = None, **params: float):
-    out = compute_policy_loss(name, inputs, params=PolicyLossParams(**params), agg=agg or LossAgg())
-    out.loss.backward()
-    return out, inputs.logprobs.grad
 
 
 def _grad_grid(values: list[float]) -> list[list[float]]:
@@ -76,7 +67,7 @@ S2 = math.exp(-0.1)
 )
 def test_gspo_clips_the_sequence_ratio_and_aggregates_by_loss_agg_mode(mode, expected_loss, expected_grads):
     inputs = _inputs(GSPO_LOGPROBS, GSPO_LOG_RATIOS, GSPO_ADVANTAGES)
-    out, grad = _run("gspo", inputs, LossAgg(mode=mode), clip_ratio=0.2)
+    out, grad = run_loss("gspo", inputs, LossAgg(mode=mode), clip_ratio=0.2)
     assert out.loss.item() == pytest.approx(expected_loss, rel=1e-12)
     assert grad.tolist() == _grad_grid([0.0, 0.0, 0.0, *expected_grads])
     assert out.clipfrac.item() == pytest.approx(3 / 5)
@@ -93,7 +84,7 @@ def test_gspo_follows_loss_agg_mode_token_mean_as_verl_0_9_1():
         advantages=torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64),
         response_mask=torch.tensor([[1, 0, 0], [1, 1, 1]]),
     )
-    out, grad = _run("gspo", inputs, LossAgg(mode="token-mean"))
+    out, grad = run_loss("gspo", inputs, LossAgg(mode="token-mean"))
     # token-mean over 4 tokens: (-1 + 3) / 4; d/dlogp_t = -A_t · s / 4 with s = 1
     # (seq-mean-token-mean, verl 0.9.0's, gave 0 and -1/2 | 1/6, 1/6, 1/6)
     assert out.loss.item() == pytest.approx(0.5, rel=1e-12)
@@ -109,7 +100,7 @@ def test_gspo_follows_loss_agg_mode_token_mean_as_verl_0_9_1():
 )
 def test_gspo_with_global_counts_takes_the_mini_batch_denominators(mode, expected):
     inputs = _inputs(GSPO_LOGPROBS, GSPO_LOG_RATIOS, GSPO_ADVANTAGES)
-    out, _ = _run("gspo", inputs, LossAgg(mode=mode, global_num_tokens=50, global_num_seqs=4))
+    out, _ = run_loss("gspo", inputs, LossAgg(mode=mode, global_num_tokens=50, global_num_seqs=4))
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -122,7 +113,7 @@ CISPO_ADVANTAGES = [1.0, -1.0, 2.0, 0.5, 0.5]
 
 def test_cispo_weights_reinforce_by_the_detached_clipped_ratio():
     inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES)
-    out, grad = _run("cispo", inputs, clip_ratio=0.2)
+    out, grad = run_loss("cispo", inputs, clip_ratio=0.2)
     # weights clip(r, 0.8, 1.2): 1.2 (clipped), 0.8 (clipped), e^0.1, 1, 0.8 (clipped)
     weights = [1.2, 0.8, math.exp(0.1), 1.0, 0.8]
     per_token = [-w * a * lp for w, a, lp in zip(weights, CISPO_ADVANTAGES, CISPO_LOGPROBS)]
@@ -137,7 +128,7 @@ def test_cispo_weights_reinforce_by_the_detached_clipped_ratio():
 
 def test_cispo_with_clip_ratio_low_one_has_no_lower_bound_as_in_the_paper():
     inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES)
-    out, _ = _run("cispo", inputs, clip_ratio=0.2, clip_ratio_low=1.0)
+    out, _ = run_loss("cispo", inputs, clip_ratio=0.2, clip_ratio_low=1.0)
     weights = [1.2, math.exp(-0.3), math.exp(0.1), 1.0, math.exp(-0.5)]
     expected = sum(-w * a * lp for w, a, lp in zip(weights, CISPO_ADVANTAGES, CISPO_LOGPROBS)) / 5
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
@@ -152,7 +143,7 @@ GMPO_ADVANTAGES = [1.0, 3.0, 2.0, -0.5, -0.5]
 
 def test_geo_mean_clips_token_log_ratios_and_averages_sequences():
     inputs = _inputs([-1.0, -2.0, -0.5, -0.2, -3.0], GMPO_LOG_RATIOS, GMPO_ADVANTAGES)
-    out, grad = _run("geo_mean", inputs, LossAgg(mode="token-sum"), clip_ratio=0.4)
+    out, grad = run_loss("geo_mean", inputs, LossAgg(mode="token-sum"), clip_ratio=0.4)
     # row 0 (A > 0): log-ratios capped above at 0.4 -> 0.4, -0.1, 0.2; ρ = e^(0.5/3); Ā = 2
     # row 2 (A < 0): capped below at -0.4 -> -0.4, 0.1; ρ = e^-0.15; Ā = -0.5
     rho0, rho2 = math.exp(0.5 / 3), math.exp(-0.15)
@@ -169,7 +160,7 @@ def test_geo_mean_weights_each_sequence_by_the_geometric_mean_of_its_is_weights(
     inputs = _inputs(
         [-1.0, -2.0, -0.5, -0.2, -3.0], GMPO_LOG_RATIOS, GMPO_ADVANTAGES, rollout_is_weights=weights
     )
-    out, _ = _run("geo_mean", inputs, clip_ratio=0.4)
+    out, _ = run_loss("geo_mean", inputs, clip_ratio=0.4)
     # (0.5 · 2 · 1)^(1/3) = 1 for row 0, 1.5 for row 2
     expected = (-2 * math.exp(0.5 / 3) + 1.5 * 0.5 * math.exp(-0.15)) / 2
     assert out.loss.item() == pytest.approx(expected, rel=1e-8)
@@ -187,7 +178,7 @@ COV_ADVANTAGES = [2.0, 2.0, 2.0, -2.0, -2.0]
 def test_clip_cov_cuts_the_unclipped_token_whose_covariance_lies_in_the_bounds():
     # token (0, 1) has covariance 1.6 in (1, 5) too, but its ratio e^0.5 is clipped already
     inputs = _inputs(COV_LOGPROBS, [0.0, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
-    out, grad = _run("clip_cov", inputs, clip_ratio=0.2)
+    out, grad = run_loss("clip_cov", inputs, clip_ratio=0.2)
     # per token: cut 0, clipped -2·1.2, -2, 2, 2; one token cut (max(⌊0.0002·5⌋, 1))
     assert out.loss.item() == pytest.approx((0 - 2.4 - 2 + 2 + 2) / 5, rel=1e-12)
     assert grad.tolist() == _grad_grid([0.0, 0.0, -0.4, 0.4, 0.4])
@@ -198,7 +189,7 @@ def test_clip_cov_cuts_the_unclipped_token_whose_covariance_lies_in_the_bounds()
 
 def test_clip_cov_without_candidates_is_the_clipped_surrogate():
     inputs = _inputs(COV_LOGPROBS, [0.0, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
-    out, grad = _run("clip_cov", inputs, clip_ratio=0.2, clip_cov_lb=2.0)
+    out, grad = run_loss("clip_cov", inputs, clip_ratio=0.2, clip_cov_lb=2.0)
     assert out.loss.item() == pytest.approx((-2 - 2.4 - 2 + 2 + 2) / 5, rel=1e-12)
     assert grad.tolist() == _grad_grid([-0.4, 0.0, -0.4, 0.4, 0.4])
     assert out.clipfrac.item() == 0.0
@@ -210,7 +201,7 @@ def test_clip_cov_draws_the_cut_tokens_among_the_candidates():
     for seed in range(8):
         torch.manual_seed(seed)
         inputs = _inputs(COV_LOGPROBS, [0.0, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
-        out, grad = _run("clip_cov", inputs, clip_ratio=0.2, clip_cov_lb=0.5, clip_cov_ratio=0.4)
+        out, grad = run_loss("clip_cov", inputs, clip_ratio=0.2, clip_cov_lb=0.5, clip_cov_ratio=0.4)
         cut = {(r, c) for r, c in VALID if grad[r, c] == 0.0} - {(0, 1)}  # (0, 1) is clipped
         assert len(cut) == 2 and cut <= {(0, 0), (2, 0), (2, 1)}
         (kept,) = {(0, 0), (2, 0), (2, 1)} - cut
@@ -226,7 +217,7 @@ def test_clip_cov_draws_the_cut_tokens_among_the_candidates():
 @pytest.mark.parametrize(("kl_cov_ratio", "num_penalized"), [(0.0002, 1), (0.4, 2)])
 def test_kl_cov_penalizes_the_tokens_of_largest_covariance(kl_cov_ratio, num_penalized):
     inputs = _inputs(COV_LOGPROBS, [-0.2, 0.5, 0.0, 0.0, 0.0], COV_ADVANTAGES)
-    out, grad = _run("kl_cov", inputs, clip_ratio=0.2, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=0.1)
+    out, grad = run_loss("kl_cov", inputs, clip_ratio=0.2, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=0.1)
     # no clipping: -A·r everywhere; + 0.1·|lr| on (0, 0) (covariance 1.76), then (0, 1) (1.6)
     per_token = [-2 * math.exp(-0.2) + 0.1 * 0.2, -2 * math.exp(0.5), -2.0, 2.0, 2.0]
     grads = [(-2 * math.exp(-0.2) - 0.1) / 5, -2 * math.exp(0.5) / 5, -0.4, 0.4, 0.4]
@@ -250,7 +241,7 @@ def test_kl_cov_penalizes_the_tokens_of_largest_covariance(kl_cov_ratio, num_pen
 def test_policy_gradient_is_minus_advantage_times_logprob(name, mode, expected):
     # per token -A·logp: 1, -2, 1, 0.1, 1.5
     inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES)
-    out, grad = _run(name, inputs, LossAgg(mode=mode))
+    out, grad = run_loss(name, inputs, LossAgg(mode=mode))
     assert out.loss.item() == pytest.approx(expected, rel=1e-12)
     assert out.clipfrac.item() == 0.0 and out.clipfrac_lower.item() == 0.0
     assert out.ppo_kl.item() == pytest.approx(-sum(CISPO_LOG_RATIOS) / 5, rel=1e-12)
@@ -265,7 +256,7 @@ def test_reinforce_is_verl_gpg_under_a_second_name():
 def test_policy_gradient_with_rollout_is_weights():
     weights = _grid([0.5, 2.0, 1.0, 1.0, 0.5], 0.0)
     inputs = _inputs(CISPO_LOGPROBS, CISPO_LOG_RATIOS, CISPO_ADVANTAGES, rollout_is_weights=weights)
-    out, _ = _run("gpg", inputs)
+    out, _ = run_loss("gpg", inputs)
     assert out.loss.item() == pytest.approx((0.5 - 4 + 1 + 0.1 + 0.75) / 5, rel=1e-12)
     assert out.tis_weight_mean.item() == pytest.approx(1.0)
 
@@ -280,41 +271,8 @@ def test_unknown_policy_loss_names_the_closest():
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-def _random_batch() -> PolicyLossInputs:
-    generator = torch.Generator().manual_seed(3)
-    lengths = [5, 0, 3, 1, 4, 0, 2]
-    mask = torch.tensor([[1] * n + [0] * (5 - n) for n in lengths])
-    mask[0, 2] = 0  # a gap
-    old = -torch.rand(7, 5, generator=generator, dtype=torch.float64) * 2 - 0.1
-    logprobs = old + torch.randn(7, 5, generator=generator, dtype=torch.float64) * 0.4
-    advantages = torch.randn(7, 5, generator=generator, dtype=torch.float64)
-    return PolicyLossInputs(old, logprobs.requires_grad_(), advantages, mask)
-
-
-def _loss_and_grad(name: str, inputs: PolicyLossInputs, rows: slice, agg: LossAgg, **params: float):
-    logprobs = inputs.logprobs.detach()[rows].clone().requires_grad_()
-    part = PolicyLossInputs(
-        inputs.old_logprobs[rows], logprobs, inputs.advantages[rows], inputs.response_mask[rows]
-    )
-    out = compute_policy_loss(name, part, params=PolicyLossParams(**params), agg=agg)
-    out.loss.backward()
-    return out, logprobs.grad
-
-
 def _split_vs_full(name: str, mode: str, **params: float):
-    inputs = _random_batch()
-    mask = inputs.response_mask
-    agg = LossAgg(
-        mode=mode,
-        global_num_tokens=int(mask.sum()),
-        global_num_seqs=int((mask.sum(-1) > 0).sum()),
-        loss_scale_factor=7.0,
-    )
-    full, full_grad = _loss_and_grad(name, inputs, slice(0, 7), agg, **params)
-    parts = [
-        _loss_and_grad(name, inputs, rows, agg, **params) for rows in (slice(0, 2), slice(2, 3), slice(3, 7))
-    ]
-    return full, full_grad, parts
+    return split_vs_full(name, mode, PolicyLossParams(**params), seed=3)
 
 
 @pytest.mark.parametrize("name", ["gspo", "cispo", "geo_mean", "gpg", "reinforce"])

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rltrain.algo.loss_agg import LossAgg
-from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams, compute_policy_loss
+from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams
+from tests.unit.algo.hand_batches import grid, run_loss, split_vs_full
 
 MASK = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]])
 VALID = [(0, 0), (0, 1), (2, 0), (2, 1), (2, 2)]
@@ -31,11 +32,7 @@ AGG_WEIGHTS = {
 
 
 def _grid(values: list[float], padding: float) -> torch.Tensor:
-    """``[3, 3]`` with ``values`` at the VALID positions (in order) and ``padding`` elsewhere."""
-    grid = torch.full((3, 3), padding, dtype=torch.float64)
-    for (row, col), value in zip(VALID, values, strict=True):
-        grid[row, col] = value
-    return grid
+    return grid(VALID, (3, 3), values, padding)
 
 
 def _inputs(
@@ -49,12 +46,6 @@ def _inputs(
         response_mask=MASK,
         **extra,
     )
-
-
-def _run(name: str, inputs: PolicyLossInputs, agg: LossAgg, **params: float):
-    out = compute_policy_loss(name, inputs, params=PolicyLossParams(**params), agg=agg)
-    out.loss.backward()
-    return out, inputs.logprobs.grad
 
 
 def _assert_aggregated(out, grad, mode: str, losses: list[float], grads: list[float]) -> None:
@@ -87,7 +78,7 @@ def _sapo_token(log_ratio: float, advantage: float, tau: float) -> tuple[float, 
 def test_sapo_gates_the_ratio_and_ignores_loss_agg_mode_as_verl(mode):
     old = [lp - d for lp, d in zip(SAPO_LOGPROBS, SAPO_LOG_RATIOS)]
     inputs = _inputs(SAPO_LOGPROBS, old, SAPO_ADVANTAGES)
-    out, grad = _run("sapo", inputs, LossAgg(mode=mode), tau_pos=1.0, tau_neg=2.0)
+    out, grad = run_loss("sapo", inputs, LossAgg(mode=mode), tau_pos=1.0, tau_neg=2.0)
     # τ = 1 for A > 0 (tokens 0, 1), τ = 2 for A <= 0 (tokens 2, 3, 4; A = 0 gives 0 either way)
     taus = [1.0, 1.0, 2.0, 2.0, 2.0]
     terms = [_sapo_token(d, a, t) for d, a, t in zip(SAPO_LOG_RATIOS, SAPO_ADVANTAGES, taus)]
@@ -119,7 +110,7 @@ DRO_GRADS = [-0.9, -1.2, 0.5, 0.8, 0.4]
 @pytest.mark.parametrize("mode", MODES)
 def test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty(mode):
     old = [lp - d for lp, d in zip(DRO_LOGPROBS, DRO_LOG_RATIOS)]
-    out, grad = _run("dro", _inputs(DRO_LOGPROBS, old, DRO_ADVANTAGES), LossAgg(mode=mode), dro_beta=0.5)
+    out, grad = run_loss("dro", _inputs(DRO_LOGPROBS, old, DRO_ADVANTAGES), LossAgg(mode=mode), dro_beta=0.5)
     _assert_aggregated(out, grad, mode, DRO_LOSSES, DRO_GRADS)
     assert out.clipfrac.item() == 0.0 and out.clipfrac_lower.item() == 0.0
     assert out.ppo_kl.item() == pytest.approx(-sum(DRO_LOG_RATIOS) / 5, rel=1e-12)
@@ -129,7 +120,7 @@ def test_dro_weights_each_token_by_its_rollout_is_weight():
     old = [lp - d for lp, d in zip(DRO_LOGPROBS, DRO_LOG_RATIOS)]
     weights = [0.5, 2.0, 1.0, 1.0, 3.0]
     inputs = _inputs(DRO_LOGPROBS, old, DRO_ADVANTAGES, rollout_is_weights=_grid(weights, 0.0))
-    out, grad = _run("dro", inputs, LossAgg(mode="token-sum"), dro_beta=0.5)
+    out, grad = run_loss("dro", inputs, LossAgg(mode="token-sum"), dro_beta=0.5)
     weighted = [w * v for w, v in zip(weights, DRO_LOSSES)]
     _assert_aggregated(out, grad, "token-sum", weighted, [w * g for w, g in zip(weights, DRO_GRADS)])
     assert out.tis_weight_mean.item() == pytest.approx(7.5 / 5)
@@ -138,7 +129,7 @@ def test_dro_weights_each_token_by_its_rollout_is_weight():
 def test_dro_refuses_to_run_without_a_positive_beta_as_verl():
     old = [lp - d for lp, d in zip(DRO_LOGPROBS, DRO_LOG_RATIOS)]
     with pytest.raises(ValueError, match=re.escape("needs actor.policy_loss.dro_beta > 0; it is null")):
-        _run("dro", _inputs(DRO_LOGPROBS, old, DRO_ADVANTAGES), LossAgg())
+        run_loss("dro", _inputs(DRO_LOGPROBS, old, DRO_ADVANTAGES), LossAgg())
     with pytest.raises(ValueError, match=re.escape("dro_beta must be > 0, got 0.0")):
         PolicyLossParams(dro_beta=0.0)
 
@@ -179,7 +170,7 @@ TV_KEPT = [False, True, False, True, True]
 def test_dppo_tv_drops_tokens_whose_probability_moved_past_the_bound(mode):
     inputs = _dppo_inputs(TV_PROBS, TV_OLD_PROBS)
     params = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.05, "clip_ratio_c": 1.5}
-    out, grad = _run("dppo_tv", inputs, LossAgg(mode=mode), **params)
+    out, grad = run_loss("dppo_tv", inputs, LossAgg(mode=mode), **params)
     losses, grads = _dppo_terms(TV_PROBS, TV_OLD_PROBS, TV_KEPT, cap=1.5)
     assert grads == pytest.approx([0.0, -1.1, 0.0, 1.5, 0.875])
     _assert_aggregated(out, grad, mode, losses, grads)
@@ -210,7 +201,7 @@ def test_dppo_kl_drops_tokens_whose_binary_kl_passed_the_bound(mode):
     divergences = [_binary_kl(q, p) for p, q in zip(KL_PROBS, KL_OLD_PROBS)]
     assert [d > 0.02 for d in divergences] == [True, True, True, True, False]
     inputs = _dppo_inputs(KL_PROBS, KL_OLD_PROBS)
-    out, grad = _run("dppo_kl", inputs, LossAgg(mode=mode), clip_ratio=0.02, clip_ratio_c=1.5)
+    out, grad = run_loss("dppo_kl", inputs, LossAgg(mode=mode), clip_ratio=0.02, clip_ratio_c=1.5)
     losses, grads = _dppo_terms(KL_PROBS, KL_OLD_PROBS, KL_KEPT, cap=1.5)
     assert grads == pytest.approx([0.0, -0.8, 0.0, 1.5, 0.95])
     _assert_aggregated(out, grad, mode, losses, grads)
@@ -219,27 +210,6 @@ def test_dppo_kl_drops_tokens_whose_binary_kl_passed_the_bound(mode):
 
 
 # -- split invariance ------------------------------------------------------------------------------
-
-
-def _random_batch() -> PolicyLossInputs:
-    generator = torch.Generator().manual_seed(5)
-    lengths = [5, 0, 3, 1, 4, 0, 2]
-    mask = torch.tensor([[1] * n + [0] * (5 - n) for n in lengths])
-    mask[0, 2] = 0  # a gap
-    old = -torch.rand(7, 5, generator=generator, dtype=torch.float64) * 2 - 0.1
-    logprobs = old + torch.randn(7, 5, generator=generator, dtype=torch.float64) * 0.4
-    advantages = torch.randn(7, 5, generator=generator, dtype=torch.float64)
-    return PolicyLossInputs(old, logprobs.requires_grad_(), advantages, mask)
-
-
-def _loss_and_grad(name: str, inputs: PolicyLossInputs, rows: slice, agg: LossAgg, params: PolicyLossParams):
-    logprobs = inputs.logprobs.detach()[rows].clone().requires_grad_()
-    part = PolicyLossInputs(
-        inputs.old_logprobs[rows], logprobs, inputs.advantages[rows], inputs.response_mask[rows]
-    )
-    out = compute_policy_loss(name, part, params=params, agg=agg)
-    out.loss.backward()
-    return out, logprobs.grad
 
 
 @pytest.mark.parametrize(
@@ -253,18 +223,7 @@ def _loss_and_grad(name: str, inputs: PolicyLossInputs, rows: slice, agg: LossAg
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_micro_batch_losses_with_global_counts_sum_to_the_full_batch(name, params, mode):
-    inputs = _random_batch()
-    mask = inputs.response_mask
-    agg = LossAgg(
-        mode=mode,
-        global_num_tokens=int(mask.sum()),
-        global_num_seqs=int((mask.sum(-1) > 0).sum()),
-        loss_scale_factor=7.0,
-    )
-    full, full_grad = _loss_and_grad(name, inputs, slice(0, 7), agg, params)
-    parts = [
-        _loss_and_grad(name, inputs, rows, agg, params) for rows in (slice(0, 2), slice(2, 3), slice(3, 7))
-    ]
+    full, full_grad, parts = split_vs_full(name, mode, params, seed=5)
     assert sum(p.loss.item() for p, _ in parts) == pytest.approx(full.loss.item(), abs=1e-12)
     torch.testing.assert_close(torch.cat([g for _, g in parts]), full_grad, rtol=0, atol=1e-12)
     for metric in ("clipfrac", "clipfrac_lower", "ppo_kl"):
