@@ -71,9 +71,9 @@ def utilisation(spans: list[tuple[float, float]], start: float, end: float) -> t
 def engine_part(config, prompts_n: int, in_flight: int) -> list[str]:
     from rltrain.agent.loop import AgentLoop, AgentPrompt
     from rltrain.models.source import resolve_model_dir
-    from rltrain.orchestrator.entry import build_data
-    from rltrain.orchestrator.rollout_worker import build_engine
     from rltrain.rollout.types import SamplingConfig
+    from rltrain.trainer.run import build_data
+    from rltrain.workers.rollout_worker import build_engine
 
     multi_turn = config.rollout.multi_turn
     model_dir = resolve_model_dir(config.model, data=config.data, tools_file=multi_turn.tool_config_path)

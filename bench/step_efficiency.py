@@ -168,9 +168,9 @@ def engine_alone(config, *, repeats: int) -> tuple[float, float, int]:
     from transformers import AutoTokenizer
 
     from rltrain.models.source import resolve_model_dir
-    from rltrain.orchestrator.entry import build_data
-    from rltrain.orchestrator.rollout_worker import build_engine
     from rltrain.rollout.types import SamplingConfig
+    from rltrain.trainer.run import build_data
+    from rltrain.workers.rollout_worker import build_engine
 
     model_dir = str(resolve_model_dir(config.model, data=config.data))
     data = build_data(config, AutoTokenizer.from_pretrained(model_dir))
@@ -230,8 +230,8 @@ def model_alone(
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
     from rltrain.models.source import resolve_model_dir
-    from rltrain.orchestrator.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
-    from rltrain.orchestrator.rank_base import role_batching as batching
+    from rltrain.workers.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
+    from rltrain.workers.rank_base import role_batching as batching
 
     torch.set_num_threads(1)
     with socket.socket() as sock:

@@ -118,7 +118,7 @@ def time_trl(*, config, model_dir: Path, steps: int, threads: int, out_dir: Path
     )
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from rltrain.orchestrator.entry import build_data
+    from rltrain.trainer.run import build_data
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -106,7 +106,7 @@ def _config(args: argparse.Namespace) -> int:
 
 def _verify_checkpoints(args: argparse.Namespace) -> int:
     """Exit 0 when every checkpoint verifies and ``latest`` names one of them; 1 otherwise."""
-    from rltrain.orchestrator.checkpoints import verify_path
+    from rltrain.trainer.checkpoints import verify_path
 
     lines, all_well = verify_path(args.run_dir)
     print("\n".join(lines))
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from rltrain.doctor import EnvironmentMismatch
     from rltrain.errors import RunStopped
     from rltrain.logging.console import terminal
-    from rltrain.orchestrator.checkpoints import CheckpointError
+    from rltrain.trainer.checkpoints import CheckpointError
 
     try:
         return args.func(args)

@@ -68,15 +68,15 @@ def run_and_report(prog: str, config, *, resume_command: str) -> int:
       resumed, a worker that failed or died: the worker's traceback and Ray's account of a death go
       to the run's log file, which the line names);
     * 2: a configuration this launcher cannot run;
-    * :data:`~rltrain.orchestrator.preemption.PREEMPTED_EXIT_CODE` (75): SIGTERM/SIGUSR1 stopped it
+    * :data:`~rltrain.trainer.preemption.PREEMPTED_EXIT_CODE` (75): SIGTERM/SIGUSR1 stopped it
       after saving; the line names the checkpoint and ``resume_command``.
     """
     from rltrain.config import ConfigError
     from rltrain.errors import RunStopped
     from rltrain.logging.console import log_path, terminal
-    from rltrain.orchestrator.checkpoints import CheckpointError
-    from rltrain.orchestrator.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from rltrain.orchestrator.worker_group import WorkerError
+    from rltrain.trainer.checkpoints import CheckpointError
+    from rltrain.trainer.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from rltrain.trainer.recovery import WorkerError
 
     rank = int(os.environ.get("RANK", "0"))
     try:

@@ -26,12 +26,16 @@ older verl omitted the ``/ N_seq`` in ``seq-mean-token-sum-norm``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from rltrain.algo.masked import masked_mean, masked_sum
 from rltrain.algo.registry import Registry
+
+if TYPE_CHECKING:
+    from rltrain.algo.rollout_correction import CorrectionStats
 
 AggFn = Callable[[torch.Tensor, torch.Tensor, "LossAgg"], torch.Tensor]
 
@@ -143,3 +147,41 @@ def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, mask: torch.Tensor, agg: Lo
     """``[batch, response_len]`` -> 0-dim: mean over sequences of token sum / ``loss_scale_factor``."""
     scale = agg.loss_scale_factor if agg.loss_scale_factor is not None else loss_mat.shape[-1]
     return _seq_mean(masked_sum(loss_mat, mask, dim=-1) / scale, mask, agg)
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Denominators of one mini-batch, counted over all of its samples (all ranks)."""
+
+    num_tokens: int
+    """Valid response tokens."""
+
+    num_seqs: int
+    """Samples with at least one valid response token."""
+
+    response_length: int
+    """Padded response width (the constant of ``seq-mean-token-sum-norm``)."""
+
+    @classmethod
+    def of(cls, response_mask: torch.Tensor) -> GlobalCounts:
+        return cls(
+            num_tokens=int(response_mask.sum()),
+            num_seqs=int((response_mask.sum(-1) > 0).sum()),
+            response_length=response_mask.size(-1),
+        )
+
+    def kept(self, stats: CorrectionStats) -> GlobalCounts:
+        """These counts over the tokens the rejection kept (``stats`` merged over the mini-batch);
+        at least 1 each, so an all-rejected mini-batch has a zero loss rather than 0/0."""
+        return replace(self, num_tokens=max(stats.kept_tokens, 1), num_seqs=max(stats.kept_seqs, 1))
+
+    def agg(self, mode: str, *, loss_scale_factor: int | None = None) -> LossAgg:
+        """Aggregation ``mode`` with these denominators; ``loss_scale_factor`` (the role's
+        ``loss_scale_factor``) is the constant of ``seq-mean-token-sum-norm``, ``None``: the padded
+        response width."""
+        return LossAgg(
+            mode,
+            global_num_tokens=self.num_tokens,
+            global_num_seqs=self.num_seqs,
+            loss_scale_factor=self.response_length if loss_scale_factor is None else loss_scale_factor,
+        )

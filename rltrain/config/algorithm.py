@@ -98,7 +98,7 @@ class FilterGroupsConfig:
     samples of one prompt) whose ``metric`` is the same for every sample has zero advantage under
     the group estimators and teaches nothing; such groups are dropped, and more prompts are
     generated (``data.gen_batch_size`` a round) until ``data.train_batch_size`` groups are kept
-    (rltrain/orchestrator/dynamic_sampling.py). Needs ``trainer.pipeline=sync``."""
+    (rltrain/trainer/dynamic_sampling.py). Needs ``trainer.pipeline=sync``."""
 
     enable: bool = False
     """Drop the groups whose ``metric`` does not vary and generate more until the batch is full."""

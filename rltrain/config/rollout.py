@@ -69,7 +69,7 @@ class RolloutConfig:
     new ones load; true pauses them, loads the new weights, and continues each from its generated
     prefix (tokens and behaviour logprobs kept, the policy version recorded per token). Needs the
     asynchronous engine. With ``trainer.pipeline`` one_step_off / fully_async, true also sends the
-    actor's weights while a batch generates (:mod:`rltrain.orchestrator.pipeline`); with ``sync``
+    actor's weights while a batch generates (:mod:`rltrain.trainer.pipeline`); with ``sync``
     weights always load between batches."""
 
     num_devices: NonNegativeInt = 0

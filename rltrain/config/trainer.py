@@ -216,7 +216,7 @@ class TrainerConfig:
     ``--max-restarts`` restarts every rank and ``resume_mode: auto`` continues from the checkpoint)."""
 
     pipeline: Literal["sync", "one_step_off", "fully_async"] = "sync"
-    """How generation and training overlap (:mod:`rltrain.orchestrator.pipeline`). ``sync``: each
+    """How generation and training overlap (:mod:`rltrain.trainer.pipeline`). ``sync``: each
     step generates its batch with the weights of the step before, then trains. ``one_step_off``:
     the engines generate batch k+1 while the trainer trains on batch k (samples one policy version
     old; deterministic). ``fully_async``: the engines run up to ``max_staleness`` batches ahead and

@@ -130,7 +130,7 @@ ASYNC_WEIGHT_SYNCS = "async/weight_syncs"
 ASYNC_PARTIAL_SAMPLES = "async/partial_samples"
 ASYNC_VERSION_SPREAD = "async/version_spread"
 ASYNC_TOKEN_STALENESS_MEAN = "async/token_staleness_mean"
-"""``trainer.pipeline`` one_step_off / fully_async (:mod:`rltrain.orchestrator.pipeline`): the
+"""``trainer.pipeline`` one_step_off / fully_async (:mod:`rltrain.trainer.pipeline`): the
 trained batch's staleness (policy versions it lags), the engines' version and batches queued on them
 after the step, seconds the trainer waited for batches or idle engines (its idle time), seconds the
 engines generated (their own clocks) and did not generate (the step's time less that), and weight

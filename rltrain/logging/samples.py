@@ -1,7 +1,7 @@
 """Per-sample tracing: a sample's id through the run's log file, and the per-step JSONL dump.
 
 Every sample of a run has an id (``StepBatch.uids``, made by
-:func:`rltrain.orchestrator.batch.step_uid_prefix`), e.g. ``step3-p0-s1``: step 3, prompt 0 of the step's
+:func:`rltrain.data.step_batch.step_uid_prefix`), e.g. ``step3-p0-s1``: step 3, prompt 0 of the step's
 batch, its sample 1; ``step3-r1-p0-s1`` for dynamic sampling's round 1, ``step3-greedy-p0-s0`` for
 ReMax's greedy baselines, ``step3-val-p0-s0`` for a validation after step 3.
 
@@ -23,7 +23,7 @@ a reader never sees half a file and a step run again after a resume replaces its
 fields are verl's (``_dump_generations``) where verl has one: ``input``, ``output``, ``gts``,
 ``score``, ``step``; and ``uid`` (this sample's id: verl's ``uid`` names a prompt's group),
 ``data_source``, ``acc``, ``reward``, ``advantage``, ``response_length``, ``finish_reason``
-(:mod:`rltrain.orchestrator.sample_records` says what each holds).
+(:mod:`rltrain.trainer.sample_records` says what each holds).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ thread is doing, and says which of its child processes (an engine core, the engi
 stopped. A rank that leaves a question unanswered for ``trainer.timeouts.liveness_s`` (its process
 stopped, frozen or swapped out, or its node gone) or that reports a child stopped for that long
 raises :class:`WorkerUnresponsive`, one line naming the role, rank, process and the call the driver
-was waiting for, a :class:`~rltrain.orchestrator.recovery.WorkerLost` that ``trainer.max_restarts``
+was waiting for, a :class:`~rltrain.trainer.recovery.WorkerLost` that ``trainer.max_restarts``
 recovers from.
 
 A rank is watched from its first answer on (a rank that never answers is the ``init_s`` deadline's
@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from rltrain.errors import RunStopped
-from rltrain.orchestrator.recovery import WorkerLost
+from rltrain.trainer.recovery import WorkerLost
 
 STOPPED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 

@@ -17,7 +17,7 @@ from rltrain.config import RLConfig
 from rltrain.logging.console import stage
 
 if TYPE_CHECKING:
-    from rltrain.orchestrator.entry import RunSetup
+    from rltrain.trainer.run import RunSetup
 
 _ROLE_TITLES = {
     "actor_rollout_ref": "the actor, reference and rollout engine",
@@ -103,17 +103,17 @@ class RunWorkers:
         return group
 
     def start(self):
-        """Start every role; the :class:`~rltrain.orchestrator.driver.Roles` over them.
+        """Start every role; the :class:`~rltrain.trainer.driver.Roles` over them.
 
         On CPU every role's ranks build at once (imports, model building and the engine's start
         overlap: 25.5 s -> 18.4 s on the quickstart); on GPUs one role after the other, the policy
         with its engine first, so that an engine sizing its KV cache by the device memory left
         does not race another role's allocations."""
-        from rltrain.orchestrator.driver import Roles
-        from rltrain.orchestrator.roles import CriticRole, PolicyRole, RewardModelRole
-        from rltrain.orchestrator.rollout_worker import RolloutWorker
         from rltrain.orchestrator.worker_group import Placement
-        from rltrain.orchestrator.workers import CriticWorker, PolicyWorker, RewardModelWorker
+        from rltrain.trainer.driver import Roles
+        from rltrain.trainer.roles import CriticRole, PolicyRole, RewardModelRole
+        from rltrain.workers.model_workers import CriticWorker, PolicyWorker, RewardModelWorker
+        from rltrain.workers.rollout_worker import RolloutWorker
 
         config, layout, world = self.config, self.layout, self.config.cluster.world_size()
         steps = {"total_steps": self.total_steps}

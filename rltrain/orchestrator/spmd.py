@@ -9,7 +9,7 @@ metrics and the run-level checkpoint structure; role checkpoints are collective 
 A failure on any rank is raised on every rank as :class:`WorkerError` naming role, rank and method;
 a rank's :class:`~rltrain.errors.RunStopped` (divergence, non-finite weights) as itself, its one line
 prefixed with the role and rank. SIGTERM/SIGUSR1 on any rank stop every rank after the same step,
-saved (:mod:`~rltrain.orchestrator.preemption`; the ranks agree after each step). There are no
+saved (:mod:`~rltrain.trainer.preemption`; the ranks agree after each step). There are no
 restarts in this mode (``trainer.max_restarts`` is refused): torchrun's ``--max-restarts`` restarts
 every rank, and ``resume_mode: auto`` continues from the last checkpoint.
 """
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rltrain.config import ConfigError, RLConfig
 from rltrain.config.pools import GLOBAL_POOL
 from rltrain.errors import RunStopped
-from rltrain.orchestrator.worker_group import WorkerError
+from rltrain.trainer.recovery import WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +122,14 @@ def train_spmd(config: RLConfig) -> int:
     """Run ``config`` on this torchrun rank; returns the last step."""
     import torch
 
-    from rltrain.orchestrator.checkpoints import RunCheckpoints
-    from rltrain.orchestrator.driver import Roles
-    from rltrain.orchestrator.entry import prepare_run, run_driver
     from rltrain.orchestrator.placement import rollout_placement
-    from rltrain.orchestrator.preemption import StopSignals
-    from rltrain.orchestrator.roles import CriticRole, PolicyRole
     from rltrain.orchestrator.run_workers import role_stage
-    from rltrain.orchestrator.workers import CriticWorker, PolicyWorker
+    from rltrain.trainer.checkpoints import RunCheckpoints
+    from rltrain.trainer.driver import Roles
+    from rltrain.trainer.preemption import StopSignals
+    from rltrain.trainer.roles import CriticRole, PolicyRole
+    from rltrain.trainer.run import prepare_run, run_driver
+    from rltrain.workers.model_workers import CriticWorker, PolicyWorker
 
     check_world(config)
     if torch.cuda.is_available():
@@ -171,7 +171,6 @@ def train_spmd(config: RLConfig) -> int:
                 Roles(policy=policy, critic=critic),
                 checkpoints=checkpoints,
                 is_logger=rank == 0,
-                use_reward_workers=False,
                 stop=stop,
             )
     finally:

@@ -12,7 +12,7 @@ ranks and the method, in one line. Apart from those deadlines, every wait asks t
 groups whether they live (:mod:`~rltrain.orchestrator.liveness`): a frozen process, or a stopped child
 of one (an engine core), is named after ``trainer.timeouts.liveness_s`` as
 :class:`~rltrain.orchestrator.liveness.WorkerUnresponsive`. All three are
-:class:`~rltrain.orchestrator.recovery.WorkerLost`, what ``trainer.max_restarts`` recovers from. A worker's :class:`~rltrain.errors.RunStopped` (e.g.
+:class:`~rltrain.trainer.recovery.WorkerLost`, what ``trainer.max_restarts`` recovers from. A worker's :class:`~rltrain.errors.RunStopped` (e.g.
 divergence) is raised again in the driver as the same class, its one-line message prefixed with the
 role and rank.
 Each rank's process logs as :func:`~rltrain.logging.console.configure_worker_logging` sets up, and
@@ -35,17 +35,9 @@ from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.liveness import Liveness, kill_descendants, stopped_children
-from rltrain.orchestrator.rank_base import RankInfo
-from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.ports import HeldPort
-
-
-class WorkerError(RuntimeError):
-    """A worker method failed; names the role, rank and method."""
-
-    def __init__(self, role: str, rank: int, method: str, detail: str) -> None:
-        self.role, self.rank, self.method = role, rank, method
-        super().__init__(f"{role} rank {rank}: {method} failed: {detail}")
+from rltrain.trainer.recovery import WorkerError, WorkerLost
+from rltrain.workers.rank_base import RankInfo
 
 
 class WorkerDied(WorkerError, WorkerLost):

@@ -50,11 +50,11 @@ def layer_spec_in_use() -> str:
 
 def actor_numbers(worker: Any, ctx: Any, hf_config: Any, model_dir: str) -> dict[str, Any]:
     """Load ``model_dir`` into the built ``worker`` the way the trainer does
-    (``rltrain.orchestrator.workers.load_hf_into``, which imports no Ray), then log-probs, one update
+    (``rltrain.workers.model_workers.load_hf_into``, which imports no Ray), then log-probs, one update
     and log-probs again."""
     from megatron_fixtures import make_batch, policy_loss
 
-    from rltrain.orchestrator.rank_base import load_hf_into
+    from rltrain.workers.rank_base import load_hf_into
 
     load_hf_into(worker, ctx=ctx, hf_config=hf_config, model_dir=model_dir)
     batch = make_batch()

@@ -5,6 +5,9 @@ Rules (``../shared/DESIGN.md``, principle 2), over every ``.py`` under ``rltrain
 - ``megatron.core`` only under ``rltrain/megatron/``;
 - ``vllm`` only under ``rltrain/rollout/``;
 - ``ray`` only under ``rltrain/orchestrator/``;
+- the driver-side ``rltrain/trainer/`` and the per-rank ``rltrain/workers/`` do not import each other
+  (what they exchange lives in ``data/``, ``algo/`` and ``config/``); the trainer imports no ray,
+  ``megatron.core`` or vllm, not even through another module (checked by importing it);
 - ``megatron_bridge`` imports nothing of ``rltrain``;
 - nothing imports a top-level package named ``tools`` (``tools/`` holds launch scripts only);
 - a module defines each top-level name once (``def``, ``class`` or assignment; ``@overload`` stubs
@@ -17,6 +20,8 @@ are resolved against the module's package. Each failure names the file, the line
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -48,6 +53,16 @@ RULES = (
     Rule("vllm only under rltrain/rollout/", "vllm", lambda path: path.startswith("rltrain/rollout/")),
     Rule(
         "ray only under rltrain/orchestrator/", "ray", lambda path: path.startswith("rltrain/orchestrator/")
+    ),
+    Rule(
+        "rltrain/trainer/ imports nothing of rltrain.workers",
+        "rltrain.workers",
+        lambda path: not path.startswith("rltrain/trainer/"),
+    ),
+    Rule(
+        "rltrain/workers/ imports nothing of rltrain.trainer",
+        "rltrain.trainer",
+        lambda path: not path.startswith("rltrain/workers/"),
     ),
     Rule(
         "megatron_bridge imports nothing of rltrain",
@@ -183,6 +198,24 @@ def test_the_scan_sees_the_imports_the_rules_allow():
         assert found, f"no file under {home} imports {package}: the scan reads nothing"
 
 
+def test_the_trainer_loads_no_ray_megatron_or_vllm():
+    """Importing every trainer module (as the driver does) loads none of them, through any module."""
+    modules = sorted(
+        "rltrain.trainer." + p.stem
+        for p in (ROOT / "rltrain" / "trainer").glob("*.py")
+        if p.stem != "__init__"
+    )
+    assert "rltrain.trainer.driver" in modules
+    probe = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted({m.split('.')[0] if not m.startswith('megatron.core') else 'megatron.core'"
+        " for m in sys.modules if m.split('.')[0] in ('ray', 'vllm') or m.startswith('megatron.core')}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"importing rltrain/trainer/ loads {out.stdout.strip()}"
+
+
 # ---- the checkers flag what they should ---------------------------------------------------------
 def test_import_checker_flags_each_rule_with_file_and_line():
     nested = "import os\n\n\ndef f():\n    from megatron.core import parallel_state\n"
@@ -210,6 +243,23 @@ def test_import_checker_flags_each_rule_with_file_and_line():
         "tests/unit/x.py:1: imports tools.convert_ckpt (rule: no top-level package named tools is imported)"
     ]
     assert import_violations("rltrain/rollout/agent.py", "from .tools import call_tool\n") == []
+    assert import_violations(
+        "rltrain/trainer/x.py", "from rltrain.workers.ppo_losses import actor_loss_fn\n"
+    ) == [
+        "rltrain/trainer/x.py:1: imports rltrain.workers.ppo_losses (rule: rltrain/trainer/ imports nothing of "
+        "rltrain.workers)"
+    ]
+    assert import_violations("rltrain/workers/x.py", "def f():\n    from ..trainer import driver\n") == [
+        "rltrain/workers/x.py:2: imports rltrain.trainer (rule: rltrain/workers/ imports nothing of rltrain.trainer)"
+    ]
+    assert import_violations("rltrain/trainer/x.py", "import ray\nfrom vllm import LLM\n") == [
+        "rltrain/trainer/x.py:2: imports vllm (rule: vllm only under rltrain/rollout/)",
+        "rltrain/trainer/x.py:1: imports ray (rule: ray only under rltrain/orchestrator/)",
+    ]
+    assert import_violations("rltrain/trainer/x.py", "from megatron.core import tensor_parallel\n") == [
+        "rltrain/trainer/x.py:1: imports megatron.core (rule: megatron.core only under rltrain/megatron/)"
+    ]
+    assert import_violations("rltrain/orchestrator/x.py", "from rltrain.trainer import driver\n") == []
 
 
 def test_relative_imports_resolve_against_the_package():

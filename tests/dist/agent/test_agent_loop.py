@@ -216,7 +216,7 @@ class RoutesReturningEngineDouble:
 def test_a_trajectory_carries_its_last_turns_routes_over_every_turn(engine):
     """R3 in the agent loop: the last turn's request has the whole trajectory before it as its
     prompt, so its routes cover every earlier turn; the batch takes them."""
-    from rltrain.orchestrator.batch import build_step_batch
+    from rltrain.data.step_batch import build_step_batch
 
     loop = _loop(
         RoutesReturningEngineDouble(engine),

@@ -574,7 +574,7 @@ def bf16_hf_load_case(tmp: str) -> dict[str, float]:
 
     from transformers import LlamaForCausalLM
 
-    from rltrain.orchestrator.rank_base import load_hf_into
+    from rltrain.workers.rank_base import load_hf_into
 
     hf = tiny_llama(num_hidden_layers=2)
     torch.manual_seed(11)

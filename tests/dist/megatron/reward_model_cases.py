@@ -152,7 +152,7 @@ def reward_scores_case(model_dir: str, batch: TokenBatch) -> dict[str, tuple[lis
 
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
-    from rltrain.orchestrator.rank_base import load_hf_into
+    from rltrain.workers.rank_base import load_hf_into
 
     ensure_process_group()
     hf_config = AutoConfig.from_pretrained(model_dir)

@@ -23,8 +23,8 @@ from rltrain.config import RLConfig
 from rltrain.config.actor import PolicyLossConfig
 from rltrain.orchestrator.placement import rollout_placement
 from rltrain.orchestrator.spmd import SPMDGroup
-from rltrain.orchestrator.rank_base import token_batch
-from rltrain.orchestrator.workers import PolicyWorker
+from rltrain.workers.rank_base import token_batch
+from rltrain.workers.model_workers import PolicyWorker
 
 MICRO_BATCH = 3
 MICRO_SPLITS = ([0, 1, 2], [3, 4, 5], [6, 7])

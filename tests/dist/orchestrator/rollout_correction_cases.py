@@ -21,11 +21,11 @@ from rltrain.config.model import ModelConfig
 from rltrain.config.optim import OptimConfig
 from rltrain.config.rollout import RolloutConfig
 from rltrain.config.trainer import ClusterConfig
-from rltrain.orchestrator.batch import StepBatch
+from rltrain.data.step_batch import StepBatch
 from rltrain.orchestrator.placement import rollout_placement
-from rltrain.orchestrator.roles import _DataParallelRole
+from rltrain.trainer.roles import _DataParallelRole
 from rltrain.orchestrator.spmd import SPMDGroup
-from rltrain.orchestrator.workers import PolicyWorker
+from rltrain.workers.model_workers import PolicyWorker
 
 PROMPT_LEN, RESPONSE_LEN = 5, 6
 RESPONSE_LENGTHS = (6, 4, 5, 6, 3, 6, 5, 2)

@@ -18,7 +18,7 @@ import torch
 
 from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptBatch
-from rltrain.orchestrator.pipeline import AsyncSource
+from rltrain.trainer.pipeline import AsyncSource
 from rltrain.rollout.partial import BatchQueue, load_as_version
 from rltrain.rollout.types import EngineSettings, SamplingConfig
 

@@ -27,7 +27,7 @@ from fault_runs import (
 )
 
 from rltrain.config import load_config
-from rltrain.orchestrator.recovery import RESTARTS
+from rltrain.trainer.recovery import RESTARTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -86,7 +86,7 @@ def test_a_stopped_critic_actor_and_engine_are_named_within_60_s_and_recovered(
     caplog.set_level(logging.INFO)
     train_sabotaged(config, sabotage, stopped=stopped_pids)
 
-    said = [r for r in caplog.records if r.name == "rltrain.orchestrator.recovery"]
+    said = [r for r in caplog.records if r.name == "rltrain.trainer.recovery"]
     # a failure during a restart's start is followed by the next restart, not by a "resumed" line
     failures = [r for r in said if "restarting every worker group" in r.getMessage()]
     assert len(failures) == 3, [r.getMessage() for r in said]

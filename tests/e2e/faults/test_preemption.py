@@ -34,7 +34,7 @@ from fault_runs import (
 )
 
 from rltrain.config import load_config
-from rltrain.orchestrator.preemption import PREEMPTED_EXIT_CODE
+from rltrain.trainer.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -141,7 +141,7 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_ste
     down after the save, with SIGTERM."""
     import psutil
 
-    from rltrain.orchestrator.checkpoints import verify_path
+    from rltrain.trainer.checkpoints import verify_path
 
     overrides = fault_overrides(
         tmp_path,

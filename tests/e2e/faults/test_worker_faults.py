@@ -23,7 +23,7 @@ from fault_runs import (
 )
 
 from rltrain.config import load_config
-from rltrain.orchestrator.recovery import RECOVER_SECONDS, RESTARTS
+from rltrain.trainer.recovery import RECOVER_SECONDS, RESTARTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ def test_a_killed_then_a_stopped_worker_recover_to_the_uninterrupted_metrics(
     caplog.set_level(logging.INFO)
     train_sabotaged(config, sabotage, stopped=stopped)
 
-    said = [r.getMessage() for r in caplog.records if r.name == "rltrain.orchestrator.recovery"]
+    said = [r.getMessage() for r in caplog.records if r.name == "rltrain.trainer.recovery"]
     assert len(said) == 4, said
     assert re.fullmatch(
         r"actor_rollout_ref rank 0 \((rank_info|sync_weights|generate)\): the worker process died \(\w+Error\): "

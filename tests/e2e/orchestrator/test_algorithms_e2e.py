@@ -15,7 +15,7 @@ import pytest
 
 from rltrain.config import load_config
 from rltrain.logging.plot import read_metrics
-from rltrain.orchestrator import dynamic_sampling as ds
+from rltrain.trainer import dynamic_sampling as ds
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

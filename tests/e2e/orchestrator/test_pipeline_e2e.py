@@ -113,7 +113,7 @@ def test_staleness_zero_and_a_frozen_one_step_off_repeat_the_sync_run(local_ray,
 
 def test_one_step_off_resumes_the_batch_it_generated_ahead(local_ray, tmp_path, pipeline_cache):
     from rltrain.orchestrator.entry import train
-    from rltrain.orchestrator.preemption import Preempted
+    from rltrain.trainer.preemption import Preempted
 
     want = _run(tmp_path / "whole", pipeline_cache, "trainer.pipeline=one_step_off")
     assert [want[s]["async/staleness_max"] for s in range(1, STEPS + 1)] == [0.0, 1.0, 1.0, 1.0]
@@ -196,7 +196,7 @@ def test_a_dead_engine_ends_a_one_step_off_run_naming_it(local_ray, tmp_path, pi
     """The engine process is SIGKILLed once step 1 is logged (it is generating or has generated the
     batch of step 3): the run stops at its next wait for the engine, naming the role and rank."""
     from rltrain.orchestrator.entry import train
-    from rltrain.orchestrator.worker_group import WorkerError
+    from rltrain.trainer.recovery import WorkerError
 
     config = _config(
         tmp_path,

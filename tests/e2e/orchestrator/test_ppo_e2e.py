@@ -60,7 +60,7 @@ def hf_greedy_val_accuracy(config, model_dir: Path, tokenizer_dir: Path) -> floa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rltrain.orchestrator.entry import build_data
+    from rltrain.trainer.run import build_data
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     val = build_data(config, tokenizer).val
@@ -284,7 +284,7 @@ def test_resume_falls_back_past_a_truncated_shard_and_a_missing_latest(
 
     caplog.set_level(logging.INFO)
     assert train(config(3)) == 3
-    said = [r.getMessage() for r in caplog.records if r.name == "rltrain.orchestrator.checkpoints"]
+    said = [r.getMessage() for r in caplog.records if r.name == "rltrain.trainer.checkpoints"]
     assert said[:2] == [
         f"{ckpt / 'latest'} is missing: resuming from the newest checkpoint that verifies",
         f"cannot resume from {ckpt / 'step_2'}: {truncated}; falling back to step_1",

@@ -82,7 +82,7 @@ def test_ppo_with_the_reward_model_and_the_critic_on_pools_of_their_own(
     from transformers import LlamaForSequenceClassification
 
     from rltrain.orchestrator.entry import train
-    from rltrain.orchestrator.roles import RewardModelRole
+    from rltrain.trainer.roles import RewardModelRole
 
     cache = tmp_path / "cache"
     rm_dir = _reward_model_dir(tmp_path, cache)

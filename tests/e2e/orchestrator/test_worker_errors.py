@@ -14,7 +14,6 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import DivergenceError, RunStopped
 from rltrain.orchestrator.liveness import Liveness, WorkerUnresponsive
-from rltrain.orchestrator.recovery import WorkerLost
 from rltrain.orchestrator.worker_group import (
     Placement,
     PlacementTimeout,
@@ -24,6 +23,7 @@ from rltrain.orchestrator.worker_group import (
     WorkerTimeout,
     reserve_bundles,
 )
+from rltrain.trainer.recovery import WorkerLost
 
 pytestmark = pytest.mark.e2e
 

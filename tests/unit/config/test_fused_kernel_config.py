@@ -2,7 +2,7 @@
 the policy worker builds its actor and reference with when on."""
 
 from rltrain.config import load_config
-from rltrain.orchestrator.rank_base import fused_head
+from rltrain.workers.rank_base import fused_head
 
 from .recipe_helpers import MINIMAL, errors_of, write
 

@@ -41,7 +41,7 @@ def test_r3_on_vllm_cpu_is_refused_with_the_engines_error():
 
 def test_r3_is_taken_where_the_engine_can_return_routes():
     """On NCCL (a GPU cluster, the CUDA vLLM build) the config asks the engine for its routes."""
-    from rltrain.orchestrator.rollout_worker import engine_settings
+    from rltrain.workers.rollout_worker import engine_settings
 
     config = load_config(QUICKSTART, ["actor.router_replay.mode=R3", "cluster.backend=nccl"])
     assert config.actor.router_replay.mode == "R3"

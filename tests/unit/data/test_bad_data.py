@@ -80,8 +80,8 @@ def test_a_run_checks_its_data_when_it_loads_it(tmp_path, tokenizer) -> None:
     """``build_data`` (what ``rltrain train`` runs before starting Ray and the workers) applies every
     load-time check: here the rewards' data_source check and the one-batch check."""
     from rltrain.config import load_config
-    from rltrain.orchestrator.entry import build_data
     from rltrain.rewards import registered_data_sources
+    from rltrain.trainer.run import build_data
 
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps(ROW) + "\n" + json.dumps({**ROW, "data_source": "gsm9k"}) + "\n")

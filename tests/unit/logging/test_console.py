@@ -35,8 +35,8 @@ SCRIPT = textwrap.dedent(
     os.write(1, b"C-level stdout\\n")
     os.write(2, b"C-level stderr\\n")
     for line in (
-        "(actor_rollout_ref rank 0 pid=12) WARNING rltrain.orchestrator.workers: worker warning",
-        "(actor_rollout_ref rank 0 pid=12) INFO rltrain.orchestrator.workers: worker info",
+        "(actor_rollout_ref rank 0 pid=12) WARNING rltrain.workers.model_workers: worker warning",
+        "(actor_rollout_ref rank 0 pid=12) INFO rltrain.workers.model_workers: worker info",
         "(actor_rollout_ref rank 0 pid=12) WARNING megatron.core: worker third-party warning",
     ):
         print(line, file=sys.stderr)
@@ -52,7 +52,7 @@ OWN_STDERR = [
     "rltrain: logs of Ray, vLLM, Megatron and other libraries: {log} (--verbose shows them here)",
     "rltrain: waiting ...",
     "rltrain: waiting ... done in 0.0 s",
-    "(actor_rollout_ref rank 0 pid=12) WARNING rltrain.orchestrator.workers: worker warning",
+    "(actor_rollout_ref rank 0 pid=12) WARNING rltrain.workers.model_workers: worker warning",
     "rltrain: WARNING: own warning",
 ]
 THIRD_PARTY = [
@@ -61,7 +61,7 @@ THIRD_PARTY = [
     "UserWarning: a python warning",
     "a print to stdout",
     "a print to stderr",
-    "(actor_rollout_ref rank 0 pid=12) INFO rltrain.orchestrator.workers: worker info",
+    "(actor_rollout_ref rank 0 pid=12) INFO rltrain.workers.model_workers: worker info",
     "(actor_rollout_ref rank 0 pid=12) WARNING megatron.core: worker third-party warning",
 ]
 C_LEVEL = ["C-level stdout", "C-level stderr"]
@@ -124,14 +124,14 @@ def test_an_uncaught_error_reaches_the_terminal_with_its_traceback(tmp_path):
 @pytest.mark.parametrize(
     ("line", "own"),
     [
-        ("(critic rank 1 pid=7) ERROR rltrain.orchestrator.workers: x", True),
+        ("(critic rank 1 pid=7) ERROR rltrain.workers.model_workers: x", True),
         ("(critic rank 1 pid=7, ip=10.0.0.2) WARNING rltrain: x", True),
         ("\x1b[36m(critic rank 1 pid=7)\x1b[0m WARNING rltrain.rollout.engine: x", True),
-        ("(critic rank 1 pid=7) INFO rltrain.orchestrator.workers: x", False),
+        ("(critic rank 1 pid=7) INFO rltrain.workers.model_workers: x", False),
         ("(critic rank 1 pid=7) WARNING rltrainer: x", False),
         ("(critic rank 1 pid=7) (MainProcess pid=7) WARNING 12-01 10:21:29 [arg_utils.py:1945] x", False),
         ("(critic rank 1 pid=7) /x/megatron/core/optimizer.py:28: UserWarning: x", False),
-        ("WARNING rltrain.orchestrator.workers: x", False),
+        ("WARNING rltrain.workers.model_workers: x", False),
     ],
 )
 def test_forwarded_worker_lines_shown_are_rltrain_warnings_and_errors(line, own):

@@ -74,7 +74,7 @@ def test_separate_engines_get_bundles_of_their_own_after_the_trainer(tmp_path):
 
 
 def test_policy_role_refuses_a_separate_group_that_contradicts_the_placement(tmp_path):
-    from rltrain.orchestrator.roles import PolicyRole
+    from rltrain.trainer.roles import PolicyRole
 
     colocated = rollout_placement(config(tmp_path), gpu=False)
     with pytest.raises(ValueError, match=r"rollout\.mode=colocated needs no separate engine group"):

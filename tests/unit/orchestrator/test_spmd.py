@@ -10,9 +10,9 @@ import pytest
 
 from rltrain.config import ConfigError, load_config
 from rltrain.errors import DivergenceError
-from rltrain.orchestrator.preemption import StopSignals
 from rltrain.orchestrator.spmd import SPMDGroup, agree_on_stop, check_world
-from rltrain.orchestrator.worker_group import WorkerError
+from rltrain.trainer.preemption import StopSignals
+from rltrain.trainer.recovery import WorkerError
 
 
 class Worker:

@@ -1,0 +1,142 @@
+"""The rollout engine of a rank: its settings from the config, building it (offline or asynchronous
+vLLM), running a batch through it (directly, or through the agent loop for multi-turn), and
+``RolloutWorker``, the rank of an engine on devices of its own (``rollout.mode: separate``), which
+takes the actor's weights by broadcast. vLLM is imported lazily, so that the driver never loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from rltrain.config import RLConfig
+from rltrain.logging import metrics as mk
+
+if TYPE_CHECKING:
+    from rltrain.rollout.types import EngineSettings
+
+from rltrain.workers.rank_base import RankInfo
+
+log = logging.getLogger(__name__)
+
+
+def engine_settings(config: RLConfig) -> EngineSettings:
+    """The engine settings of ``config``: ``rollout``'s, the context length from the data if unset,
+    the model's dtype, and the routed experts asked for under ``actor.router_replay.mode=R3``."""
+    from rltrain.rollout.types import EngineSettings
+
+    max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
+    return replace(
+        EngineSettings.from_rollout_config(config.rollout),
+        max_model_len=max_len,
+        dtype=config.model.dtype,
+        return_routed_experts=config.actor.router_replay.mode == "R3",
+    )
+
+
+def build_engine(config: RLConfig, model_dir: str):
+    """The vLLM engine of ``config.rollout`` for ``model_dir``: ``AsyncRolloutEngine`` where
+    ``rollout.uses_async_engine()`` (with ``rollout.partial_rollout``), else the offline
+    ``RolloutEngine``, with :func:`engine_settings`."""
+    from rltrain.rollout.engine import RolloutEngine
+
+    settings = engine_settings(config)
+    if config.rollout.uses_async_engine():
+        from rltrain.rollout.async_engine import AsyncRolloutEngine
+
+        return AsyncRolloutEngine(
+            model_dir, settings=settings, partial_rollout=config.rollout.partial_rollout
+        )
+    return RolloutEngine(model_dir, settings=settings)
+
+
+class RolloutWorker:
+    """A vLLM engine on its own devices (``rollout.mode: separate``); weights arrive by broadcast."""
+
+    def __init__(self, config: RLConfig, model_dir: str, info: RankInfo) -> None:
+        self.config = config
+        self.rank = info.rank
+        self.engine = build_engine(config, model_dir)
+        self.receiver: Any = None
+        """This engine's end of the broadcast (``rltrain.weight_sync.broadcast``)."""
+        self.batches: Any = None
+        """The pipeline's queued batches with ``rollout.partial_rollout`` (built at the first)."""
+
+    def connect_weight_sync(self, address: tuple[str, int], num_engines: int) -> None:
+        from rltrain.weight_sync.broadcast import BroadcastTransport, join_broadcast_group
+
+        group, device = join_broadcast_group(
+            address,
+            group_rank=1 + self.rank,
+            world_size=1 + num_engines,
+            timeout_s=self.config.trainer.timeouts.collective_s,
+        )
+        bucket_bytes = self.config.rollout.weight_sync.bucket_size_mb << 20
+        self.receiver = BroadcastTransport(group=group, src_rank=0, bucket_bytes=bucket_bytes, device=device)
+
+    def receive_weights(self, version: int | None = None) -> dict[str, float]:
+        """Load the broadcast weights. ``version`` (the pipeline with ``rollout.partial_rollout``): the
+        policy version they are, loaded through ``AsyncRolloutEngine.weight_update`` so that batches
+        in flight pause (or finish) around the load and label their tokens; equal to the engine's
+        version (the run's first send) it is a plain load, nothing being in flight."""
+        from rltrain.rollout.partial import load_as_version
+
+        stats = load_as_version(self.engine, version, lambda: self.receiver.receive(self.engine))
+        return {
+            mk.WEIGHT_SYNC_RECEIVE_SECONDS: stats.seconds,
+            mk.WEIGHT_SYNC_BUCKETS: float(stats.num_buckets),
+        }
+
+    def generate(self, prompts: list[list[int]], sampling) -> Any:
+        return run_engine(self.engine, self.config, prompts, sampling) if prompts else None
+
+    def generate_timed(self, prompts: list[list[int]], sampling) -> tuple[Any, float]:
+        """:meth:`generate` and the seconds it took on this engine (``trainer.pipeline``'s engine
+        busy time; measured here, so no clocks of two machines are compared)."""
+        started = time.perf_counter()
+        output = self.generate(prompts, sampling)
+        return output, time.perf_counter() - started
+
+    def queue_batch(self, prompts: list[list[int]], sampling) -> int | None:
+        """Queue a batch on this engine (:class:`~rltrain.rollout.partial.BatchQueue`) and return its
+        key at once (None: no prompts for this engine); weights may arrive while it generates."""
+        if not prompts:
+            return None
+        if self.batches is None:
+            from rltrain.rollout.partial import BatchQueue
+
+            self.batches = BatchQueue(self.engine)
+        return self.batches.submit(prompts, sampling)
+
+    def batch_result(self, key: int | None) -> tuple[Any, float]:
+        """The output of the batch queued as ``key`` (with per-token versions) and the seconds it
+        generated on this engine."""
+        return (None, 0.0) if key is None else self.batches.result(key)
+
+    def rank_info(self) -> dict[str, int]:
+        return {"rank": self.rank}
+
+
+def run_engine(engine, config: RLConfig, prompts: list, sampling) -> Any:
+    """Wake the engine, sample (token-id prompts), or run the agent loop (``AgentPrompt``s, with
+    ``rollout.multi_turn.enable``), and (``rollout.free_cache_engine``) put it back to sleep."""
+    engine.wake_up()
+    if config.rollout.multi_turn.enable:
+        output = agent_loop(engine, config).generate(prompts, sampling)
+    else:
+        output = engine.generate(prompts, sampling)
+    if config.rollout.free_cache_engine:
+        engine.sleep()
+    return output
+
+
+def agent_loop(engine, config: RLConfig):
+    """The engine's agent loop (its tools and interaction), built at the first multi-turn rollout."""
+    loop = getattr(engine, "agent_loop", None)
+    if loop is None:
+        from rltrain.agent.loop import AgentLoop
+
+        loop = engine.agent_loop = AgentLoop.from_config(engine, config.rollout.multi_turn)
+    return loop
