@@ -28,19 +28,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rltrain.algo import (
-    AdvantageInputs,
-    apply_kl_in_reward,
-    build_kl_controller,
-    compute_advantages,
-    masked_mean,
-)
+from rltrain.algo import masked_mean
 from rltrain.config import RLConfig
 from rltrain.data.loader import PromptBatch
 from rltrain.data.step_batch import StepBatch, step_uid_prefix
@@ -49,6 +43,7 @@ from rltrain.logging.metrics import length_metrics, throughput_metrics
 from rltrain.logging.samples import SAMPLES_LOGGER
 from rltrain.logging.timer import StageTimer
 from rltrain.rollout.mismatch import logprob_mismatch
+from rltrain.trainer.algorithms import build_algorithm
 from rltrain.trainer.checkpoints import RunCheckpoints
 from rltrain.trainer.dynamic_sampling import (
     ScoredRound,
@@ -132,10 +127,8 @@ class PPOTrainer(RolloutSide, CheckpointedRun):
         self.stop = stop
         self.data, self.rewards, self.tracker = data, rewards, tracker
         self.total_steps = total_steps
-        kl = config.algorithm.kl_ctrl
-        self.kl_ctrl = build_kl_controller(
-            kl.type, kl_coef=kl.kl_coef, target_kl=kl.target_kl, horizon=kl.horizon
-        )
+        self.algorithm = build_algorithm(config)
+        """What the run's algorithm adds to the step (:mod:`rltrain.trainer.algorithms`)."""
         self.checkpoints = checkpoints or RunCheckpoints(
             config.run_dir() / "checkpoints", keep=config.trainer.checkpoint.max_ckpt_to_keep
         )
@@ -199,131 +192,109 @@ class PPOTrainer(RolloutSide, CheckpointedRun):
         return self.stop is not None and self.stop.requested() is not None
 
     def train_step(self, step: int) -> dict[str, float]:
-        cfg, timer, policy, critic = self.config, self.timer, self.roles.policy, self.roles.critic
+        """One step of the data flow in the module docstring; what an algorithm adds or changes is
+        asked of :attr:`algorithm` (extra rollouts, reward shaping, advantages, the critic's warm-up)."""
+        timer, critic = self.timer, self.roles.critic
         timer.reset()
         with timer.stage("step"):
-            with timer.stage("generate"):  # asynchronous pipelines: the wait for the batch
-                rollout = self.source.take(step)
-                prompts = rollout.prompts
-                batch = self.step_batch(
-                    rollout.output, prompts, self.sampling(step), uid_prefix=step_uid_prefix(step)
-                )
-            scoring = None
-            with timer.stage("reward"):
-                if cfg.reward.launch_reward_fn_async:  # joined before the advantages
-                    scoring = self.reward_thread().submit(self.score, batch)
-                    metrics = {}
-                else:
-                    metrics, correct = self.score(batch)
-            if cfg.algorithm.filter_groups.enable:  # further rounds count as generate and reward
-                batch, prompts, more = self.fill_batch(step, ScoredRound(prompts, batch, correct))
-                metrics |= more
-            if cfg.algorithm.adv_estimator == "remax":  # as generate and reward too
-                batch.reward_baselines = self.greedy_baselines(prompts, step).repeat_interleave(cfg.rollout.n)
-            values = None  # trainer.overlap_critic: the critic computes while the actor does
-            if critic is not None:
-                with timer.stage("values"):
-                    values = critic.start_values(batch)
-            with timer.stage("old_logprob"):
-                batch.old_logprobs, entropy, routes = policy.compute_log_prob(batch)
-                if routes is not None:  # router_replay R2: the reference and update passes replay them
-                    batch.routed_experts = routes
-            if self.uses_reference():
-                with timer.stage("ref"):
-                    batch.ref_logprobs = policy.compute_ref_log_prob(batch)
-            if values is not None:
-                with timer.stage("values"):
-                    batch.values = values.result()
-            if scoring is not None:
-                with timer.stage("reward"):
-                    metrics = {**scoring.result()[0], **metrics}
+            rollout, first, scoring, metrics = self.rollout_and_score(step)
+            scored, more = self.algorithm.extra_rollouts(self, step, first)  # as generate and reward
+            batch, prompts = scored.batch, scored.prompts
+            metrics |= more
+            entropy, joined = self.forward_passes(batch, scoring)
+            metrics = {**joined, **metrics}
             with timer.stage("advantages"):
-                metrics |= self.compute_advantages(batch)
+                metrics |= self.algorithm.advantages(batch)
                 trace_advantages(batch)
             mini_batches = self.mini_batches(batch, step)
             critic_update = None
             if critic is not None:
                 with timer.stage("update_critic"):
                     critic_update = critic.start_update(mini_batches)
-            actor_metrics: dict[str, float] = {}
-            if step > cfg.critic.warmup_steps or critic is None:
-                with timer.stage("update_actor"):
-                    actor_metrics |= _mean_over_steps(policy.update(mini_batches))
-                with timer.stage("weight_sync"):
-                    actor_metrics |= self.source.after_update(step, updated=True)
-            else:
-                self.source.after_update(step, updated=False)
+            actor_metrics = self.update_actor(step, mini_batches)
             if critic_update is not None:
                 with timer.stage("update_critic"):
                     metrics |= _mean_over_steps(critic_update.result())
             metrics |= actor_metrics
         metrics |= self.step_metrics(batch, entropy=entropy, prompts=prompts)
         metrics |= self.source.metrics(rollout, step, step_seconds=timer.seconds["step"])
-        if cfg.trainer.rollout_data_dir:
-            dump_rollout(cfg.trainer.rollout_data_dir, step, batch, self.tokenizer)
+        if self.config.trainer.rollout_data_dir:
+            dump_rollout(self.config.trainer.rollout_data_dir, step, batch, self.tokenizer)
+        num_tokens = int(batch.attention_mask.sum())
         return (
             metrics
             | timer.metrics()
-            | throughput_metrics(
-                num_tokens=int(batch.attention_mask.sum()), step_seconds=timer.seconds["step"]
-            )
+            | throughput_metrics(num_tokens=num_tokens, step_seconds=timer.seconds["step"])
         )
 
     # ------------------------------------------------------------------------------------- stages
+    def rollout_and_score(self, step: int):
+        """The step's rollout (from :attr:`source`), its batch and its scores: the rollout, the
+        scored round, the scoring's future (``reward.launch_reward_fn_async``: joined in
+        :meth:`forward_passes`, the round's ``correct`` then None) or None, and the reward metrics."""
+        with self.timer.stage("generate"):  # asynchronous pipelines: the wait for the batch
+            rollout = self.source.take(step)
+            prompts = rollout.prompts
+            batch = self.step_batch(
+                rollout.output, prompts, self.sampling(step), uid_prefix=step_uid_prefix(step)
+            )
+        with self.timer.stage("reward"):
+            if self.config.reward.launch_reward_fn_async:
+                return (
+                    rollout,
+                    ScoredRound(prompts, batch, None),
+                    self.reward_thread().submit(self.score, batch),
+                    {},
+                )
+            metrics, correct = self.score(batch)
+        return rollout, ScoredRound(prompts, batch, correct), None, metrics
+
+    def forward_passes(
+        self, batch: StepBatch, scoring: Future | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Old log-probs (and the engine's routes to replay), reference log-probs when the algorithm
+        needs them, values (the critic computes while the actor does), the joined scoring; the
+        entropy and the joined scoring's metrics."""
+        timer, policy, critic = self.timer, self.roles.policy, self.roles.critic
+        values = None
+        if critic is not None:
+            with timer.stage("values"):
+                values = critic.start_values(batch)
+        with timer.stage("old_logprob"):
+            batch.old_logprobs, entropy, routes = policy.compute_log_prob(batch)
+            if routes is not None:  # router_replay R2: the reference and update passes replay them
+                batch.routed_experts = routes
+        if self.algorithm.needs.reference:
+            with timer.stage("ref"):
+                batch.ref_logprobs = policy.compute_ref_log_prob(batch)
+        if values is not None:
+            with timer.stage("values"):
+                batch.values = values.result()
+        if scoring is None:
+            return entropy, {}
+        with timer.stage("reward"):
+            return entropy, scoring.result()[0]
+
+    def update_actor(self, step: int, mini_batches: list[StepBatch]) -> dict[str, float]:
+        """The actor's update and the weight sync after it, unless the algorithm skips the update."""
+        if not self.algorithm.updates_actor(step):
+            self.source.after_update(step, updated=False)
+            return {}
+        with self.timer.stage("update_actor"):
+            metrics = _mean_over_steps(self.roles.policy.update(mini_batches))
+        with self.timer.stage("weight_sync"):
+            return metrics | self.source.after_update(step, updated=True)
+
     def reward_thread(self) -> ThreadPoolExecutor:
         """The one thread that scores steps with ``reward.launch_reward_fn_async`` (started on first use)."""
         if self._reward_thread is None:
             self._reward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rltrain-reward")
         return self._reward_thread
 
-    def uses_reference(self) -> bool:
-        return self.config.algorithm.use_kl_in_reward or self.config.actor.use_kl_loss
-
-    def compute_advantages(self, batch: StepBatch) -> dict[str, float]:
-        algo, mask = self.config.algorithm, batch.response_mask.float()
-        metrics: dict[str, float] = {}
-        if algo.use_kl_in_reward:
-            beta = self.kl_ctrl.value
-            batch.token_level_rewards, kl = apply_kl_in_reward(
-                scores=batch.scores,
-                logprobs=batch.old_logprobs,
-                ref_logprobs=batch.ref_logprobs,
-                response_mask=mask,
-                kl_coef=beta,
-                kind=algo.kl_penalty,
-            )
-            self.kl_ctrl.update(kl.kl_token_mean, n_steps=batch.batch_size)
-            metrics |= {
-                mk.ACTOR_KL: kl.kl_token_mean,
-                mk.ACTOR_KL_COEF: beta,
-                mk.ACTOR_KL_SEQ_SUM: kl.kl_seq_sum,
-            }
-        else:
-            batch.token_level_rewards = _score_at_last_token(batch.scores, mask)
-        if batch.turn_rewards is not None:
-            batch.token_level_rewards = batch.token_level_rewards + batch.turn_rewards * mask
-            if batch.ref_logprobs is not None:
-                metrics[mk.ACTOR_KL] = float(masked_mean(batch.old_logprobs - batch.ref_logprobs, mask))
-        inputs = AdvantageInputs(
-            token_level_rewards=batch.token_level_rewards,
-            response_mask=mask,
-            values=batch.values,
-            group_ids=batch.group_ids,
-            reward_baselines=batch.reward_baselines,
-        )
-        out = compute_advantages(
-            algo.adv_estimator,
-            inputs,
-            gamma=algo.gamma,
-            lam=algo.lam,
-            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-        )
-        batch.advantages, batch.returns = out.advantages, out.returns
-        metrics[mk.CRITIC_ADVANTAGES_MEAN] = float(masked_mean(out.advantages, mask))
-        metrics[mk.CRITIC_RETURNS_MEAN] = float(masked_mean(out.returns, mask))
-        if batch.values is not None:
-            metrics[mk.CRITIC_VALUES_MEAN] = float(masked_mean(batch.values, mask))
-        return metrics
+    @property
+    def kl_ctrl(self):
+        """The algorithm's KL controller (β of the KL in the reward), checkpointed with the run."""
+        return self.algorithm.kl_ctrl
 
     def mini_batches(self, batch: StepBatch, step: int) -> list[StepBatch]:
         """``ppo_epochs`` shuffled passes of ``ppo_mini_batch_size × n`` samples each."""
@@ -362,16 +333,6 @@ class PPOTrainer(RolloutSide, CheckpointedRun):
 
 def _due(freq: int, step: int, last: bool) -> bool:
     return freq != 0 and ((freq > 0 and step % freq == 0) or last)
-
-
-def _score_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[batch, response_len]``: each score at its row's last sampled token (the mask may have gaps
-    where tool tokens sit; a row without any sampled token gets it at position 0, masked out)."""
-    rewards = torch.zeros_like(mask)
-    positions = torch.arange(mask.size(-1)).expand_as(mask)
-    last = torch.where(mask.bool(), positions, torch.zeros_like(positions)).max(dim=-1).values
-    rewards[torch.arange(mask.size(0)), last] = scores.to(rewards.dtype)
-    return rewards
 
 
 def _mean_over_steps(per_step: list[dict[str, float]]) -> dict[str, float]:

@@ -60,8 +60,9 @@ class ScoredRound:
     batch: StepBatch
     """``scores`` set; ``group_ids`` 0..prompts-1 in prompt order."""
 
-    correct: torch.Tensor
-    """``[batch]`` bool: the answer matched (the ``acc`` metric)."""
+    correct: torch.Tensor | None
+    """``[batch]`` bool: the answer matched (the ``acc`` metric); None while the scoring runs on
+    (``reward.launch_reward_fn_async``) and after filtering."""
 
 
 def group_values(round_: ScoredRound, metric: str) -> torch.Tensor:

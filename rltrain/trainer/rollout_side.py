@@ -1,16 +1,15 @@
 """The rollout side of a step, mixed into :class:`~rltrain.trainer.driver.PPOTrainer`: sampling
 settings, the step batch from the engines' output, decoding and rewards (with DAPO's overlong
 shaping), validation on the held-out prompts (:meth:`RolloutSide.validate`), and the rollouts a step
-may add to its own: dynamic sampling's further rounds and ReMax's
-greedy baselines (:mod:`~rltrain.trainer.dynamic_sampling`), timed as the step's generate and
-reward stages. Each rollout's samples get ids of their own (``step3``, ``step3-r1``, ``step3-greedy``:
+may add to its own (:meth:`RolloutSide.generate_and_score`: the algorithm's extra rollouts, such as
+dynamic sampling's further rounds and ReMax's greedy baselines, :mod:`rltrain.trainer.algorithms`),
+timed as the step's generate and reward stages. Each rollout's samples get ids of their own (``step3``, ``step3-r1``, ``step3-greedy``:
 :func:`~rltrain.data.step_batch.step_uid_prefix`), named in the run log's rollout and reward lines
 (:mod:`rltrain.logging.samples`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,10 +24,7 @@ from rltrain.trainer.dynamic_sampling import (
     OVERLONG_FRAC,
     OVERLONG_PENALTY_MEAN,
     ScoredRound,
-    fill_batch,
-    group_values,
     overlong_penalty,
-    round_seed,
 )
 from rltrain.trainer.sample_records import dump_validation, trace_rewards, trace_rollout
 
@@ -140,33 +136,13 @@ class RolloutSide:
             batch = batch.select(list(range(rows)) + [rows - 1] * padded)
         return role.compute_rm_score(batch)[:rows]
 
-    def fill_batch(self, step: int, first: ScoredRound) -> tuple[StepBatch, PromptBatch, dict[str, float]]:
-        """Dynamic sampling (:mod:`~rltrain.trainer.dynamic_sampling`): more rounds of the data
-        loader's prompts until ``data.train_batch_size`` groups vary."""
+    def next_prompts(self) -> PromptBatch:
+        """The data loader's next batch of prompts (a further round of the step's rollout)."""
+        return self.data.train.next_batch()
 
-        def more(round_: int) -> ScoredRound:
-            sampling = self.sampling(step)
-            sampling = replace(sampling, seed=round_seed(sampling.seed, round_))
-            return self.generate_and_score(
-                self.data.train.next_batch(), sampling, uid_prefix=step_uid_prefix(step, f"r{round_}")
-            )
-
-        return fill_batch(
-            first,
-            more,
-            config=self.config.algorithm.filter_groups,
-            train_batch_size=self.config.data.train_batch_size,
-            n=self.config.rollout.n,
-            pad_token_id=self.tokenizer.pad_token_id,
-            step=step,
-        )
-
-    def greedy_baselines(self, prompts: PromptBatch, step: int) -> torch.Tensor:
-        """``[prompts]``: the reward of each prompt's greedy response (ReMax's baseline), scored and
-        shaped as the samples are, an interaction's turn rewards included."""
-        sampling = replace(self.sampling(step), temperature=0.0, top_p=1.0, top_k=-1, n=1)
-        greedy = self.generate_and_score(prompts, sampling, uid_prefix=step_uid_prefix(step, "greedy"))
-        return group_values(greedy, "seq_reward")
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
 
     def generate_and_score(
         self, prompts: PromptBatch, sampling: SamplingConfig, *, uid_prefix: str

@@ -48,7 +48,7 @@ def _advantages(tmp_path, estimator: str) -> torch.Tensor:
     batch.scores = torch.tensor(SCORES)
     if estimator == "remax":
         batch.reward_baselines = torch.tensor(GREEDY).repeat_interleave(2)
-    trainer.compute_advantages(batch)
+    trainer.algorithm.advantages(batch)
     return batch.advantages
 
 

@@ -2,7 +2,8 @@
 
 import torch
 
-from rltrain.trainer.driver import _due, _mean_over_steps, _score_at_last_token
+from rltrain.trainer.algorithms.base import score_at_last_token
+from rltrain.trainer.driver import _due, _mean_over_steps
 
 
 def test_due_schedule():
@@ -13,7 +14,7 @@ def test_due_schedule():
 
 def test_score_sits_on_the_last_valid_token():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    rewards = _score_at_last_token(torch.tensor([2.0, -1.0, 0.5]), mask)
+    rewards = score_at_last_token(torch.tensor([2.0, -1.0, 0.5]), mask)
     assert rewards.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [0.5, 0.0, 0.0]]
 
 
@@ -71,5 +72,5 @@ def test_mini_batches_cover_each_sample_once_per_epoch(tmp_path):
 def test_score_sits_on_the_last_sampled_token_across_tool_gaps():
     # model | tool tool | model, then padding; a model turn followed only by tool tokens; an empty row
     mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0], [0.0] * 5])
-    rewards = _score_at_last_token(torch.tensor([2.0, -1.0, 0.5]), mask)
+    rewards = score_at_last_token(torch.tensor([2.0, -1.0, 0.5]), mask)
     assert rewards.tolist() == [[0, 0, 0, 2.0, 0], [0, -1.0, 0, 0, 0], [0.5, 0, 0, 0, 0]]
