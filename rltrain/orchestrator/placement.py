@@ -155,10 +155,12 @@ def run_placement(config: RLConfig, *, gpu: bool) -> RunPlacement:
     rollout = rollout_placement(config, gpu=gpu)
     devices, resource = _device(config, gpu)
     pools, extra, first = [], [], len(rollout.bundles)
-    for name, roles in config.pool_roles().items():
-        trainer_roles = tuple(r for r in roles if r != "rollout")
-        if not trainer_roles:
-            continue  # the separate engines' pool: the rollout layout's engine bundles
+    from rltrain.orchestrator.role_table import RoleRun, pool_roles
+    from rltrain.trainer.algorithms import build_algorithm
+
+    run = RoleRun(config, build_algorithm(config).needs, rollout, total_steps=0)
+    for name, roles in pool_roles(run).items():  # the separate engines: the rollout layout's bundles
+        trainer_roles = tuple(roles)
         if name == GLOBAL_POOL:
             pools.append(PoolPlacement(name, trainer_roles, 0, config.cluster.world_size()))
             continue

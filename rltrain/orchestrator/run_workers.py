@@ -19,24 +19,19 @@ from rltrain.logging.console import stage
 if TYPE_CHECKING:
     from rltrain.trainer.run import RunSetup
 
-_ROLE_TITLES = {
-    "actor_rollout_ref": "the actor, reference and rollout engine",
-    "rollout": "the rollout engines",
-    "critic": "the critic",
-    "reward_model": "the reward model",
-}
-"""What the status line calls each role while its workers start."""
-
 
 def roles_stage(roles: list[tuple[str, int]]):
-    """The status lines around starting roles at once: ``(role, num_ranks)`` each."""
-    named = [f"{_ROLE_TITLES.get(role, role)} ({n} rank{'s' if n > 1 else ''})" for role, n in roles]
+    """The status lines around starting roles at once: ``(title, num_ranks)`` each (the title: the
+    role table's)."""
+    named = [f"{title} ({n} rank{'s' if n > 1 else ''})" for title, n in roles]
     return stage("starting " + (f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]))
 
 
 def role_stage(role: str, num_ranks: int):
-    """The status lines around starting ``num_ranks`` ranks of ``role``."""
-    return roles_stage([(role, num_ranks)])
+    """The status lines around starting ``num_ranks`` ranks of ``role`` (a role table name)."""
+    from rltrain.orchestrator.role_table import role as spec
+
+    return roles_stage([(spec(role).title, num_ranks)])
 
 
 def pool_sizes(config: RLConfig) -> dict[str, int]:
@@ -69,17 +64,28 @@ class RunWorkers:
         self.liveness = Liveness(config.trainer.timeouts.liveness_s)
         """One watch over every group's ranks: a frozen critic is found while the driver waits on the actor."""
 
-    def placement_of(self, role: str):
-        """Where ``role``'s ranks go: its pool's bundles, an equal share of each per role there."""
+    def placement_of(self, pool: str):
+        """Where a role's ranks go (its :attr:`~rltrain.orchestrator.role_table.RoleSpec.pool`): its
+        pool's bundles, an equal share of each per role there; ``rollout``: one separate engine's
+        bundle each, after the trainer's."""
         from rltrain.orchestrator.worker_group import Placement
 
-        pool = self.pools.pool_of(role)
-        bundle = self.pools.bundles[pool.first_bundle]
+        if pool == "rollout":
+            bundle = self.layout.engine_bundles[0]
+            return Placement(
+                self.pg,
+                first_bundle=self.layout.first_engine_bundle,
+                num_cpus=1.0,
+                num_gpus=float(bundle.num_gpus),
+                device_resource=bundle.device_resource,
+            )
+        placed = self.pools.pool_of(pool)
+        bundle = self.pools.bundles[placed.first_bundle]
         return Placement(
             self.pg,
-            first_bundle=pool.first_bundle,
-            num_cpus=pool.share,
-            num_gpus=pool.share if bundle.num_gpus else 0.0,
+            first_bundle=placed.first_bundle,
+            num_cpus=placed.share,
+            num_gpus=placed.share if bundle.num_gpus else 0.0,
             device_resource=bundle.device_resource,
         )
 
@@ -103,74 +109,65 @@ class RunWorkers:
         return group
 
     def start(self):
-        """Start every role; the :class:`~rltrain.trainer.driver.Roles` over them.
+        """Start every role the run has (the role table, :mod:`~rltrain.orchestrator.role_table`);
+        the :class:`~rltrain.trainer.driver.Roles` over them.
 
         On CPU every role's ranks build at once (imports, model building and the engine's start
         overlap: 25.5 s -> 18.4 s on the quickstart); on GPUs one role after the other, the policy
         with its engine first, so that an engine sizing its KV cache by the device memory left
         does not race another role's allocations."""
-        from rltrain.orchestrator.worker_group import Placement
-        from rltrain.trainer.driver import Roles
-        from rltrain.trainer.roles import CriticRole, PolicyRole, RewardModelRole
-        from rltrain.workers.model_workers import CriticWorker, PolicyWorker, RewardModelWorker
-        from rltrain.workers.rollout_worker import RolloutWorker
+        from rltrain.orchestrator.role_table import run_roles
 
-        config, layout, world = self.config, self.layout, self.config.cluster.world_size()
-        steps = {"total_steps": self.total_steps}
-        launches = [
-            (
-                "actor_rollout_ref",
-                PolicyWorker,
-                world,
-                self.placement_of("actor"),
-                {**steps, "placement": layout},
-            )
-        ]
-        if layout.separate:
-            engine_bundle = layout.engine_bundles[0]
-            engine_placement = Placement(
-                self.pg,
-                first_bundle=layout.first_engine_bundle,
-                num_cpus=1.0,
-                num_gpus=float(engine_bundle.num_gpus),
-                device_resource=engine_bundle.device_resource,
-            )
-            launches.append(("rollout", RolloutWorker, layout.num_engines, engine_placement, {}))
-        if config.critic_enabled():
-            launches.append(
-                ("critic", CriticWorker, config.role_world("critic"), self.placement_of("critic"), steps)
-            )
-        if config.reward.reward_model.enable:
-            rm_world = config.role_world("reward_model")
-            launches.append(
-                ("reward_model", RewardModelWorker, rm_world, self.placement_of("reward_model"), {})
-            )
+        run = self.role_run()
+        launches = [(spec, spec.world(run)) for spec in run_roles(run)]
         groups = {}
         for together in [[launch] for launch in launches] if self.gpu else [launches]:
-            with roles_stage([(role, size) for role, _, size, _, _ in together]):
-                for role, cls, size, where, kwargs in together:
-                    groups[role] = self._launch(role, cls, size, where, **kwargs)
-                for role, *_ in together:
-                    groups[role].started()
-        policy_group, rollout_group = groups["actor_rollout_ref"], groups.get("rollout")
-        if rollout_group is not None:
-            num_engines = layout.num_engines
-            address = policy_group.free_address()
-            joining = rollout_group.submit("connect_weight_sync", address, num_engines)
-            policy_group.call_each(
-                "connect_weight_sync", [(address if r == 0 else None, num_engines) for r in range(world)]
-            )
-            rollout_group.wait("connect_weight_sync", joining)
-        critic = reward_model = None
-        if "critic" in groups:
-            critic = CriticRole(groups["critic"], trainer=config.trainer, overlap=self.critic_overlaps())
-        if "reward_model" in groups:
-            reward_model = RewardModelRole(groups["reward_model"], trainer=config.trainer)
-        return Roles(
-            policy=PolicyRole(policy_group, placement=layout, separate=rollout_group, trainer=config.trainer),
-            critic=critic,
-            reward_model=reward_model,
+            with roles_stage([(spec.title, size) for spec, size in together]):
+                for spec, size in together:
+                    groups[spec.name] = self._launch(
+                        spec.name, spec.worker_class(), size, self.placement_of(spec.pool), **spec.kwargs(run)
+                    )
+                for spec, _ in together:
+                    groups[spec.name].started()
+        if "rollout" in groups:
+            self.connect_engines(groups["actor_rollout_ref"], groups["rollout"])
+        return self.handles(groups)
+
+    def role_run(self):
+        """What the role table's functions read of this run."""
+        from rltrain.orchestrator.role_table import RoleRun
+        from rltrain.trainer.algorithms import build_algorithm
+
+        needs = build_algorithm(self.config).needs
+        return RoleRun(self.config, needs, self.layout, self.total_steps)
+
+    def connect_engines(self, policy_group, rollout_group) -> None:
+        """Join the separate engines and actor rank 0 in the weights' broadcast group."""
+        world, num_engines = self.config.cluster.world_size(), self.layout.num_engines
+        address = policy_group.free_address()
+        joining = rollout_group.submit("connect_weight_sync", address, num_engines)
+        policy_group.call_each(
+            "connect_weight_sync", [(address if r == 0 else None, num_engines) for r in range(world)]
         )
+        rollout_group.wait("connect_weight_sync", joining)
+
+    def handles(self, groups: dict):
+        """The driver-side handles over the started groups."""
+        from rltrain.trainer.driver import Roles
+        from rltrain.trainer.roles import CriticRole, PolicyRole, RewardModelRole
+
+        trainer, critic, reward_model = self.config.trainer, None, None
+        if "critic" in groups:
+            critic = CriticRole(groups["critic"], trainer=trainer, overlap=self.critic_overlaps())
+        if "reward_model" in groups:
+            reward_model = RewardModelRole(groups["reward_model"], trainer=trainer)
+        policy = PolicyRole(
+            groups["actor_rollout_ref"],
+            placement=self.layout,
+            separate=groups.get("rollout"),
+            trainer=trainer,
+        )
+        return Roles(policy=policy, critic=critic, reward_model=reward_model)
 
     def critic_overlaps(self) -> bool:
         """``trainer.overlap_critic``; null: on a CPU-only cluster, or with the critic on devices of

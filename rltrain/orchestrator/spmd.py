@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rltrain.config import ConfigError, RLConfig
 from rltrain.config.pools import GLOBAL_POOL
 from rltrain.errors import RunStopped
+from rltrain.orchestrator.role_table import RoleRun, run_roles
 from rltrain.trainer.recovery import WorkerError
 
 log = logging.getLogger(__name__)
@@ -109,27 +110,42 @@ def check_world(config: RLConfig) -> None:
                 f"cluster.role_pool.{role}={pool}: torchrun mode runs every role on the launcher's "
                 "processes; resource pools need the Ray mode"
             )
-    if config.reward.reward_model.enable:
-        problems.append(
-            "reward.reward_model.enable=true: the reward model runs on workers of its own, which the Ray "
-            "mode starts (rltrain train / ray job submit); torchrun mode has none"
-        )
+    for spec in run_roles(role_run(config, total_steps=0)):
+        if not spec.torchrun and spec.name != "rollout":  # separate engines: refused above
+            problems.append(
+                _NOT_HOSTED.get(spec.name, f"the run has a {spec.name} role")
+                + f": the {spec.name.replace('_', ' ')} runs on workers of its own, which the Ray mode starts "
+                "(rltrain train / ray job submit); torchrun mode has none"
+            )
     if problems:
         raise ConfigError(problems)
+
+
+_NOT_HOSTED = {"reward_model": "reward.reward_model.enable=true"}
+"""What the user switched on to get a role the torchrun mode cannot host (its key and value)."""
+
+
+def role_run(config: RLConfig, *, total_steps: int):
+    """What the role table reads of this run (:class:`~rltrain.orchestrator.role_table.RoleRun`)."""
+    import torch
+
+    from rltrain.orchestrator.placement import rollout_placement
+    from rltrain.trainer.algorithms import build_algorithm
+
+    layout = rollout_placement(config, gpu=torch.cuda.is_available())
+    return RoleRun(config, build_algorithm(config).needs, layout, total_steps)
 
 
 def train_spmd(config: RLConfig) -> int:
     """Run ``config`` on this torchrun rank; returns the last step."""
     import torch
 
-    from rltrain.orchestrator.placement import rollout_placement
     from rltrain.orchestrator.run_workers import role_stage
     from rltrain.trainer.checkpoints import RunCheckpoints
     from rltrain.trainer.driver import Roles
     from rltrain.trainer.preemption import StopSignals
     from rltrain.trainer.roles import CriticRole, PolicyRole
     from rltrain.trainer.run import prepare_run, run_driver
-    from rltrain.workers.model_workers import CriticWorker, PolicyWorker
 
     check_world(config)
     if torch.cuda.is_available():
@@ -143,20 +159,19 @@ def train_spmd(config: RLConfig) -> int:
     setup = prepare_run(config, write_config=True) if rank == 0 else None
     dist.barrier()
     setup = setup or prepare_run(config, write_config=False)
-    placement = rollout_placement(config, gpu=torch.cuda.is_available())
-    world = dist.get_world_size()
-    with role_stage("actor_rollout_ref", world):
-        worker = PolicyWorker(
-            config, setup.model_dir, None, total_steps=setup.total_steps, placement=placement
-        )
-    critic, critic_worker = None, None
-    if config.critic_enabled():
-        with role_stage("critic", world):
-            critic_worker = CriticWorker(
-                config, setup.model_dir, None, total_steps=setup.total_steps, ctx=worker.ctx
+    run, world = role_run(config, total_steps=setup.total_steps), dist.get_world_size()
+    hosted: dict[str, Any] = {}
+    for spec in run_roles(run):  # check_world refused the roles this mode cannot host
+        with role_stage(spec.name, world):
+            ctx = hosted["actor_rollout_ref"].ctx if hosted else None  # one parallel state per process
+            hosted[spec.name] = spec.worker_class()(
+                config, setup.model_dir, None, **spec.kwargs(run), ctx=ctx
             )
+    worker, critic_worker = hosted["actor_rollout_ref"], hosted.get("critic")
+    critic = None
+    if critic_worker is not None:
         critic = CriticRole(SPMDGroup("critic", critic_worker), trainer=config.trainer)
-    policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), placement=placement, trainer=config.trainer)
+    policy = PolicyRole(SPMDGroup("actor_rollout_ref", worker), placement=run.layout, trainer=config.trainer)
     checkpoints = RunCheckpoints(
         config.run_dir() / "checkpoints",
         keep=config.trainer.checkpoint.max_ckpt_to_keep,

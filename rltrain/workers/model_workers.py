@@ -55,9 +55,11 @@ class PolicyWorker(MegatronRankBase):
         *,
         total_steps: int,
         placement: RolloutPlacement,
+        reference: bool,
         ctx=None,
     ) -> None:
-        """``placement``: the run's rollout layout (which ranks host an engine, its TP size)."""
+        """``placement``: the run's rollout layout (which ranks host an engine, its TP size);
+        ``reference``: whether the run's algorithm needs the reference model (its KL penalty)."""
         super().__init__(config, model_dir, info, config.actor.parallel, ctx)
         if len(placement.trainer_bundles) != self.ctx.world_size:
             raise ValueError(
@@ -92,7 +94,7 @@ class PolicyWorker(MegatronRankBase):
         )
         load_hf_into(self.actor, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.ref = None
-        if config.algorithm.use_kl_in_reward or actor.use_kl_loss:
+        if reference:
             micro = config.ref.log_prob_micro_batch_size_per_gpu
             self.ref = MegatronWorker(
                 self.hf_config,

@@ -23,6 +23,7 @@ from rltrain.config import RLConfig
 from rltrain.config.actor import PolicyLossConfig
 from rltrain.orchestrator.placement import rollout_placement
 from rltrain.orchestrator.spmd import SPMDGroup
+from rltrain.trainer.algorithms import build_algorithm
 from rltrain.workers.rank_base import token_batch
 from rltrain.workers.model_workers import PolicyWorker
 
@@ -166,7 +167,14 @@ def policy_loss_updates(model_dir: str) -> dict[str, Any]:
         ),
     )
     # The reference model is never asked for: the batch carries ``ref_logprobs`` set here.
-    worker = PolicyWorker(base, model_dir, None, total_steps=1, placement=rollout_placement(base, gpu=False))
+    worker = PolicyWorker(
+        base,
+        model_dir,
+        None,
+        total_steps=1,
+        placement=rollout_placement(base, gpu=False),
+        reference=build_algorithm(base).needs.reference,
+    )
     role = _ActorUpdates(SPMDGroup("actor", worker))
     batch = _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
     batch.sampled_mask = SAMPLED_MASK.clone()

@@ -25,6 +25,7 @@ from rltrain.data.step_batch import StepBatch
 from rltrain.orchestrator.placement import rollout_placement
 from rltrain.trainer.roles import _DataParallelRole
 from rltrain.orchestrator.spmd import SPMDGroup
+from rltrain.trainer.algorithms import build_algorithm
 from rltrain.workers.model_workers import PolicyWorker
 
 PROMPT_LEN, RESPONSE_LEN = 5, 6
@@ -133,6 +134,7 @@ def _update(config: RLConfig, model_dir: str, batch: StepBatch, ctx=None) -> dic
         None,
         total_steps=1,
         placement=rollout_placement(config, gpu=False),
+        reference=build_algorithm(config).needs.reference,
         ctx=ctx,
     )
     old, _, _ = worker.compute_log_prob(batch)
