@@ -1,4 +1,5 @@
-# rltrain: `make quickstart` runs the CPU quickstart recipe, `make test` runs lint and all tests.
+# rltrain: `make quickstart` runs the CPU quickstart recipe, `make test` runs lint, the docs build
+# and all tests.
 # Both create .venv and install the pinned CPU stack first (once; later runs skip it).
 
 PYTHON ?= python3.11
@@ -9,7 +10,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat setup.py rltrain/requirements.py Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint quickstart doctor clean
+.PHONY: setup test lint docs quickstart doctor clean
 
 setup: $(STAMP)
 
@@ -31,7 +32,12 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# The documentation site (mkdocs.yml, strict: a broken link, anchor or a page left out of the nav
+# fails), offline, into a git-ignored directory.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir build/docs
+
+test: lint docs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 quickstart: setup
@@ -41,4 +47,4 @@ doctor: setup
 	$(VENV)/bin/rltrain doctor
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache build/docs

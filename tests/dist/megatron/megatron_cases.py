@@ -121,7 +121,8 @@ def etp_case(tmp: str) -> dict[str, dict[str, float]]:
     (sequence parallel) with whole experts split over EP=2 (expert-TP 1) loads the weights a
     TP=1/DP=2 run saved, then must match it through two train steps. Without the aux loss: sequence
     parallelism pads the odd packed rows and the routers count the pads (Megatron-Core's own loads),
-    which moves the aux loss by ~1e-5 against the unpadded reference (documented in the README)."""
+    which moves the aux loss by ~1e-5 against the unpadded reference (docs/parallelism.md, "MoE
+    routers")."""
     from megatron_fixtures import VOCAB
 
     from rltrain.models.tiny import tiny_hf_config
