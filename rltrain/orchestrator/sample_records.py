@@ -25,7 +25,7 @@ from rltrain.logging.samples import log_advantages, log_rewards, log_rollout, wr
 from rltrain.orchestrator.batch import StepBatch
 
 if TYPE_CHECKING:
-    from rltrain.data.dataset import PromptExample
+    from rltrain.data.prompt_rows import PromptExample
     from rltrain.rewards import RewardOutput
     from rltrain.rollout.types import RolloutOutput
 

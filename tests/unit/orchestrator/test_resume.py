@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rltrain.config import ConfigError, load_config
-from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptLoader
+from rltrain.data.prompt_rows import PromptExample
 from rltrain.orchestrator.checkpoints import CheckpointError
 from rltrain.orchestrator.driver import PPOTrainer, Roles
 from rltrain.orchestrator.worker_group import WorkerError

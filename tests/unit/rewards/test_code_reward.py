@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rltrain.config.reward import CodeSandboxConfig, RewardConfig
-from rltrain.data.dataset import DataRowError, PromptExample
+from rltrain.data.prompt_rows import DataRowError, PromptExample
 from rltrain.rewards import RewardManager
 from rltrain.rewards.code_exec import extract_program
 
