@@ -13,6 +13,8 @@ from rltrain.algo.advantages import (
     AdvantageOutput,
     AdvantageParams,
     compute_advantages,
+    estimator_needs,
+    register_adv_estimator,
 )
 from rltrain.algo.kl import (
     KL_CONTROLLERS,
@@ -87,6 +89,7 @@ __all__ = [
     "dppo_kl_policy_loss",
     "dppo_tv_policy_loss",
     "dro_policy_loss",
+    "estimator_needs",
     "geo_mean_policy_loss",
     "gspo_policy_loss",
     "kl_cov_policy_loss",
@@ -96,5 +99,6 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_gradient_loss",
+    "register_adv_estimator",
     "sapo_policy_loss",
 ]

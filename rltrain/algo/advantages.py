@@ -1,6 +1,9 @@
 """Advantage estimators: token-level rewards (and values) -> advantages and returns.
 
-Contract: ``compute_advantages(name, inputs, gamma=..., lam=...)`` looks the estimator up in
+Contract: an estimator is a function registered with :func:`register_adv_estimator` under its
+``algorithm.adv_estimator`` name, declaring the optional ``AdvantageInputs`` it reads (``values``:
+it needs a critic; ``group_ids``: it compares the samples of one prompt; ``reward_baselines``).
+``compute_advantages(name, inputs, gamma=..., lam=...)`` looks the estimator up in
 ``ADV_ESTIMATORS`` and runs it without gradient on the whole batch (group statistics and batch
 whitening need every sample, so this runs where the full batch is, not per micro-batch). Every
 estimator returns advantages and returns of shape ``[batch, response_len]`` that are exactly zero on
@@ -103,7 +106,45 @@ class AdvantageParams:
 
 AdvantageEstimator = Callable[[AdvantageInputs, AdvantageParams], AdvantageOutput]
 
-ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+OPTIONAL_INPUTS = ("values", "group_ids", "reward_baselines")
+"""The ``AdvantageInputs`` fields an estimator may declare it needs."""
+
+
+@dataclass(frozen=True)
+class RegisteredEstimator:
+    """An advantage estimator and the optional inputs it reads."""
+
+    estimator: AdvantageEstimator
+    needs: frozenset[str]
+    """Names in :data:`OPTIONAL_INPUTS`: ``values`` means a critic is trained for it, ``group_ids``
+    that it needs several samples per prompt (``rollout.n >= 2``)."""
+
+
+ADV_ESTIMATORS: Registry[RegisteredEstimator] = Registry("advantage estimator")
+
+
+def register_adv_estimator(
+    name: str, *, needs: tuple[str, ...] = ()
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: register the estimator as ``name`` (the value of ``algorithm.adv_estimator``),
+    reading the optional ``AdvantageInputs`` fields ``needs``; returns the function unchanged."""
+    unknown = sorted(set(needs) - set(OPTIONAL_INPUTS))
+    if unknown:
+        raise ValueError(
+            f"advantage estimator {name!r}: needs {unknown} are not among {', '.join(OPTIONAL_INPUTS)}"
+        )
+
+    def decorator(estimator: AdvantageEstimator) -> AdvantageEstimator:
+        ADV_ESTIMATORS.register(name)(RegisteredEstimator(estimator, frozenset(needs)))
+        return estimator
+
+    return decorator
+
+
+def estimator_needs(name: str) -> frozenset[str]:
+    """The optional inputs the estimator ``name`` reads; ``UnknownNameError`` naming the closest
+    registered name when there is none."""
+    return ADV_ESTIMATORS.get(name).needs
 
 
 @torch.no_grad()
@@ -127,7 +168,7 @@ def compute_advantages(
     Returns:
         Advantages and returns, each ``[batch, response_len]``, zero on masked positions.
     """
-    estimator = ADV_ESTIMATORS.get(name)
+    estimator = ADV_ESTIMATORS.get(name).estimator
     _check_shapes(inputs)
     params = AdvantageParams(
         gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, epsilon=epsilon
@@ -182,7 +223,7 @@ def per_token(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.
     return per_sequence.unsqueeze(-1) * response_mask.to(per_sequence.dtype)
 
 
-@ADV_ESTIMATORS.register("gae")
+@register_adv_estimator("gae", needs=("values",))
 def gae(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """Generalized advantage estimation; advantages whitened over valid tokens.
 
@@ -208,7 +249,7 @@ def gae(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     return AdvantageOutput(advantages=advantages, returns=returns)
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus")
+@register_adv_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """Discounted reward-to-go over valid tokens, whitened over the batch.
 
@@ -227,7 +268,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs, params: AdvantageParams) -> Adv
     return AdvantageOutput(advantages=advantages, returns=returns)
 
 
-@ADV_ESTIMATORS.register("remax")
+@register_adv_estimator("remax", needs=("reward_baselines",))
 def remax(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """ReMax: reward-to-go over valid tokens minus the greedy response's reward.
 
@@ -246,5 +287,5 @@ def remax(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     return AdvantageOutput(advantages=advantages, returns=returns)
 
 
-# The group estimators register themselves into ADV_ESTIMATORS, defined above.
+# The group estimators register themselves with register_adv_estimator, defined above.
 from rltrain.algo import advantages_group  # noqa: E402, F401

@@ -41,15 +41,18 @@ from __future__ import annotations
 import torch
 
 from rltrain.algo.advantages import (
-    ADV_ESTIMATORS,
     AdvantageInputs,
     AdvantageOutput,
     AdvantageParams,
     outcome_scores,
     per_token,
+    register_adv_estimator,
     require_input,
 )
 from rltrain.algo.masked import masked_whiten
+
+GROUP = ("group_ids",)
+"""What every estimator here reads beside the rewards and the mask."""
 
 
 def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +97,7 @@ def _outcome(per_sequence: torch.Tensor, inputs: AdvantageInputs) -> AdvantageOu
     return AdvantageOutput(advantages=advantages, returns=advantages)
 
 
-@ADV_ESTIMATORS.register("grpo")
+@register_adv_estimator("grpo", needs=GROUP)
 def grpo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """Group-normalized outcome advantage (GRPO, or Dr. GRPO without the std)."""
     group_ids, scores = _groups_and_scores(inputs, "grpo")
@@ -105,7 +108,7 @@ def grpo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     return _outcome(centered, inputs)
 
 
-@ADV_ESTIMATORS.register("rloo")
+@register_adv_estimator("rloo", needs=GROUP)
 def rloo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """REINFORCE leave-one-out: score minus the mean of the other scores of the group."""
     group_ids, scores = _groups_and_scores(inputs, "rloo")
@@ -115,7 +118,7 @@ def rloo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     return _outcome((scores - means) * factor, inputs)
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", needs=GROUP)
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """Score minus group mean, broadcast over valid tokens, whitened over the batch."""
     group_ids, scores = _groups_and_scores(inputs, "reinforce_plus_plus_baseline")
@@ -126,7 +129,7 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, params: AdvantageParam
     return AdvantageOutput(advantages=advantages, returns=advantages)
 
 
-@ADV_ESTIMATORS.register("opo")
+@register_adv_estimator("opo", needs=GROUP)
 def opo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """Score minus the length-weighted mean score of its group (OPO's optimal baseline)."""
     group_ids, scores = _groups_and_scores(inputs, "opo")
@@ -141,7 +144,7 @@ def opo(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     return _outcome(scores - baselines[group_index], inputs)
 
 
-@ADV_ESTIMATORS.register("gpg")
+@register_adv_estimator("gpg", needs=GROUP)
 def gpg(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """GPG: group-centred score scaled by batch size over the number of nonzero scores."""
     group_ids, scores = _groups_and_scores(inputs, "gpg")
@@ -151,7 +154,7 @@ def gpg(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     return _outcome(alpha * (scores - means), inputs)
 
 
-@ADV_ESTIMATORS.register("grpo_passk")
+@register_adv_estimator("grpo_passk", needs=GROUP)
 def grpo_passk(inputs: AdvantageInputs, params: AdvantageParams) -> AdvantageOutput:
     """Pass@k: the best response of each group gets best minus second-best score, the others 0."""
     group_ids, scores = _groups_and_scores(inputs, "grpo_passk")

@@ -116,21 +116,14 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal[
-        "gae",
-        "grpo",
-        "rloo",
-        "reinforce_plus_plus",
-        "reinforce_plus_plus_baseline",
-        "remax",
-        "opo",
-        "gpg",
-        "grpo_passk",
-    ] = "gae"
-    """Registered advantage estimator (formulas in rltrain/algo/advantages.py and advantages_group.py).
-    Only ``gae`` reads values (a critic); ``grpo``, ``rloo``, ``reinforce_plus_plus_baseline``, ``opo``,
-    ``gpg`` and ``grpo_passk`` compare the ``rollout.n`` samples of a prompt (n >= 2); ``remax``
-    subtracts the reward of a greedy response the rollout generates for each prompt."""
+    adv_estimator: str = "gae"
+    """A registered advantage estimator (``rltrain.algo.register_adv_estimator``; formulas in
+    rltrain/algo/advantages.py and advantages_group.py): ``gae``, ``grpo``, ``rloo``,
+    ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``gpg``,
+    ``grpo_passk``. Only ``gae`` reads values (a critic); ``grpo``, ``rloo``,
+    ``reinforce_plus_plus_baseline``, ``opo``, ``gpg`` and ``grpo_passk`` compare the ``rollout.n``
+    samples of a prompt (n >= 2); ``remax`` subtracts the reward of a greedy response the rollout
+    generates for each prompt."""
 
     gamma: float = 1.0
     """Discount factor."""
@@ -156,8 +149,24 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling (off by default)."""
 
+    def estimator_needs(self) -> frozenset[str] | None:
+        """The optional inputs ``adv_estimator`` declared when it was registered (``values``,
+        ``group_ids``, ``reward_baselines``); None for a name that is not registered (``validate``
+        names it)."""
+        from rltrain.algo import ADV_ESTIMATORS  # torch, lazily
+
+        name = self.adv_estimator
+        return ADV_ESTIMATORS.get(name).needs if name in ADV_ESTIMATORS else None
+
     def validate(self, prefix: str) -> list[str]:
+        from rltrain.algo import ADV_ESTIMATORS  # torch, lazily
+
         problems = []
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            try:
+                ADV_ESTIMATORS.get(self.adv_estimator)
+            except KeyError as err:  # the registry's message names the choices and the closest one
+                problems.append(f"{prefix}.adv_estimator: {err}")
         if not 0 <= self.gamma <= 1:
             problems.append(f"{prefix}.gamma must lie in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:

@@ -47,7 +47,7 @@ class GeneratedTaskConfig:
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    """JSONL or Parquet prompt files for training (verl layout or flat; see rltrain/data/dataset.py)."""
+    """JSONL or Parquet prompt files for training (verl layout or flat; see rltrain/data/prompt_rows.py)."""
 
     val_files: list[str] = field(default_factory=list)
     """Held-out prompt files for evaluation every ``trainer.test_freq`` steps."""

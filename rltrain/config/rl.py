@@ -26,8 +26,6 @@ from rltrain.config.trainer import ClusterConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
-
 
 @dataclass
 class RLConfig:
@@ -62,9 +60,10 @@ class RLConfig:
     """Nodes and devices."""
 
     def critic_enabled(self) -> bool:
-        """Whether a critic is trained (explicit switch, else only for GAE)."""
+        """Whether a critic is trained (explicit switch, else only for an estimator that reads
+        values: GAE)."""
         if self.critic.enable is None:
-            return self.algorithm.adv_estimator == "gae"
+            return "values" in (self.algorithm.estimator_needs() or ())
         return self.critic.enable
 
     def role_world(self, role: str) -> int:
@@ -251,18 +250,27 @@ class RLConfig:
                 )
         return problems
 
-    def _check_switches(self) -> list[str]:
+    def _check_estimator(self) -> list[str]:
+        """What the estimator declared it reads: groups of samples, values (a critic)."""
         problems = []
-        estimator = self.algorithm.adv_estimator
-        if estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+        estimator, needs = self.algorithm.adv_estimator, self.algorithm.estimator_needs()
+        if needs is None:  # not registered: algorithm.validate names it
+            return problems
+        if "group_ids" in needs and self.rollout.n < 2:
             problems.append(
                 f"algorithm.adv_estimator={estimator} compares samples of one prompt: needs rollout.n >= 2, "
                 f"got {self.rollout.n}"
             )
-        if self.critic.enable is False and estimator == "gae":
-            problems.append("algorithm.adv_estimator=gae needs values: critic.enable=false is incompatible")
-        if self.critic.enable and estimator != "gae":
+        if self.critic.enable is False and "values" in needs:
+            problems.append(
+                f"algorithm.adv_estimator={estimator} needs values: critic.enable=false is incompatible"
+            )
+        if self.critic.enable and "values" not in needs:
             problems.append(f"critic.enable=true but algorithm.adv_estimator={estimator} does not use values")
+        return problems
+
+    def _check_switches(self) -> list[str]:
+        problems = self._check_estimator()
         max_len = self.rollout.max_model_len
         longest = self.data.max_prompt_length + self.rollout.response_length
         if max_len is not None and max_len < longest:

@@ -10,7 +10,7 @@ exactly the batches an uninterrupted run would have seen next. A loader with ano
 the same order, in batches of its own size; a state saved with another dataset size, seed or
 shuffle/drop_last setting is refused (:class:`LoaderStateMismatch`, one line naming the key).
 
-A dataset with fewer prompts than one batch is refused (:class:`~rltrain.data.dataset.DataRowError`
+A dataset with fewer prompts than one batch is refused (:class:`~rltrain.data.prompt_rows.DataRowError`
 naming its files and ``data.train_batch_size``).
 
 Two ways to iterate: ``for batch in loader`` yields the rest of the current epoch (a new epoch
@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from rltrain.data.dataset import DataRowError, PromptDataset, PromptExample
+from rltrain.data.dataset import PromptDataset
+from rltrain.data.prompt_rows import DataRowError, PromptExample
 
 _ORDER_KEYS = {
     "num_examples": None,

@@ -4,7 +4,7 @@
 by sampling indices of the whole problem space without replacement, so a seed fixes the problems
 and no problem repeats; ``arithmetic_splits`` (in memory, for
 :meth:`rltrain.data.dataset.PromptDataset.from_rows`) and ``write_arithmetic_splits`` (JSONL files
-for a recipe) take train and validation from one draw, so the two never overlap. Rows use verl's layout (see :mod:`rltrain.data.dataset`) with
+for a recipe) take train and validation from one draw, so the two never overlap. Rows use verl's layout (see :mod:`rltrain.data.prompt_rows`) with
 data_source ``arithmetic`` and an integer ground truth (scored by
 :func:`rltrain.rewards.math_answers.arithmetic_reward`).
 

@@ -9,8 +9,8 @@ whitespace stripped from each line and from the whole text. Call-based tests (``
 not run: the load check refuses them, as it refuses a ground truth that is not such an object.
 
 The program is the last fenced ```` ```python ```` (or ``py``/``python3``) block of the response,
-else the whole response. It runs once in a :class:`~rltrain.agent.tools.sandbox.PythonSandboxTool`
-(no network, no other processes, writes only in a scratch directory, ``memory_mb`` of address
+else the whole response. It runs once in the sandbox (:func:`rltrain.sandbox.run_python`:
+no network, no other processes, writes only in a scratch directory, ``memory_mb`` of address
 space, ``timeout_s`` of wall clock for all tests together and as many CPU seconds, rounded up)
 under a small harness that runs it afresh for each test, with file descriptors 0 and 1 on the
 test's input and a capture file, and stops at the first failing test. A test fails on wrong
@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rltrain.rewards.registry import RewardResult, register_reward
+from rltrain.sandbox import SandboxLimits, run_python
 
 CODE_DATA_SOURCES = ("code", "codecontests", "apps", "codeforces", "taco")
 """Data sources scored by :func:`code_reward`."""
@@ -145,15 +146,13 @@ def run_tests(
     """How many leading tests ``program`` passes in the sandbox (it stops at the first failure), and
     the sandbox's error kind when it stopped the run (``timeout``, ``memory``, ``forbidden``,
     ``output_limit``, ``crash``), else None."""
-    from rltrain.agent.tools.sandbox import PythonSandboxTool
-
     token = secrets.token_hex(16)
     harness = _HARNESS.format(code=program, cases=tests, token=token)
-    tool = PythonSandboxTool(memory_mb=memory_mb, cpu_seconds=max(1, math.ceil(timeout_s)))
-    result = _run(tool.execute({"code": harness}, timeout_s=timeout_s, max_output_chars=MAX_OUTPUT_CHARS))
-    if not result.ok:
+    limits = SandboxLimits(memory_mb=memory_mb, cpu_seconds=max(1, math.ceil(timeout_s)))
+    result = _run(run_python(harness, limits=limits, timeout_s=timeout_s, max_output_chars=MAX_OUTPUT_CHARS))
+    if result.error_kind is not None:
         return 0, result.error_kind
-    last = result.text.rstrip("\n").rsplit("\n", 1)[-1].split()
+    last = result.output.rstrip("\n").rsplit("\n", 1)[-1].split()
     if len(last) != 3 or last[0] != token:  # the harness did not get to its report
         return 0, "crash"
     return int(last[1]), None

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrain.data.dataset import DataRowError
+from rltrain.data.prompt_rows import DataRowError
 from rltrain.logging import metrics as mk
 from rltrain.rewards.code_exec import CODE_DATA_SOURCES
 from rltrain.rewards.external import ExternalScorer, ScoreRequest
@@ -46,7 +46,7 @@ from rltrain.rewards.registry import (
 
 if TYPE_CHECKING:
     from rltrain.config.reward import RewardConfig
-    from rltrain.data.dataset import PromptExample
+    from rltrain.data.prompt_rows import PromptExample
 
 Row = tuple[str, str, str] | tuple[str, str, str, Mapping[str, Any]]
 """The positional arguments of :meth:`RewardManager.score_one`: response, ground truth, data_source
@@ -178,7 +178,7 @@ class RewardManager:
     def check_examples(self, examples: Iterable[PromptExample]) -> None:
         """Refuse rows this manager cannot score, when the data loads rather than at the first step.
 
-        Raises :class:`~rltrain.data.dataset.DataRowError` naming the first such row (``file:line``),
+        Raises :class:`~rltrain.data.prompt_rows.DataRowError` naming the first such row (``file:line``),
         why (an unknown data_source, with the registered ones; a ground truth of the wrong kind for
         the reward function) and how many more rows have a problem."""
         if self.scorer is not None:  # it scores every row, whatever its data_source

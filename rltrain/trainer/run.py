@@ -12,8 +12,9 @@ import logging
 from dataclasses import dataclass
 
 from rltrain.config import RLConfig, write_resolved
-from rltrain.data.dataset import PromptDataset, PromptFields
+from rltrain.data.dataset import PromptDataset
 from rltrain.data.loader import PromptLoader
+from rltrain.data.prompt_rows import PromptFields
 from rltrain.logging.console import stage, terminal
 
 log = logging.getLogger(__name__)

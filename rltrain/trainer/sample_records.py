@@ -25,7 +25,7 @@ from rltrain.data.step_batch import StepBatch
 from rltrain.logging.samples import log_advantages, log_rewards, log_rollout, write_samples
 
 if TYPE_CHECKING:
-    from rltrain.data.dataset import PromptExample
+    from rltrain.data.prompt_rows import PromptExample
     from rltrain.rewards import RewardOutput
     from rltrain.rollout.types import RolloutOutput
 

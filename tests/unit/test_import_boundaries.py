@@ -9,6 +9,7 @@ Rules (``../shared/DESIGN.md``, principle 2), over every ``.py`` under ``rltrain
   (what they exchange lives in ``data/``, ``algo/`` and ``config/``); the trainer imports no ray,
   ``megatron.core`` or vllm, not even through another module (checked by importing it);
 - ``megatron_bridge`` imports nothing of ``rltrain``;
+- ``rltrain/rewards/`` imports nothing of ``rltrain.agent`` (both use ``rltrain.sandbox``);
 - nothing imports a top-level package named ``tools`` (``tools/`` holds launch scripts only);
 - a module defines each top-level name once (``def``, ``class`` or assignment; ``@overload`` stubs
   excepted): ruff's F811 misses a function redefined after other code.
@@ -68,6 +69,11 @@ RULES = (
         "megatron_bridge imports nothing of rltrain",
         "rltrain",
         lambda path: not path.startswith("megatron_bridge/"),
+    ),
+    Rule(
+        "rltrain/rewards/ imports nothing of rltrain.agent",
+        "rltrain.agent",
+        lambda path: not path.startswith("rltrain/rewards/"),
     ),
     Rule(
         "no top-level package named tools is imported",
@@ -303,3 +309,17 @@ def test_duplicate_checker_flags_a_second_top_level_definition():
         "if True:\n    g = 1\nelse:\n    g = 2\n"
     )
     assert duplicate_definitions("rltrain/x.py", overloads) == []
+
+
+def test_import_checker_flags_rewards_importing_the_agent():
+    planted = "def run():\n    from rltrain.agent.tools.sandbox import PythonSandboxTool\n"
+    assert import_violations("rltrain/rewards/code_exec.py", planted) == [
+        "rltrain/rewards/code_exec.py:2: imports rltrain.agent.tools.sandbox "
+        "(rule: rltrain/rewards/ imports nothing of rltrain.agent)"
+    ]
+    assert import_violations("rltrain/rewards/tool_use.py", "from ..agent import loop\n") == [
+        "rltrain/rewards/tool_use.py:1: imports rltrain.agent "
+        "(rule: rltrain/rewards/ imports nothing of rltrain.agent)"
+    ]
+    assert import_violations("rltrain/rewards/code_exec.py", "from rltrain.sandbox import run_python\n") == []
+    assert import_violations("rltrain/agent/tools/sandbox.py", "from rltrain.agent.tools import base\n") == []

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from rltrain.data.dataset import PromptExample
+from rltrain.data.prompt_rows import PromptExample
 from rltrain.data.loader import PromptBatch
 from rltrain.trainer.pipeline import AsyncSource
 from rltrain.rollout.partial import BatchQueue, load_as_version

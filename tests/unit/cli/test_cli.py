@@ -74,7 +74,7 @@ def test_nan_override_is_one_line_naming_it_without_traceback(capsys):
 
 def test_bad_data_found_at_load_is_one_line_without_traceback(capsys, monkeypatch):
     import rltrain.cli as cli
-    from rltrain.data.dataset import DataRowError
+    from rltrain.data.prompt_rows import DataRowError
 
     def load_bad_data(args):
         raise DataRowError("data/train.jsonl:3: not UTF-8 text (byte 0xe9 at column 16)")

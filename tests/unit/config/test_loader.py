@@ -70,13 +70,14 @@ def test_yaml_exponent_without_dot_is_a_float(tmp_path):
 
 def test_bad_override_values_are_named(tmp_path):
     path = write(tmp_path, "r.yaml", MINIMAL)
-    problems = errors_of(path, ["actor.use_kl_loss=maybe", "algorithm.adv_estimator=grop", "rollout.n=2.5"])
+    problems = errors_of(path, ["actor.use_kl_loss=maybe", "algorithm.kl_penalty=low_var_k", "rollout.n=2.5"])
     assert (
         "override 'actor.use_kl_loss=maybe': actor.use_kl_loss: expected true or false, got 'maybe'"
         in problems
     )
     assert any(
-        "algorithm.adv_estimator: 'grop' is not one of" in p and "did you mean 'grpo'" in p for p in problems
+        "algorithm.kl_penalty: 'low_var_k' is not one of" in p and "did you mean 'low_var_kl'" in p
+        for p in problems
     )
     assert any("rollout.n: expected an integer, got 2.5" in p for p in problems)
     assert "KEY=VALUE" in errors_of(path, ["actor.optim.lr"])[0]

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from rltrain.config import ConfigError
-from rltrain.data.dataset import DataRowError, PromptDataset, read_prompt_file
+from rltrain.data.dataset import PromptDataset
 from rltrain.data.loader import PromptLoader
+from rltrain.data.prompt_rows import DataRowError, read_prompt_file
 from rltrain.models.tiny import build_tiny_tokenizer
 
 ROW = {"prompt": "What is 1 + 1?", "answer": "2", "data_source": "arithmetic"}

@@ -10,7 +10,8 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from rltrain.data.dataset import DataRowError, PromptDataset, PromptFields, read_prompt_file
+from rltrain.data.dataset import PromptDataset
+from rltrain.data.prompt_rows import DataRowError, PromptFields, read_prompt_file
 from rltrain.models.tiny import build_tiny_tokenizer
 
 VERL_ROWS = [

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rltrain.data.dataset import DataRowError, PromptExample
 from rltrain.data.loader import LoaderStateMismatch, PromptLoader
+from rltrain.data.prompt_rows import DataRowError, PromptExample
 
 
 def make_dataset(n: int) -> list[PromptExample]:

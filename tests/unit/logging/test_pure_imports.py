@@ -8,6 +8,7 @@ import textwrap
 
 MODULES = [
     "rltrain.data.dataset",
+    "rltrain.data.prompt_rows",
     "rltrain.data.tasks",
     "rltrain.data.loader",
     "rltrain.rewards",

@@ -1,7 +1,7 @@
-"""The code reward: a response's program runs against stdin/stdout tests in the agent loop's sandbox; a
-correct one passes, a wrong one fails, an infinite loop and a memory bomb fail within the limits of
-reward.sandbox and leave this process unharmed; ground truths it cannot run fail when the data
-loads."""
+"""The code reward: a response's program runs against stdin/stdout tests in the sandbox
+(rltrain.sandbox); a correct one passes, a wrong one fails, an infinite loop and a memory bomb fail
+within the limits of reward.sandbox and leave this process unharmed; ground truths it cannot run
+fail when the data loads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rltrain.config.reward import CodeSandboxConfig, RewardConfig
-from rltrain.data.dataset import DataRowError, PromptExample
+from rltrain.data.prompt_rows import DataRowError, PromptExample
 from rltrain.rewards import RewardManager
 from rltrain.rewards.code_exec import extract_program
 

@@ -104,7 +104,7 @@ def test_verl_arguments_kwargs_and_dict_answers(tmp_path) -> None:
 
 
 def test_rows_need_no_registered_reward_when_a_custom_function_scores(tmp_path) -> None:
-    from rltrain.data.dataset import PromptExample
+    from rltrain.data.prompt_rows import PromptExample
 
     row = PromptExample(
         index=0, prompt="p", ground_truth="anything", data_source="mine", extra_info={}, origin="d.jsonl:1"

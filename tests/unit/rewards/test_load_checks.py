@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rltrain.config import ConfigError
-from rltrain.data.dataset import DataRowError, PromptExample
+from rltrain.data.prompt_rows import DataRowError, PromptExample
 from rltrain.rewards import RewardManager, registered_data_sources
 from rltrain.rewards.math_answers import gsm8k_ground_truth_problem, integer_ground_truth_problem
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rltrain.config.algorithm import FilterGroupsConfig
-from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptBatch
+from rltrain.data.prompt_rows import PromptExample
 from rltrain.data.step_batch import build_step_batch
 from rltrain.trainer.dynamic_sampling import (
     DROPPED_GROUPS,

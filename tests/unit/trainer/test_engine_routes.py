@@ -185,8 +185,8 @@ def test_the_step_batch_takes_the_engines_routes_under_r3_only():
     from pathlib import Path
 
     from rltrain.config import load_config
-    from rltrain.data.dataset import PromptExample
     from rltrain.data.loader import PromptBatch
+    from rltrain.data.prompt_rows import PromptExample
     from rltrain.rollout.types import SamplingConfig
     from rltrain.trainer.rollout_side import RolloutSide
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptBatch
+from rltrain.data.prompt_rows import PromptExample
 from rltrain.rollout.types import RolloutOutput, SamplingConfig
 from rltrain.trainer.pipeline import AsyncSource, Source, _decode, _encode
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rltrain.config import ConfigError, load_config
-from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptLoader
+from rltrain.data.prompt_rows import PromptExample
 from rltrain.trainer.checkpoints import CheckpointError
 from rltrain.trainer.driver import PPOTrainer, Roles
 from rltrain.trainer.recovery import WorkerError

@@ -19,8 +19,8 @@ import torch
 
 from rltrain.algo.token_batch import ModelOutput
 from rltrain.config import load_config
-from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptBatch
+from rltrain.data.prompt_rows import PromptExample
 from rltrain.logging.console import TRACE
 from rltrain.orchestrator.placement import rollout_placement
 from rltrain.rewards import RewardManager, get_reward_fn

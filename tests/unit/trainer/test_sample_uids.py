@@ -4,8 +4,8 @@ chunk and concat, and unique in dynamic sampling's merged batch, where each samp
 import torch
 
 from rltrain.config.algorithm import FilterGroupsConfig
-from rltrain.data.dataset import PromptExample
 from rltrain.data.loader import PromptBatch
+from rltrain.data.prompt_rows import PromptExample
 from rltrain.data.step_batch import StepBatch, build_step_batch, sample_uids, step_uid_prefix
 from rltrain.trainer.dynamic_sampling import ScoredRound, fill_batch
 

@@ -205,7 +205,10 @@ def test_good_config_gives_the_schemas_and_the_configured_tools(tmp_path: Path) 
         CalculatorTool().schema(),
     ]
     python = tools.tools["python"]
-    assert isinstance(python, PythonSandboxTool) and (python.memory_mb, python.cpu_seconds) == (256, 3)
+    assert isinstance(python, PythonSandboxTool) and (python.limits.memory_mb, python.limits.cpu_seconds) == (
+        256,
+        3,
+    )
     assert (
         isinstance(tools.tools["add"], CalculatorTool) and CalculatorTool.name == "calculator"
     )  # instance only

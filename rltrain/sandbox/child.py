@@ -1,12 +1,12 @@
-"""The processes of one sandboxed Python run (run as a script by :mod:`.sandbox`; stdlib only).
+"""The processes of one sandboxed Python run (run as a script by :mod:`.runner`; stdlib only).
 
-``python -I -S -u sandbox_child.py SETTINGS`` starts the *outer* process, a session leader. It
+``python -I -S -u child.py SETTINGS`` starts the *outer* process, a session leader. It
 tries to move into new user, network, mount and PID namespaces (``unshare``), where the network
 has no interface but a loopback that is down, every mount is read-only except the scratch
 directory, and the first child is PID 1: when it ends the kernel kills every process left in the
 namespace. Its child, the *waiter* (PID 1 there, with a /proc of its own; the outer itself when
 the kernel refused the namespaces), forks the *user* process, which sets the resource limits,
-enters the scratch directory and execs a fresh ``python -I -u sandbox_child.py --run SETTINGS``.
+enters the scratch directory and execs a fresh ``python -I -u child.py --run SETTINGS``.
 That one installs an audit hook and runs the code from ``code_path``. Every process below the
 outer asks the kernel to kill it when its parent dies.
 
