@@ -36,6 +36,13 @@ def test_processes_started_in_the_run_die_at_its_end_and_others_live(tmp_path):
             )
             orphan = int(started.stdout)
             child = subprocess.Popen(["sleep", "60"])
+            # until the child has exec'd, /proc shows the environment it was forked with (the mark
+            # is set by putenv, in the parent's heap): the watcher scans again, as this does
+            deadline = time.monotonic() + 5.0
+            while (
+                sorted(marked_processes(token)) != sorted([orphan, child.pid]) and time.monotonic() < deadline
+            ):
+                time.sleep(0.02)
             assert sorted(marked_processes(token)) == sorted([orphan, child.pid])
         assert RUN_MARK_ENV not in os.environ
         assert gone(orphan) and gone(child.pid)
