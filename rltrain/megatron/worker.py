@@ -40,8 +40,11 @@ from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config.moe import MoEConfig
 from rltrain.config.optim import OptimConfig
 from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
-from rltrain.megatron.forward import FusedHead, MicroBatching, run_model
-from rltrain.megatron.model import SCALAR_HEAD_ROLES, Role, build_model
+from rltrain.megatron.forward import run_model
+from rltrain.megatron.head_outputs import FusedHead
+from rltrain.megatron.micro_batches import MicroBatching
+from rltrain.megatron.model import build_model
+from rltrain.megatron.model_config import SCALAR_HEAD_ROLES, Role
 from rltrain.megatron.moe_metrics import RouterStats
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.train_step import TrainStepResult, build_optimizer, train_step, wrap_for_training

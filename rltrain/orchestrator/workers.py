@@ -296,7 +296,7 @@ class RewardModelWorker(MegatronRankBase):
     def __init__(self, config: RLConfig, model_dir: str, info: RankInfo | None, *, ctx=None) -> None:
         rm = config.reward.reward_model
         super().__init__(config, rm.model.path, info, rm.parallel, ctx)
-        from rltrain.megatron.forward import MicroBatching
+        from rltrain.megatron.micro_batches import MicroBatching
         from rltrain.megatron.worker import MegatronWorker
 
         self.reward_model = MegatronWorker(
