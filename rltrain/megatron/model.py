@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from rltrain.config.moe import MoEConfig
+from rltrain.megatron.converters import ModelConverter, apply_converters
 from rltrain.megatron.cpu_compat import transformer_engine_problem
 from rltrain.megatron.local_spec import local_block_spec
 from rltrain.megatron.model_config import (
@@ -112,11 +114,13 @@ def build_model(
     recompute_activations: bool = False,
     make_vocab_size_divisible_by: int = 1,
     moe_options: MoEConfig | None = None,
+    converters: Sequence[ModelConverter] = (),
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for ``hf_config``.
 
     The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by × TP``; the logprob path
-    ignores the padded columns when given the real ``vocab_size``.
+    ignores the padded columns when given the real ``vocab_size``. ``converters`` transform each chunk
+    as it is built (:mod:`rltrain.megatron.converters`).
     """
     if role not in ("actor", "reference", "critic", "reward"):
         raise ValueError(f"role={role!r}; expected actor, reference, critic or reward")
@@ -156,6 +160,7 @@ def build_model(
         if role in SCALAR_HEAD_ROLES and post:
             model.output_layer = ValueHead(config)
         model.to(ctx.device)
+        apply_converters(model, converters)
         chunks.append(model)
     return chunks
 

@@ -120,7 +120,12 @@ class PolicyWorker(MegatronRankBase):
             chunks = self.actor.chunks
             group, device = self._broadcast or (None, "cpu")
             self._sender = build_sender(
-                PlannedExport(chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx)),
+                PlannedExport(
+                    chunks,
+                    self.ctx,
+                    bridge_for_chunks(self.hf_config, chunks, self.ctx),
+                    converters=self.actor.converters,
+                ),
                 sync_config=self.config.rollout.weight_sync,
                 mode=self.placement.mode,
                 rank=self.ctx.rank,
