@@ -4,6 +4,7 @@ parallel.py     ParallelContext: torch.distributed + Megatron's TP/PP/VPP/CP/EP/
 cpu_compat.py   the few replacements that let Megatron run on a CPU-only torch (applied only then)
 model_config.py HF config -> TransformerConfig and GPTModel options, for any registered family
 model.py        GPTModel chunks from an HF config (actor/reference LM head, critic value head)
+converters.py   the model-converter seam (LoRA, ...): wrap modules; trainable, checkpointed, exported
 local_spec.py   CPU layer spec pieces: packed (THD) attention, sequence-parallel RMSNorm
 packed_attention.py  causal attention per sequence of a packed row, no [tokens, tokens] mask
 packed_rope.py  RoPE of a packed row as Megatron's THD path, its cos/sin built once a forward
