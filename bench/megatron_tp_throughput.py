@@ -27,7 +27,8 @@ def _rank(rank: int, world: int, port: int, tp: int, iters: int, queue: mp.Queue
     from rltrain.algo.token_batch import ModelOutput, TokenBatch
     from rltrain.config.optim import OptimConfig
     from rltrain.config.parallel import ParallelConfig
-    from rltrain.megatron.forward import MicroBatching, run_model
+    from rltrain.megatron.forward import run_model
+    from rltrain.megatron.micro_batches import MicroBatching
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
 

@@ -8,7 +8,7 @@ Contract:
   ``tiny_preset``, the HF-config keyword arguments of the family's tiny random test model.
 - ``ArchitectureFacts`` says what differs between families in words of the architecture (biases,
   norms, tying, experts and their router), not in any builder's vocabulary: the Megatron builder
-  (``rltrain/megatron/model.py``) translates it into ``TransformerConfig`` fields, and nothing else
+  (``rltrain/megatron/model_config.py``) translates it into ``TransformerConfig`` fields, and nothing else
   in the trainer asks which family a model belongs to.
 - A ``config.json`` may leave out any key whose value is transformers' default for its
   ``model_type`` (``AutoConfig`` fills it in; hand-written and trimmed configs do this). Each family

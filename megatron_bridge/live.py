@@ -36,6 +36,8 @@ from megatron_bridge.naming import ChunkNaming
 from megatron_bridge.registry import get_family
 
 _EMBED = "embedding.word_embeddings.weight"
+NOT_MAPPED = "not_mapped_by_bridge"
+"""Attribute of a parameter that is none of the HF checkpoint's (a model converter's, e.g. LoRA's)."""
 _DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -87,8 +89,9 @@ def bridge_for_chunks(
 
 def mapped_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``module``'s parameters and its persistent buffers (a router's ``expert_bias``, which
-    DeepSeek-V3 checkpoints hold as ``e_score_correction_bias``): every tensor the bridge maps."""
-    yield from module.named_parameters()
+    DeepSeek-V3 checkpoints hold as ``e_score_correction_bias``): every tensor the bridge maps, so
+    not the parameters marked ``NOT_MAPPED``."""
+    yield from ((n, p) for n, p in module.named_parameters() if not getattr(p, NOT_MAPPED, False))
     persistent = set(module.state_dict(keep_vars=True))
     for name, buffer in module.named_buffers():
         if name in persistent:
@@ -329,11 +332,11 @@ def export_hf_weights(
             yield from zip(unit.hf_names, bridge.to_hf(unit, tensors))
 
 
-def hf_plan(
-    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge
-) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(HF name, shape, dtype) of every exported tensor, in export order (collective; shapes via meta tensors)."""
-    local = {c: (tuple(p.shape), p.dtype) for c, _, p in _local_params(chunks, ctx, bridge)}
+def hf_plan(chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, params: dict | None = None) -> list:
+    """(HF name, shape, dtype) of every exported tensor, in export order (collective; shapes via meta
+    tensors). ``params``: this rank's tensors to export by canonical name, if not the chunks' own."""
+    params = params if params is not None else {c: p for c, _, p in _local_params(chunks, ctx, bridge)}
+    local = {c: (tuple(p.shape), p.dtype) for c, p in params.items()}
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, local)
     shards = {name: value for g in gathered for name, value in g.items()}
@@ -352,11 +355,9 @@ def hf_plan(
 
 
 def _maybe_progress(units: list, enabled: bool, desc: str):
-    if not enabled:
-        return units
     from tqdm import tqdm
 
-    return tqdm(units, desc=desc, unit="tensor")
+    return tqdm(units, desc=desc, unit="tensor") if enabled else units
 
 
 def _progress_bar(total: int, desc: str):

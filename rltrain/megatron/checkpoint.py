@@ -21,6 +21,7 @@ import os
 import queue
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,15 @@ def _model_key(index: int, num_chunks: int) -> str:
 
 
 def _sharded_state(
-    ctx: ParallelContext, chunks: list[torch.nn.Module], optimizer: MegatronOptimizer | None, *, loading: bool
+    ctx: ParallelContext,
+    chunks: list[torch.nn.Module],
+    optimizer: MegatronOptimizer | None,
+    *,
+    loading: bool,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {
-        _model_key(i, len(chunks)): chunk.sharded_state_dict() for i, chunk in enumerate(chunks)
+        _model_key(i, len(chunks)): _model_state(chunk, keep) for i, chunk in enumerate(chunks)
     }
     if optimizer is not None:
         # The default model-space format fails in 0.16.1 ("ShardedTensor.flattened_range is not
@@ -116,6 +122,25 @@ def _sharded_state(
         shape, offset, replica = (ctx.world_size,), (ctx.rank,), 0
     state["rng_state"] = ShardedObject("rng_state", _rng_state(), shape, offset, replica_id=replica)
     return state
+
+
+def _model_state(chunk: torch.nn.Module, keep: Callable[[str], bool] | None) -> dict[str, Any]:
+    """The chunk's sharded state dict, only the keys ``keep`` accepts when given."""
+    state = chunk.sharded_state_dict()
+    return state if keep is None else {key: value for key, value in state.items() if keep(key)}
+
+
+def _load_model_state(
+    chunk: torch.nn.Module, state: dict[str, Any], keep: Callable[[str], bool] | None
+) -> None:
+    """Load ``state`` into ``chunk``: strictly, or (``keep``) every key ``keep`` accepts."""
+    if keep is None:
+        chunk.load_state_dict(state)
+        return
+    result = chunk.load_state_dict(state, strict=False)
+    missing = [key for key in result.missing_keys if keep(key)]
+    if missing or result.unexpected_keys:
+        raise KeyError(f"checkpoint model state: missing {missing}, unexpected {result.unexpected_keys}")
 
 
 def _has_state(optimizer: MegatronOptimizer | None) -> bool:
@@ -169,8 +194,12 @@ def save_checkpoint(
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
     sharded_strategy: Any = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Path:
     """Write ``root/step_<step>`` atomically (collective); returns its path.
+
+    ``keep``: the keys of each chunk's state dict the model checkpoint holds (model converters,
+    ``rltrain.megatron.converters.checkpoint_filter``); None: all.
 
     ``sharded_strategy``: Megatron's save strategy (default torch_dist); the conversion tools pass a
     ``streamed_checkpoint.StreamedSaveStrategy`` to write models that sit on the meta device.
@@ -186,7 +215,7 @@ def save_checkpoint(
     _use_plain_write_queue()
     # A never-stepped optimizer equals a fresh one: save the model alone and say so in the metadata.
     with_optimizer = _has_state(optimizer)
-    state = _sharded_state(ctx, chunks, optimizer if with_optimizer else None, loading=False)
+    state = _sharded_state(ctx, chunks, optimizer if with_optimizer else None, loading=False, keep=keep)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     state["meta"] = {
         "step": step,
@@ -237,10 +266,12 @@ def load_checkpoint(
     chunks: list[torch.nn.Module],
     optimizer: MegatronOptimizer | None = None,
     scheduler: OptimizerParamScheduler | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> int | None:
     """Load the checkpoint ``root/latest`` names into ``chunks`` (and optimizer/scheduler when given).
 
-    Returns its step, or None when ``root`` has no checkpoint.
+    Returns its step, or None when ``root`` has no checkpoint. ``keep``: as for ``save_checkpoint``;
+    the checkpoint must then hold every key it accepts.
     """
     path = find_latest(root)
     if path is None:
@@ -252,7 +283,7 @@ def load_checkpoint(
         optimizer = None
     if optimizer is not None and not _has_state(optimizer):
         _allocate_optimizer_state(optimizer)
-    state = _sharded_state(ctx, chunks, optimizer, loading=True)
+    state = _sharded_state(ctx, chunks, optimizer, loading=True, keep=keep)
     if not same_layout:
         del state["rng_state"]
         logger.info(
@@ -260,7 +291,7 @@ def load_checkpoint(
         )
     loaded = dist_checkpointing.load(state, str(path))
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
+        _load_model_state(chunk, loaded[_model_key(i, len(chunks))], keep)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)

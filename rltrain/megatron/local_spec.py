@@ -9,7 +9,7 @@
   sequence as in Megatron's own THD rotary path (``packed_rope``: the same bits, with the row's
   cos/sin built once a forward instead of per sequence, query and layer). Sliding windows and softmax offsets are refused.
   Under context parallelism (Megatron's ``DotProductAttention`` refuses CP > 1; only TE's attention
-  has it) each CP rank holds chunks r and 2·CP−1−r of every sequence (``forward._prepare``): the
+  has it) each CP rank holds chunks r and 2·CP−1−r of every sequence (``micro_batches._prepare``): the
   keys/values are all-gathered over the CP group (the backward sums their gradients over the group
   and keeps each rank's own share), put back in packed order, and the local queries attend to them
   causally by global position (``packed_attention.context_parallel_causal_attention``).

@@ -41,7 +41,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from rltrain.algo.token_batch import LossFn, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.errors import DivergenceError
-from rltrain.megatron.forward import FusedHead, MicroBatching, run_model
+from rltrain.megatron.forward import run_model
+from rltrain.megatron.head_outputs import FusedHead
+from rltrain.megatron.micro_batches import MicroBatching
 from rltrain.megatron.moe_metrics import RouterStats
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.tensor_checks import first_non_finite, global_max_abs

@@ -24,13 +24,15 @@ The loss callable must use global denominators (e.g. the response-token count of
 mini-batch over all DP ranks) so that the gradient is the full mini-batch's.
 
 Trainable roles hold their chunks inside Megatron's DDP; ``chunks`` always returns the bare
-``GPTModel`` chunks (what the weight bridge maps).
+``GPTModel`` chunks (what the weight bridge maps). ``converters`` (:mod:`rltrain.megatron.converters`:
+LoRA adapters, ...) transform the chunks as they are built and decide which parameters the optimizer
+trains and which keys the checkpoint holds; the weight export reads ``worker.converters``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,12 @@ from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config.moe import MoEConfig
 from rltrain.config.optim import OptimConfig
 from rltrain.megatron.checkpoint import load_checkpoint, save_checkpoint
-from rltrain.megatron.forward import FusedHead, MicroBatching, run_model
-from rltrain.megatron.model import SCALAR_HEAD_ROLES, Role, build_model
+from rltrain.megatron.converters import ModelConverter, checkpoint_filter
+from rltrain.megatron.forward import run_model
+from rltrain.megatron.head_outputs import FusedHead
+from rltrain.megatron.micro_batches import MicroBatching
+from rltrain.megatron.model import build_model
+from rltrain.megatron.model_config import SCALAR_HEAD_ROLES, Role
 from rltrain.megatron.moe_metrics import RouterStats
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.train_step import TrainStepResult, build_optimizer, train_step, wrap_for_training
@@ -69,6 +75,7 @@ class MegatronWorker:
         fused: FusedHead | None = None,
         moe: MoEConfig | None = None,
         router_replay: str = "disabled",
+        converters: Sequence[ModelConverter] = (),
     ) -> None:
         if router_replay not in ("disabled", "R2", "R3"):
             raise ValueError(f"router_replay.mode={router_replay!r}; expected disabled, R2 or R3")
@@ -99,6 +106,9 @@ class MegatronWorker:
         self.recompute_activations = recompute_activations
         self.fused = fused
         """The fused log-prob head (``model.use_fused_kernels``) of the actor and reference; None: logits."""
+        self.converters = tuple(converters)
+        """Model converters applied to the chunks as built; the weight export passes them on
+        (``rltrain.weight_sync.PlannedExport``)."""
         chunks = build_model(
             hf_config,
             ctx=ctx,
@@ -106,6 +116,7 @@ class MegatronWorker:
             params_dtype=params_dtype,
             recompute_activations=recompute_activations,
             moe_options=moe,
+            converters=self.converters,
         )
         self.router_stats = RouterStats(chunks, per_layer=bool(moe and moe.moe_per_layer_logging))
         """Router statistics of each update (``TrainStepResult.moe_metrics``; none for a dense model)."""
@@ -223,6 +234,7 @@ class MegatronWorker:
             chunks=self.chunks,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
+            keep=checkpoint_filter(self.converters),
         )
 
     def load_checkpoint(self, root: str | Path, *, load_optimizer: bool = True) -> int | None:
@@ -237,6 +249,7 @@ class MegatronWorker:
             chunks=self.chunks,
             optimizer=self.optimizer if load_optimizer else None,
             scheduler=self.scheduler if load_optimizer else None,
+            keep=checkpoint_filter(self.converters),
         )
         if step is not None and self.optimizer is not None and not load_optimizer:
             self.optimizer.reload_model_params()

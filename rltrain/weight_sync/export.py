@@ -3,13 +3,17 @@ shards with the reshard plan (``megatron_bridge.reshard``), each planned slice s
 point-to-point, by the trainer rank that owns it.
 
 Contract (torch.distributed only; collective over the trainer's ranks):
-- ``PlannedExport(chunks, ctx, bridge)`` (collective; build once per model, reuse every sync) reads
-  the trainer layout off ``ctx`` and ``bridge`` (TP, PP, EP, expert-TP, Megatron's padded vocab),
+- ``PlannedExport(chunks, ctx, bridge, converters=...)`` (collective; build once per model, reuse
+  every sync) reads the trainer layout off ``ctx`` and ``bridge`` (TP, PP, EP, expert-TP, Megatron's
+  padded vocab),
   every exported HF tensor's shape, dtype and planner layout (``reshard.layouts_from_bridge``), and
   which ranks hold which Megatron parameters. A shard is served by its DP replica 0 (expert-DP
   replica 0 for experts), found by parameter name, so uneven or virtual pipeline stages need no
   special case. A family whose HF tensors are themselves fused (``FusedGatedMLP``,
   ``GroupedExperts``; none of the shipped families) is refused here, naming the tensor.
+- ``converters``: the model's converters (``rltrain.megatron.converters``); at every sync each
+  one's ``export(chunk, tensors)`` transforms the chunk's mapped tensors (merged adapters under the
+  base names, renames) before the plan reads them; none: the parameters themselves.
 - ``regions(engine, dst=...)`` (collective generator: every rank iterates to the end) first checks
   every rank's parameters and refuses non-finite ones (:class:`~rltrain.errors.NonFiniteWeightsError`
   on every rank, naming the first such parameter, before anything is sent: NaN never reaches an
@@ -30,7 +34,7 @@ Contract (torch.distributed only; collective over the trainer's ranks):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -60,21 +64,24 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 class PlannedExport:
     """Slice-granular export of one trainer model's weights to engine ranks (see the module docstring)."""
 
-    def __init__(self, chunks: list[torch.nn.Module], ctx: Any, bridge: Any) -> None:
-        from megatron_bridge.live import chunk_namings, comm_device, hf_plan, mapped_tensors
+    def __init__(
+        self, chunks: list[torch.nn.Module], ctx: Any, bridge: Any, *, converters: Sequence[Any] = ()
+    ) -> None:
+        from megatron_bridge.live import chunk_namings, comm_device, hf_plan
 
         self.ctx, self.bridge = ctx, bridge
         self.device = comm_device()
         """Where regions travel and are assembled (CUDA under NCCL, else CPU; ``comm_device``)."""
-        self.params: dict[str, torch.Tensor] = {}
-        for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
-            for local, param in mapped_tensors(_unwrap(chunk)):
-                self.params[naming.to_canonical(local)] = param
+        self._chunks = [
+            (_unwrap(chunk), naming) for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge))
+        ]
+        self._converters = tuple(converters)
+        """Model converters (``rltrain.megatron.converters``) whose ``export`` transforms what is sent."""
+        self.params: dict[str, torch.Tensor] = self._exported_params()
         # Export order with vLLM's fused modules (q/k/v, DeepSeek's q_a/kv_a down projections, ...)
         # adjacent: an engine in other processes loads group-aligned buckets (``iter_buckets``).
-        exported = grouped_order(
-            (name, (shape, dtype)) for name, shape, dtype in hf_plan(chunks, ctx, bridge)
-        )
+        plan = hf_plan(chunks, ctx, bridge, params=self.params if self._converters else None)
+        exported = grouped_order((name, (shape, dtype)) for name, shape, dtype in plan)
         self.shapes = {name: shape for name, (shape, _) in exported}
         self.dtypes = {name: dtype for name, (_, dtype) in exported}
         self.layouts = {t.hf_name: t for t in layouts_from_bridge(bridge, self.shapes)}
@@ -108,6 +115,20 @@ class PlannedExport:
         self._cached_unit: Any = None
         self._pieces: dict[str, torch.Tensor] = {}
 
+    def _exported_params(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors to export by canonical Megatron name: the parameters (and persistent
+        buffers) the bridge maps, as the converters' ``export`` transforms them (none: themselves)."""
+        from megatron_bridge.live import mapped_tensors
+
+        params: dict[str, torch.Tensor] = {}
+        for module, naming in self._chunks:
+            tensors = dict(mapped_tensors(module))
+            with torch.no_grad():
+                for converter in self._converters:
+                    tensors = converter.export(module, tensors)
+            params.update((naming.to_canonical(local), tensor) for local, tensor in tensors.items())
+        return params
+
     def plan(self, engine: EngineLayout) -> dict[int, list[SliceCopy]]:
         """``{engine_rank: copies}`` for an engine laid out as ``engine`` (cached)."""
         if engine not in self._plans:
@@ -121,6 +142,8 @@ class PlannedExport:
             for copy in copies:
                 by_name.setdefault(copy.hf_name, []).append((engine_rank, copy))
         me = self.ctx.rank
+        if self._converters:  # what they send (merged adapters, ...) follows the trained weights
+            self.params = self._exported_params()
         self.check_finite()
         try:
             for name in [n for n in self.shapes if n in by_name]:

@@ -123,7 +123,12 @@ class PolicyWorker(MegatronRankBase):
             chunks = self.actor.chunks
             group, device = self._broadcast or (None, "cpu")
             self._sender = build_sender(
-                PlannedExport(chunks, self.ctx, bridge_for_chunks(self.hf_config, chunks, self.ctx)),
+                PlannedExport(
+                    chunks,
+                    self.ctx,
+                    bridge_for_chunks(self.hf_config, chunks, self.ctx),
+                    converters=self.actor.converters,
+                ),
                 sync_config=self.config.rollout.weight_sync,
                 mode=self.placement.mode,
                 rank=self.ctx.rank,
@@ -299,7 +304,7 @@ class RewardModelWorker(MegatronRankBase):
     def __init__(self, config: RLConfig, model_dir: str, info: RankInfo | None, *, ctx=None) -> None:
         rm = config.reward.reward_model
         super().__init__(config, rm.model.path, info, rm.parallel, ctx)
-        from rltrain.megatron.forward import MicroBatching
+        from rltrain.megatron.micro_batches import MicroBatching
         from rltrain.megatron.worker import MegatronWorker
 
         self.reward_model = MegatronWorker(

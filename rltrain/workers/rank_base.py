@@ -159,7 +159,7 @@ class MegatronRankBase:
 def role_batching(role_cfg, *, micro_batch_size: int | None = None):
     """The ``MicroBatching`` of an actor or critic config section (``micro_batch_size``: a forward
     pass's own size, e.g. ``log_prob_micro_batch_size_per_gpu``; None: ``ppo_micro_batch_size_per_gpu``)."""
-    from rltrain.megatron.forward import MicroBatching
+    from rltrain.megatron.micro_batches import MicroBatching
 
     return MicroBatching(
         micro_batch_size=micro_batch_size or role_cfg.ppo_micro_batch_size_per_gpu or 1,
@@ -173,7 +173,7 @@ def fused_head(config: RLConfig):
     """The fused log-prob head of ``model.use_fused_kernels`` (``model.fused_kernel_options``), or None."""
     if not config.model.use_fused_kernels:
         return None
-    from rltrain.megatron.forward import FusedHead
+    from rltrain.megatron.head_outputs import FusedHead
 
     options = config.model.fused_kernel_options
     return FusedHead(impl=options.impl_backend, chunk_size=options.chunk_size)

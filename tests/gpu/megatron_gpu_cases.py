@@ -85,7 +85,7 @@ def cpu_reference(model_dir: str) -> dict[str, Any]:
 
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights
     from rltrain.config.parallel import ParallelConfig
-    from rltrain.megatron.forward import MicroBatching
+    from rltrain.megatron.micro_batches import MicroBatching
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
 
@@ -125,7 +125,7 @@ def gpu_actor(model_dir: str, dtype_name: str) -> dict[str, Any]:
     from megatron_fixtures import SEED, optim, tiny_llama
 
     from rltrain.config.parallel import ParallelConfig
-    from rltrain.megatron.forward import MicroBatching
+    from rltrain.megatron.micro_batches import MicroBatching
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
 
@@ -162,7 +162,7 @@ def offload_round_trip(role: str, use_distributed_optimizer: bool, offload: bool
 
     from rltrain.config.optim import OptimConfig
     from rltrain.config.parallel import ParallelConfig
-    from rltrain.megatron.forward import MicroBatching
+    from rltrain.megatron.micro_batches import MicroBatching
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
 

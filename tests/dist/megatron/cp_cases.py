@@ -26,7 +26,7 @@ from megatron_fixtures import (
 
 import rltrain.megatron.packed_attention as packed_attention
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.forward import MicroBatching
+from rltrain.megatron.micro_batches import MicroBatching
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 

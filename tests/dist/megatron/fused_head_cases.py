@@ -9,7 +9,9 @@ from megatron_cases import train_step_no_update
 from megatron_fixtures import SEED, dp_shard, ensure_process_group, make_batch, optim, policy_loss, tiny_llama
 
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.forward import FusedHead, MicroBatching, _gpt_model
+from rltrain.megatron.head_outputs import FusedHead
+from rltrain.megatron.micro_batches import MicroBatching
+from rltrain.megatron.model import gpt_model
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 
@@ -59,7 +61,7 @@ def fused_head_case() -> dict[str, float]:
             out[f"{name}_grads"] = max(float((ref[4][k] - got[4][k]).abs().max()) for k in ref[4])
             out[f"{name}_grad_norm_value"] = ref[3]
             heads = [
-                h for m in worker.model if (h := getattr(_gpt_model(m), "output_layer", None)) is not None
+                h for m in worker.model if (h := getattr(gpt_model(m), "output_layer", None)) is not None
             ]
             out[f"{name}_head_restored"] = float(
                 all(type(h).__name__ == "ColumnParallelLinear" for h in heads)

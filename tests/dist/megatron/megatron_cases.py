@@ -24,7 +24,7 @@ from megatron_fixtures import (
 )
 
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.forward import MicroBatching
+from rltrain.megatron.micro_batches import MicroBatching
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 
@@ -268,7 +268,7 @@ def forward_batching_case() -> dict[str, float]:
     ensure_process_group()
     ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
     counts: list[int] = []
-    real = forward._micro_batches
+    real = forward.micro_batches
 
     def counting(batch, splits, **kwargs):
         counts.append(len(splits))
@@ -281,11 +281,11 @@ def forward_batching_case() -> dict[str, float]:
         actor = MegatronWorker(hf, ctx=ctx, role="actor", batching=one, forward_batching=six, optim=optim())
         critic = MegatronWorker(hf, ctx=ctx, role="critic", batching=one, forward_batching=six, optim=optim())
         before = [p.detach().clone() for p in actor.chunks[0].parameters()]
-        forward._micro_batches = counting
+        forward.micro_batches = counting
         logprobs, values = actor.compute_log_prob(batch).logprobs, critic.compute_values(batch)
         actor.update(batch, policy_loss(float(batch.response_mask.sum())))
         out["micro_batches_logprob"], out["micro_batches_values"], out["micro_batches_update"] = counts
-        forward._micro_batches = real
+        forward.micro_batches = real
         # the actor's weights before its update, forwarded one sample at a time
         one_at_a_time = MegatronWorker(hf, ctx=ctx, role="actor", batching=one)
         for mine, theirs in zip(one_at_a_time.chunks[0].parameters(), before):
@@ -294,7 +294,7 @@ def forward_batching_case() -> dict[str, float]:
         critic._forward_batching = None  # back to the update's batching
         out["values_diff"] = float((critic.compute_values(batch) - values).abs().max())
     finally:
-        forward._micro_batches = real
+        forward.micro_batches = real
         ctx.destroy()
     return out
 

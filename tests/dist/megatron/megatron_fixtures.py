@@ -10,7 +10,7 @@ import torch.distributed as dist
 from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.config.optim import OptimConfig
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.forward import MicroBatching
+from rltrain.megatron.micro_batches import MicroBatching
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 

@@ -12,7 +12,7 @@ from megatron_fixtures import SEED, dp_shard, ensure_process_group, make_batch, 
 
 from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.forward import MicroBatching
+from rltrain.megatron.micro_batches import MicroBatching
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 

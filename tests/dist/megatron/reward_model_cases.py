@@ -15,7 +15,7 @@ from megatron_fixtures import SEED, ensure_process_group
 
 from rltrain.algo.token_batch import TokenBatch
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.forward import MicroBatching
+from rltrain.megatron.micro_batches import MicroBatching
 
 VOCAB, PAD, GOOD = 32, 0, 1
 FIRST_PLAIN = 3

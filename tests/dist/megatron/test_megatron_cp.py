@@ -15,7 +15,7 @@ from dist_harness import run_ranks
 from megatron_fixtures import tiny_mixtral
 
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.model import transformer_config_from_hf
+from rltrain.megatron.model_config import transformer_config_from_hf
 
 pytestmark = pytest.mark.dist
 TOL = 1e-5

@@ -8,7 +8,7 @@ import torch
 
 from megatron_bridge.registry import supported_model_types
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.model import gpt_options, transformer_config_from_hf
+from rltrain.megatron.model_config import gpt_options, transformer_config_from_hf
 from rltrain.models.tiny import tiny_hf_config
 
 # The TransformerConfig fields that depend on the family (the rest is read from the HF config alike for

@@ -7,7 +7,7 @@ import torch
 from megatron_fixtures import tiny_llama, tiny_mixtral
 
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.model import gpt_options, padded_vocab_size, transformer_config_from_hf
+from rltrain.megatron.model_config import gpt_options, padded_vocab_size, transformer_config_from_hf
 
 
 def _config(hf, **parallel):

@@ -18,7 +18,7 @@ from moe_cases import BIAS_UPDATE_RATE, hand_made_loads, router_update_case
 
 from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
-from rltrain.megatron.model import transformer_config_from_hf
+from rltrain.megatron.model_config import transformer_config_from_hf
 
 pytestmark = pytest.mark.dist
 TOP_K = 2

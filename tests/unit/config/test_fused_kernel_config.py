@@ -8,7 +8,7 @@ from .recipe_helpers import MINIMAL, errors_of, write
 
 
 def test_fused_kernel_keys_reach_the_policy_workers_head(tmp_path):
-    from rltrain.megatron.forward import FusedHead
+    from rltrain.megatron.head_outputs import FusedHead
 
     path = write(tmp_path, "r.yaml", MINIMAL)
     assert fused_head(load_config(path)) is None
