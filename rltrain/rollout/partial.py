@@ -1,7 +1,7 @@
 """Partial rollouts: samples that record the policy version of every token, and batches of requests
 whose weights may change while they generate.
 
-The engine side lives on :class:`~rltrain.rollout.async_engine.AsyncRolloutEngine`
+The engine side lives on :class:`~rltrain.rollout.vllm.async_engine.AsyncRolloutEngine`
 (``agenerate_versioned``, ``start_batch``, ``weight_update``); this module holds what it returns:
 
 - ``VersionedSample``: a ``Sample`` plus ``versions`` (the policy version of the weights that
@@ -33,7 +33,7 @@ from rltrain.rollout.types import RolloutOutput, Sample, SamplingConfig
 if TYPE_CHECKING:
     import numpy as np
 
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncRolloutEngine
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@
 - ``SyncStats``: what one sync moved.
 - ``WeightSource``: anything that yields an engine layout's ``TensorRegions`` on one rank
   (``PlannedExport`` of a Megatron model; ``TensorSource`` of full tensors).
-- ``EngineReceiver``: the engine side (``rltrain.rollout.engine.RolloutEngine.receive``).
+- ``EngineReceiver``: the engine side (``rltrain.rollout.vllm.engine.RolloutEngine.receive``).
 Pure torch; no process groups, no vLLM, no Megatron.
 """
 

@@ -250,8 +250,8 @@ class ProcessWorkers:
 def ipc_engine(workers: ProcessWorkers) -> Any:
     """A ``RolloutEngine`` on GPU whose TP workers are ``workers`` (vLLM's ``LLM`` replaced by them);
     everything from ``receive`` down is rltrain's code."""
-    from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.vllm.engine import RolloutEngine
 
     engine = RolloutEngine.__new__(RolloutEngine)  # __init__ would start vLLM
     engine.settings = EngineSettings(tensor_model_parallel_size=len(workers.procs), multiprocess=True)

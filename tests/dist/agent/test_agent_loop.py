@@ -40,7 +40,7 @@ RETRY = "Wrong. Try again."
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from rltrain.models.tiny import save_tiny_model
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncRolloutEngine
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
     eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)

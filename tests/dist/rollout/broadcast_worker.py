@@ -38,7 +38,7 @@ def main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         }
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from rltrain.rollout.engine import RolloutEngine
+        from rltrain.rollout.vllm.engine import RolloutEngine
         from rltrain.rollout.types import EngineSettings, SamplingConfig
 
         engine = RolloutEngine(model_dir, settings=EngineSettings(max_model_len=128, kv_cache_space_gb=0.1))

@@ -62,7 +62,7 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     from rltrain.config.rollout import WeightSyncConfig
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
-    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.vllm.engine import RolloutEngine
     from rltrain.rollout.mismatch import logprob_mismatch
     from rltrain.rollout.types import EngineSettings, SamplingConfig
     from rltrain.weight_sync import PlannedExport, build_sender, checksum

@@ -17,7 +17,7 @@ def main(model_dir: str, out_path: str) -> None:
     from safetensors.torch import load_file
 
     from megatron_bridge.vllm_names import grouped_order
-    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.vllm.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings, SamplingConfig
     from rltrain.weight_sync import checksum
 

@@ -33,7 +33,7 @@ LONG_PROMPT = [3 + (7 * i) % 390 for i in range(200)]  # spans full KV blocks: c
 def offline(model_dir):
     """The reference, started first: its in-process engine freezes vLLM's environment in this
     process, the case the async engine must cope with when both share a process."""
-    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.vllm.engine import RolloutEngine
 
     eng = RolloutEngine(str(model_dir), settings=SETTINGS)
     assert eng.in_process
@@ -43,7 +43,7 @@ def offline(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, offline):
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncRolloutEngine
 
     start = time.perf_counter()
     eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
@@ -110,7 +110,7 @@ def greedy_with_cache_hits(engine, prompt: list[int]) -> tuple[int, tuple]:
     """One greedy request: (prompt tokens the engine took from its prefix cache, the sample)."""
     from vllm.sampling_params import RequestOutputKind
 
-    from rltrain.rollout.engine import samples_of
+    from rltrain.rollout.vllm.engine import samples_of
 
     params = engine._sampling_params(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -214,7 +214,7 @@ def test_weight_load_equals_offline_engine_and_resets_prefix_cache(engine, offli
 
 def test_sleep_and_wake_up_on_cpu_are_the_logged_noop(engine, caplog):
     before = engine.generate(PROMPTS, SAMPLED)
-    with caplog.at_level(logging.INFO, logger="rltrain.rollout.engine"):
+    with caplog.at_level(logging.INFO, logger="rltrain.rollout.vllm.engine"):
         for level in (1, 2):
             engine.sleep(level=level)
             assert not engine._asleep  # nothing released: generate() stays allowed
@@ -237,7 +237,7 @@ def test_run_timeout_names_what_it_waited_for(engine):
 def test_a_batch_whose_pause_is_not_answered_raises_and_leaves_the_engine_serving(engine, monkeypatch):
     """The engine core pauses but its answer comes late (a stand-in for a stuck engine core, which
     cannot be made on demand): the batch raises naming the pause, and the scheduler is resumed."""
-    from rltrain.rollout import async_engine
+    from rltrain.rollout.vllm import async_engine
 
     pause = engine.async_llm.pause_generation
 
@@ -258,7 +258,7 @@ def test_a_batch_whose_pause_is_not_answered_raises_and_leaves_the_engine_servin
 
 def test_dead_engine_core_raises_naming_the_engine(model_dir, engine):
     """A second engine (the shared one keeps serving): its engine core is killed mid-generation."""
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncRolloutEngine
 
     doomed = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
     outcome: dict[str, BaseException] = {}

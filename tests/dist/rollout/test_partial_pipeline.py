@@ -88,7 +88,7 @@ class _Queued:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncRolloutEngine
 
     eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS, partial_rollout=True)
     yield eng

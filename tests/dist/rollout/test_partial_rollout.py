@@ -40,7 +40,7 @@ def new_weights(weights) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncRolloutEngine
 
     eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
     yield eng

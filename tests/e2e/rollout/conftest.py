@@ -30,8 +30,8 @@ def tiny_llama_weights(tiny_llama_dir) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def engine(tiny_llama_dir):
-    from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.vllm.engine import RolloutEngine
 
     eng = RolloutEngine(
         str(tiny_llama_dir),

@@ -138,8 +138,8 @@ def tied_engine(tmp_path_factory):
     from safetensors.torch import load_file
 
     from rltrain.models.tiny import save_tiny_model
-    from rltrain.rollout.engine import RolloutEngine
     from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.vllm.engine import RolloutEngine
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_tied"), "llama", tie_word_embeddings=True)
     eng = RolloutEngine(

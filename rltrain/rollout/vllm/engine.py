@@ -35,10 +35,10 @@ import torch
 
 from megatron_bridge.vllm_names import fused_group
 from rltrain.config.actor import CPU_ROUTED_EXPERTS_REFUSAL
-from rltrain.rollout import checksum, worker_fns
-from rltrain.rollout.cpu_moe import refuse_unreloadable_cpu_moe
-from rltrain.rollout.direct_load import DirectLoader, direct_loader_for
 from rltrain.rollout.types import EngineSettings, RolloutOutput, Sample, SamplingConfig
+from rltrain.rollout.vllm import checksum, worker_fns
+from rltrain.rollout.vllm.cpu_moe import refuse_unreloadable_cpu_moe
+from rltrain.rollout.vllm.direct_load import DirectLoader, direct_loader_for
 from rltrain.weight_sync.buckets import iter_buckets
 from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
