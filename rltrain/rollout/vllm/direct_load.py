@@ -73,7 +73,7 @@ _REQUIRED_MEMBERS = {
 def direct_loader_for(owner: Any, model: torch.nn.Module, mode: str) -> DirectLoader | None:
     """The ``DirectLoader`` that ``mode`` selects for ``model`` (None: use ``reload_weights``).
 
-    ``mode`` is ``EngineSettings.weight_load``: ``reload`` never, ``auto`` where exact, ``direct``
+    ``mode`` is ``VllmOptions.weight_load``: ``reload`` never, ``auto`` where exact, ``direct``
     where exact and an error naming the reason elsewhere. The loader (or the reason) is built once
     and kept on ``owner``: the in-process engine, or the vLLM worker that holds ``model``.
     """

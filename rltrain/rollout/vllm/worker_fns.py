@@ -2,9 +2,9 @@
 
 Used when the workers live in other processes (GPU engines, or TP>1 on CPU). Each call loads one
 group-aligned bucket (see ``rltrain.weight_sync.buckets``): every worker gets a parcel with its own
-regions of each tensor (``RolloutEngine.receive``), rebuilds the full-shaped tensors its loader
+regions of each tensor (``receive.WeightReceiver.receive``), rebuilds the full-shaped tensors its loader
 narrows, and loads them through ``load_in_worker``: the direct load on CPU where exact
-(``direct_load``, chosen by ``EngineSettings.weight_load``), else the worker's
+(``direct_load``, chosen by ``VllmOptions.weight_load``), else the worker's
 ``reload_weights(..., is_checkpoint_format=True)``. How a parcel travels:
 - CPU: a safetensors blob (tensors given as plain RPC arguments arrive as lists; functions need
   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set by the engine).
@@ -156,7 +156,7 @@ def _parcel_regions(parcel: Any) -> tuple[list[list], dict[str, torch.Tensor]]:
 
 
 def load_regions(worker: Any, parcels: dict[int, Any], weight_load: str = "auto") -> str:
-    """Worker side of ``RolloutEngine.receive``: take this worker's parcel (by its TP rank), put each
+    """Worker side of ``WeightReceiver.receive``: take this worker's parcel (by its TP rank), put each
     region into a full-shaped tensor (the rest is never read: vLLM's loader narrows to this rank's
     part) and load them (see ``load_in_worker``). Returns the path taken, ``none`` without a parcel."""
     from vllm.distributed import get_tensor_model_parallel_rank
