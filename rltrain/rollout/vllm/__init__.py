@@ -3,6 +3,7 @@
 backend.py       its registry entry: builds the offline or the asynchronous engine
 options.py       ``VllmOptions``, the settings only vLLM has (``EngineSettings.options``)
 core.py          ``EngineCore``, what both engines hold: vLLM arguments, prompts, sampling, sleep
+front.py         ``EngineFront``, what both engines expose of their core and weight receiver
 engine.py        ``VllmEngine``, the offline engine (vLLM's ``LLM``): generation
 async_engine.py  ``AsyncVllmEngine`` (vLLM's ``AsyncLLM``), requests submitted one by one
 async_loop.py    its event loop thread, bounded waits, and its control calls

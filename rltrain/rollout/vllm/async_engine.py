@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from rltrain.rollout.partial import RolloutBatch, SampleStreams, VersionedSample
@@ -57,14 +57,14 @@ from rltrain.rollout.vllm import async_loop
 from rltrain.rollout.vllm.async_loop import AsyncCalls, EngineLoop
 from rltrain.rollout.vllm.async_update import SchedulerPauses
 from rltrain.rollout.vllm.core import EngineCore, on_gpu, prepare_worker_processes
+from rltrain.rollout.vllm.front import EngineFront
 from rltrain.rollout.vllm.options import vllm_options
 from rltrain.rollout.vllm.receive import WeightReceiver
-from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
 T = TypeVar("T")
 
 
-class AsyncVllmEngine:
+class AsyncVllmEngine(EngineFront):
     """One ``AsyncLLM`` (engine core and workers in their own processes) on a background event loop."""
 
     def __init__(
@@ -115,30 +115,9 @@ class AsyncVllmEngine:
         return async_llm
 
     @property
-    def settings(self) -> EngineSettings:
-        return self.core.settings
-
-    @property
-    def model_path(self) -> str:
-        return self.core.model_path
-
-    @property
-    def in_process(self) -> bool:
-        return self.core.in_process
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.core.tokenizer
-
-    @property
     def loop(self) -> asyncio.AbstractEventLoop:
         """The engine's event loop: ``agenerate`` runs there (the agent loop's coroutines too)."""
         return self._loop.loop
-
-    @property
-    def asleep(self) -> bool:
-        """Whether ``sleep`` released memory that ``wake_up`` has not restored yet."""
-        return self.core.asleep
 
     def _describe(self) -> str:
         return self._loop.describe
@@ -315,40 +294,6 @@ class AsyncVllmEngine:
     def policy_version(self) -> int:
         """The version of the weights serving now (0 at start); ``weight_update`` sets it."""
         return self.pauses.policy_version
-
-    # ------------------------------------------------------------------------- sleep / wake, weights
-
-    def sleep(self, level: int = 1) -> None:
-        """Release the KV cache (level 1: offload weights to host; level 2: drop them too)."""
-        self.core.sleep(self.calls, level)
-
-    def wake_up(self) -> None:
-        """Restore what ``sleep`` released (a ``load_weights`` meanwhile already woke the weights)."""
-        self.core.wake_up(self.calls)
-
-    @property
-    def num_workers(self) -> int:
-        """The engine's TP workers (what ``TensorRegions.regions`` is keyed by)."""
-        return self.weights.num_workers
-
-    def load_weights(
-        self, named_tensors: Iterable[NamedTensor], *, bucket_bytes: int = 256 << 20
-    ) -> SyncStats:
-        """``WeightReceiver.load_weights``."""
-        return self.weights.load_weights(named_tensors, bucket_bytes=bucket_bytes)
-
-    def receive(self, updates: Iterable[TensorRegions], *, bucket_bytes: int = 256 << 20) -> SyncStats:
-        """``WeightReceiver.receive``."""
-        return self.weights.receive(updates, bucket_bytes=bucket_bytes)
-
-    def weights_digests(self) -> dict[str, str]:
-        return self.weights.weights_digests()
-
-    def all_weights_digests(self) -> list[dict[str, str]]:
-        return self.weights.all_weights_digests()
-
-    def reset_prefix_cache(self) -> None:
-        self.calls.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers, then the loop (the engine is unusable afterwards)."""

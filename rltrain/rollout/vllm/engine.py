@@ -6,7 +6,7 @@ Contract:
   assistant turn opened) and returns a ``RolloutOutput``: n samples per prompt, the log-probability
   of every sampled token and why each sample ended.
 - ``receive`` / ``load_weights`` and the digests are the engine's ``WeightReceiver``
-  (``receive.py``), over the ``LLM`` itself.
+  (``receive.py``), over the ``LLM`` itself (``front.EngineFront`` exposes them).
 - ``sleep``/``wake_up`` release and restore weights and KV cache on GPU; on CPU they log once that
   sleep mode is unsupported and return.
 The engine holds an ``EngineCore`` (settings, vLLM arguments, prompts, sampling, sleep state), the
@@ -15,7 +15,6 @@ same as the asynchronous engine does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -23,11 +22,11 @@ import torch
 from rltrain.rollout.protocol import EngineSettings, Prompt
 from rltrain.rollout.types import RolloutOutput, Sample, SamplingConfig
 from rltrain.rollout.vllm.core import EngineCore, on_gpu, place_workers
+from rltrain.rollout.vllm.front import EngineFront
 from rltrain.rollout.vllm.receive import WeightReceiver
-from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
 
-class VllmEngine:
+class VllmEngine(EngineFront):
     """One vLLM engine (all its TP workers) driven from this process."""
 
     def __init__(self, model_path: str, *, settings: EngineSettings | None = None) -> None:
@@ -36,36 +35,11 @@ class VllmEngine:
         from vllm import LLM
 
         self.core = EngineCore(model_path, settings, in_process=in_process, gpu=on_gpu())
-        self.llm = LLM(model=self.core.model_path, **self.core.engine_kwargs())
+        self.llm = self.calls = LLM(model=self.core.model_path, **self.core.engine_kwargs())
         self.core.tokenizer = self.llm.get_tokenizer()
         self.weights = WeightReceiver(self.core, self.llm, local_model=self._local_model)
 
-    @property
-    def settings(self) -> EngineSettings:
-        return self.core.settings
-
-    @property
-    def model_path(self) -> str:
-        return self.core.model_path
-
-    @property
-    def in_process(self) -> bool:
-        return self.core.in_process
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.core.tokenizer
-
-    @property
-    def asleep(self) -> bool:
-        """Whether ``sleep`` released memory that ``wake_up`` has not restored yet."""
-        return self.core.asleep
-
     # ----------------------------------------------------------------------------------- generation
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` with the tokenizer's chat template and the assistant turn opened."""
-        return self.core.apply_chat_template(messages)
 
     def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> RolloutOutput:
         """Sample ``sampling.n`` responses for each prompt; see ``RolloutOutput`` for shapes."""
@@ -75,48 +49,12 @@ class VllmEngine:
         outputs = self.llm.generate(requests, self.core.sampling_params(sampling), use_tqdm=False)
         return RolloutOutput.from_samples(prompt_ids, [samples_of(r) for r in outputs], n=sampling.n)
 
-    # ------------------------------------------------------------------------------- sleep / wake
-
-    def sleep(self, level: int = 1) -> None:
-        """Release the KV cache (level 1: offload weights to host; level 2: drop them too)."""
-        self.core.sleep(self.llm, level)
-
-    def wake_up(self) -> None:
-        """Restore what ``sleep`` released (a ``load_weights`` meanwhile already woke the weights)."""
-        self.core.wake_up(self.llm)
-
-    # ------------------------------------------------------------------------------------ weights
-
-    @property
-    def num_workers(self) -> int:
-        """The engine's TP workers (what ``TensorRegions.regions`` is keyed by)."""
-        return self.weights.num_workers
-
-    def load_weights(
-        self, named_tensors: Iterable[NamedTensor], *, bucket_bytes: int = 256 << 20
-    ) -> SyncStats:
-        """``WeightReceiver.load_weights``."""
-        return self.weights.load_weights(named_tensors, bucket_bytes=bucket_bytes)
-
-    def receive(self, updates: Iterable[TensorRegions], *, bucket_bytes: int = 256 << 20) -> SyncStats:
-        """``WeightReceiver.receive``."""
-        return self.weights.receive(updates, bucket_bytes=bucket_bytes)
-
-    def weights_digests(self) -> dict[str, str]:
-        return self.weights.weights_digests()
-
-    def all_weights_digests(self) -> list[dict[str, str]]:
-        return self.weights.all_weights_digests()
-
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The effective weights of an in-process engine by HF name (copies; for tests and debugging)."""
         return self.weights.hf_weights()
 
     def _local_model(self) -> torch.nn.Module:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine's workers (the engine is unusable afterwards)."""
