@@ -6,7 +6,7 @@ Random fp32 weights of SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, v
 embeddings; ~135 M parameters, ~540 MB) are synced into one in-process vLLM engine by:
 
 - ours colocated (stream): ``ColocatedTransport`` (``rltrain.weight_sync``): the HF-named tensors go
-  straight into ``RolloutEngine.receive``, the engine's direct load (``rltrain.rollout.direct_load``:
+  straight into ``VllmEngine.receive``, the engine's direct load (``rltrain.rollout.vllm.direct_load``:
   the model's loaders into a reused scratch tensor, then vLLM's CPU repack per layer), then the
   prefix cache resets (the colocated path).
 - ours colocated from Megatron: the same weights held by a Megatron-Core GPT model (TP=1, one gloo
@@ -15,7 +15,7 @@ embeddings; ~135 M parameters, ~540 MB) are synced into one in-process vLLM engi
   transport into the same receive: the whole sync of a colocated trainer rank.
 - ours broadcast receive: the receive path of ``BroadcastTransport`` after the network hop
   (``broadcast.load_buckets``): ``--bucket-mb`` buckets already in the receiver's flat buffers, each
-  handed to ``RolloutEngine.receive`` in turn. Two more rows show what the hop's landing costs: each
+  handed to ``VllmEngine.receive`` in turn. Two more rows show what the hop's landing costs: each
   bucket first copied into the one reused receive buffer (``buckets.BufferPool``, what the receiver
   does now), or into a fresh buffer per bucket (what it did before: every sync page-faults).
 - ours via reload_weights: the same stream through vLLM's own ``reload_weights`` (what the engine
@@ -138,7 +138,7 @@ def sync_variants(
     from vllm import _custom_ops as ops
 
     from megatron_bridge.vllm_names import fused_group
-    from rltrain.rollout.worker_fns import finish_reload
+    from rltrain.rollout.vllm.worker_fns import finish_reload
     from rltrain.weight_sync import ColocatedTransport, TensorSource
     from rltrain.weight_sync.broadcast import load_buckets
     from rltrain.weight_sync.buckets import BufferPool, PackedBucket, iter_buckets, pack_bucket
@@ -290,8 +290,10 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from megatron_bridge.vllm_names import grouped_order
-    from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings, SamplingConfig
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.types import SamplingConfig
+    from rltrain.rollout.vllm.engine import VllmEngine
+    from rltrain.rollout.vllm.options import VllmOptions
     from rltrain.weight_sync import ColocatedTransport, TensorSource
 
     root = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
@@ -308,8 +310,9 @@ def main() -> None:
         shutil.copytree(model_dir, source)
         save_file(weights, str(source / "model.safetensors"))
         planned = megatron_actor(source)
-        engine = RolloutEngine(
-            str(model_dir), settings=EngineSettings(max_model_len=256, kv_cache_space_gb=0.25)
+        engine = VllmEngine(
+            str(model_dir),
+            settings=EngineSettings(max_model_len=256, options=VllmOptions(kv_cache_space_gb=0.25)),
         )
         variants = sync_variants(
             engine, weights, ckpt=root / "ckpt", bucket_bytes=args.bucket_mb << 20, planned=planned

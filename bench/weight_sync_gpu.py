@@ -7,7 +7,7 @@ Tensors: the HF-named weights of a Llama with SmolLM2-135M's sizes (a ``LlamaCon
 576, 30 layers, 9 heads, 3 KV heads, intermediate 1536, vocabulary 49,152, tied embeddings: ~134.5 M
 parameters, ~269 MB), random bf16 on the GPU; nothing is downloaded.
 
-- ipc hand-off: ``RolloutEngine.load_weights`` (``receive``) of an engine whose one TP worker runs
+- ipc hand-off: ``VllmEngine.load_weights`` (``receive``) of an engine whose one TP worker runs
   in another process (``tests/gpu/ipc_engine.py``: vLLM's ``LLM`` replaced by a worker process that
   copies every tensor it receives into a preallocated tensor of its own, as a model's load does):
   the tensors packed into ``--bucket-mb`` buffers on the GPU, their CUDA IPC handles pickled to the

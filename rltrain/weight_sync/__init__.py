@@ -14,7 +14,7 @@ Layers (a sync reads top to bottom):
   engine worker holds against its planned shard).
 - ``buckets``: fused-module-aligned buckets and reused flat buffers; ``types``: the data crossing
   to the engine (``TensorRegions``, ``SyncStats``) and the engine-side protocol, whose
-  implementation is ``rltrain.rollout.engine.RolloutEngine.receive`` (direct load, ``reload_weights``,
+  implementation is ``rltrain.rollout.vllm.receive.WeightReceiver.receive`` (direct load, ``reload_weights``,
   checksums of what the engine holds).
 No vLLM, no Megatron, no Ray here: torch and torch.distributed only.
 """

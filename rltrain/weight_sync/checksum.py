@@ -1,7 +1,7 @@
 """Digests that prove an engine holds what the trainer sent: SHA-256 of a tensor's bytes after
 casting to the engine dtype (what vLLM's loader does with ``copy_``), so equal digests mean
 bit-identical weights. The engine side reads its effective weights back in
-``rltrain.rollout.checksum``; the trainer side digests the shards it planned for each worker.
+``rltrain.rollout.vllm.checksum``; the trainer side digests the shards it planned for each worker.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 - ``SyncStats``: what one sync moved.
 - ``WeightSource``: anything that yields an engine layout's ``TensorRegions`` on one rank
   (``PlannedExport`` of a Megatron model; ``TensorSource`` of full tensors).
-- ``EngineReceiver``: the engine side (``rltrain.rollout.engine.RolloutEngine.receive``).
+- ``EngineReceiver``: the engine side (``receive`` of ``rltrain.rollout.protocol.RolloutEngine``).
 Pure torch; no process groups, no vLLM, no Megatron.
 """
 
@@ -107,7 +107,8 @@ class WeightSource(Protocol):
 
 
 class EngineReceiver(Protocol):
-    """An engine that takes weights in place (``RolloutEngine``)."""
+    """An engine that takes weights in place (the part of ``rltrain.rollout.protocol.RolloutEngine``
+    weight sync uses)."""
 
     num_workers: int
     """Its TP workers (the keys of ``TensorRegions.regions``)."""

@@ -1,7 +1,9 @@
-"""The rollout engine of a rank: its settings from the config, building it (offline or asynchronous
-vLLM), running a batch through it (directly, or through the agent loop for multi-turn), and
-``RolloutWorker``, the rank of an engine on devices of its own (``rollout.mode: separate``), which
-takes the actor's weights by broadcast. vLLM is imported lazily, so that the driver never loads it.
+"""The rollout engine of a rank: its settings from the config, building it (the backend that
+``rollout.name`` names, offline or asynchronous), running a batch through it (directly, or through
+the agent loop for multi-turn), and ``RolloutWorker``, the rank of an engine on devices of its own
+(``rollout.mode: separate``), which takes the actor's weights by broadcast. The engine is used
+through ``rltrain.rollout.protocol`` only; its backend is imported lazily, so that the driver never
+loads it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from rltrain.config import RLConfig
 from rltrain.logging import metrics as mk
 
 if TYPE_CHECKING:
-    from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.protocol import EngineSettings, RolloutEngine
 
 from rltrain.workers.rank_base import RankInfo
 
@@ -23,37 +25,36 @@ log = logging.getLogger(__name__)
 
 
 def engine_settings(config: RLConfig) -> EngineSettings:
-    """The engine settings of ``config``: ``rollout``'s, the context length from the data if unset,
-    the model's dtype, and the routed experts asked for under ``actor.router_replay.mode=R3``."""
-    from rltrain.rollout.types import EngineSettings
+    """The engine settings of ``config``: ``rollout``'s (with the options of the backend ``rollout.name``
+    names), the context length from the data if unset, the model's dtype, and the routed experts
+    asked for under ``actor.router_replay.mode=R3``."""
+    from rltrain.rollout.registry import get_backend
 
     max_len = config.rollout.max_model_len or config.data.max_prompt_length + config.rollout.response_length
     return replace(
-        EngineSettings.from_rollout_config(config.rollout),
+        get_backend(config.rollout.name).settings(config.rollout),
         max_model_len=max_len,
         dtype=config.model.dtype,
         return_routed_experts=config.actor.router_replay.mode == "R3",
     )
 
 
-def build_engine(config: RLConfig, model_dir: str):
-    """The vLLM engine of ``config.rollout`` for ``model_dir``: ``AsyncRolloutEngine`` where
-    ``rollout.uses_async_engine()`` (with ``rollout.partial_rollout``), else the offline
-    ``RolloutEngine``, with :func:`engine_settings`."""
-    from rltrain.rollout.engine import RolloutEngine
+def build_engine(config: RLConfig, model_dir: str) -> RolloutEngine:
+    """The engine of ``config.rollout`` for ``model_dir``, built by the backend ``rollout.name`` names:
+    asynchronous where ``rollout.uses_async_engine()`` (with ``rollout.partial_rollout``), else
+    offline, with :func:`engine_settings`."""
+    from rltrain.rollout.registry import get_backend
 
-    settings = engine_settings(config)
-    if config.rollout.uses_async_engine():
-        from rltrain.rollout.async_engine import AsyncRolloutEngine
-
-        return AsyncRolloutEngine(
-            model_dir, settings=settings, partial_rollout=config.rollout.partial_rollout
-        )
-    return RolloutEngine(model_dir, settings=settings)
+    return get_backend(config.rollout.name).build(
+        model_dir,
+        engine_settings(config),
+        asynchronous=config.rollout.uses_async_engine(),
+        partial_rollout=config.rollout.partial_rollout,
+    )
 
 
 class RolloutWorker:
-    """A vLLM engine on its own devices (``rollout.mode: separate``); weights arrive by broadcast."""
+    """A rollout engine on its own devices (``rollout.mode: separate``); weights arrive by broadcast."""
 
     def __init__(self, config: RLConfig, model_dir: str, info: RankInfo) -> None:
         self.config = config
@@ -78,7 +79,7 @@ class RolloutWorker:
 
     def receive_weights(self, version: int | None = None) -> dict[str, float]:
         """Load the broadcast weights. ``version`` (the pipeline with ``rollout.partial_rollout``): the
-        policy version they are, loaded through ``AsyncRolloutEngine.weight_update`` so that batches
+        policy version they are, loaded through the asynchronous engine's ``weight_update`` so that batches
         in flight pause (or finish) around the load and label their tokens; equal to the engine's
         version (the run's first send) it is a plain load, nothing being in flight."""
         from rltrain.rollout.partial import load_as_version

@@ -1,6 +1,6 @@
-"""A ``RolloutEngine`` whose workers are processes of their own on this GPU, without vLLM.
+"""A ``VllmEngine`` whose workers are processes of their own on this GPU, without vLLM.
 
-What runs is rltrain's own GPU hand-off: ``RolloutEngine.receive`` → ``_load_bucket_remote`` →
+What runs is rltrain's own GPU hand-off: ``VllmEngine.receive`` → ``_load_bucket_remote`` →
 ``worker_fns.share_per_worker_cuda_ipc`` (each worker's regions packed into a device buffer, sent
 as its CUDA IPC handle) → ``collective_rpc(worker_fns.load_regions, (parcels, mode))`` → in every
 worker process ``worker_fns.load_regions``: the buffer rebuilt on that process's device, unpacked,
@@ -248,19 +248,18 @@ class ProcessWorkers:
 
 
 def ipc_engine(workers: ProcessWorkers) -> Any:
-    """A ``RolloutEngine`` on GPU whose TP workers are ``workers`` (vLLM's ``LLM`` replaced by them);
-    everything from ``receive`` down is rltrain's code."""
-    from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings
+    """The weight receiver of a vLLM engine on GPU whose TP workers are ``workers`` (standing in for
+    vLLM's ``LLM``); everything from ``receive`` down is rltrain's code."""
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.vllm.core import EngineCore
+    from rltrain.rollout.vllm.options import VllmOptions
+    from rltrain.rollout.vllm.receive import WeightReceiver
 
-    engine = RolloutEngine.__new__(RolloutEngine)  # __init__ would start vLLM
-    engine.settings = EngineSettings(tensor_model_parallel_size=len(workers.procs), multiprocess=True)
-    engine.model_path = "<ipc workers>"
-    engine.in_process = False
-    engine.on_gpu = True
-    engine.llm = workers
-    engine._init_sleep_state()
-    return engine
+    settings = EngineSettings(
+        tensor_model_parallel_size=len(workers.procs), options=VllmOptions(multiprocess=True)
+    )
+    core = EngineCore("<ipc workers>", settings, in_process=False, gpu=True)
+    return WeightReceiver(core, workers, local_model=None)
 
 
 def llama_tensors(

@@ -1,6 +1,6 @@
 """The colocated GPU weight hand-off between processes on one device is bit-exact.
 
-The trainer's ``ColocatedTransport.send`` drives ``RolloutEngine.receive`` of an engine with two TP
+The trainer's ``ColocatedTransport.send`` drives ``VllmEngine.receive`` of an engine with two TP
 workers in processes of their own (``ipc_engine``: vLLM's ``LLM`` and worker replaced, everything
 else rltrain's code): each worker gets its regions as a CUDA IPC handle of a packed device buffer,
 rebuilds them on its device and loads them through ``reload_weights``. Every worker reports a

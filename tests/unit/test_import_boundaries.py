@@ -3,7 +3,8 @@
 Rules (``../shared/DESIGN.md``, principle 2), over every ``.py`` under ``rltrain/`` and
 ``megatron_bridge/`` (and, for ``tools``, ``tests/`` and ``bench/`` too):
 - ``megatron.core`` only under ``rltrain/megatron/``;
-- ``vllm`` only under ``rltrain/rollout/``;
+- ``vllm`` only under ``rltrain/rollout/vllm/`` (the vLLM backend; the rest of ``rollout/`` is the
+  engine protocol every backend shares);
 - ``ray`` only under ``rltrain/orchestrator/``;
 - the driver-side ``rltrain/trainer/`` and the per-rank ``rltrain/workers/`` do not import each other
   (what they exchange lives in ``data/``, ``algo/`` and ``config/``); the trainer imports no ray,
@@ -51,7 +52,9 @@ RULES = (
         "megatron.core",
         lambda path: path.startswith("rltrain/megatron/"),
     ),
-    Rule("vllm only under rltrain/rollout/", "vllm", lambda path: path.startswith("rltrain/rollout/")),
+    Rule(
+        "vllm only under rltrain/rollout/vllm/", "vllm", lambda path: path.startswith("rltrain/rollout/vllm/")
+    ),
     Rule(
         "ray only under rltrain/orchestrator/", "ray", lambda path: path.startswith("rltrain/orchestrator/")
     ),
@@ -194,7 +197,11 @@ def test_no_module_defines_a_top_level_name_twice():
 
 def test_the_scan_sees_the_imports_the_rules_allow():
     """The checks are not vacuous: each allowed home really imports its package, as parsed here."""
-    homes = {"megatron.core": "rltrain/megatron/", "vllm": "rltrain/rollout/", "ray": "rltrain/orchestrator/"}
+    homes = {
+        "megatron.core": "rltrain/megatron/",
+        "vllm": "rltrain/rollout/vllm/",
+        "ray": "rltrain/orchestrator/",
+    }
     for package, home in homes.items():
         found = [
             path
@@ -234,9 +241,12 @@ def test_import_checker_flags_each_rule_with_file_and_line():
     ]
     assert import_violations(
         "rltrain/orchestrator/x.py", "try:\n    import vllm.engine\nexcept ImportError:\n    pass\n"
-    ) == ["rltrain/orchestrator/x.py:2: imports vllm.engine (rule: vllm only under rltrain/rollout/)"]
-    assert import_violations("rltrain/rollout/x.py", "import ray\nimport rayon\nimport vllm\n") == [
-        "rltrain/rollout/x.py:1: imports ray (rule: ray only under rltrain/orchestrator/)"
+    ) == ["rltrain/orchestrator/x.py:2: imports vllm.engine (rule: vllm only under rltrain/rollout/vllm/)"]
+    assert import_violations("rltrain/rollout/vllm/x.py", "import ray\nimport rayon\nimport vllm\n") == [
+        "rltrain/rollout/vllm/x.py:1: imports ray (rule: ray only under rltrain/orchestrator/)"
+    ]
+    assert import_violations("rltrain/rollout/partial.py", "from vllm.outputs import RequestOutput\n") == [
+        "rltrain/rollout/partial.py:1: imports vllm.outputs (rule: vllm only under rltrain/rollout/vllm/)"
     ]
     assert import_violations("megatron_bridge/x.py", "from rltrain.megatron.model import build_model\n") == [
         "megatron_bridge/x.py:1: imports rltrain.megatron.model (rule: megatron_bridge imports nothing of rltrain)"

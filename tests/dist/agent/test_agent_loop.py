@@ -26,24 +26,24 @@ from rltrain.agent.tools.registry import ToolSet
 from rltrain.agent.tools.sandbox import PythonSandboxTool
 from rltrain.agent.trajectory import Trajectory
 from rltrain.config.multi_turn import MultiTurnConfig
-from rltrain.rollout.types import EngineSettings, SamplingConfig
+from rltrain.rollout.protocol import EngineSettings
+from rltrain.rollout.vllm.options import VllmOptions
+from rltrain.rollout.types import SamplingConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.slow]
 
 # A step's token budget below what the trajectories in flight hold together (see the budget test).
-SETTINGS = EngineSettings(
-    max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=32, max_num_batched_tokens=256
-)
+SETTINGS = EngineSettings(max_model_len=256, max_num_seqs=32, max_num_batched_tokens=256, options=VllmOptions(kv_cache_space_gb=0.25))
 RETRY = "Wrong. Try again."
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from rltrain.models.tiny import save_tiny_model
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
-    eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
+    eng = AsyncVllmEngine(str(model_dir), settings=SETTINGS)
     yield eng
     eng.shutdown()
 

@@ -38,10 +38,12 @@ def main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         }
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from rltrain.rollout.engine import RolloutEngine
-        from rltrain.rollout.types import EngineSettings, SamplingConfig
+        from rltrain.rollout.vllm.engine import VllmEngine
+        from rltrain.rollout.protocol import EngineSettings
+        from rltrain.rollout.vllm.options import VllmOptions
+        from rltrain.rollout.types import SamplingConfig
 
-        engine = RolloutEngine(model_dir, settings=EngineSettings(max_model_len=128, kv_cache_space_gb=0.1))
+        engine = VllmEngine(model_dir, settings=EngineSettings(max_model_len=128, options=VllmOptions(kv_cache_space_gb=0.1)))
         greedy = SamplingConfig(temperature=0.0, response_length=8)
         before = engine.generate([[5, 17, 42]], greedy).response_ids
         stats = transport.receive(engine)

@@ -7,7 +7,7 @@ The engine starts from ENGINE_DIR's weights, the actor from ACTOR_DIR's (a diffe
 first sync has to move every weight. Each rank hosts an in-process engine (vLLM builds its groups
 collectively over the default group, so every rank must start one); the sync streams the actor's
 HF-named weights into each engine in turn through the policy worker's own ``WeightSender`` (planned
-export, colocated transport, ``RolloutEngine.receive``); the checksums compare against the bridge's
+export, colocated transport, ``VllmEngine.receive``); the checksums compare against the bridge's
 full export. Rank 0 writes the numbers."""
 
 from __future__ import annotations
@@ -62,9 +62,11 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     from rltrain.config.rollout import WeightSyncConfig
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
-    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.vllm.engine import VllmEngine
     from rltrain.rollout.mismatch import logprob_mismatch
-    from rltrain.rollout.types import EngineSettings, SamplingConfig
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.vllm.options import VllmOptions
+    from rltrain.rollout.types import SamplingConfig
     from rltrain.weight_sync import PlannedExport, build_sender, checksum
 
     ctx = ParallelContext.initialize(ParallelConfig(**LAYOUTS[layout]))
@@ -76,8 +78,8 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     load_hf_weights(actor.chunks, ctx, bridge, HFCheckpointReader(actor_dir))
     engine_tp = 2 if layout.endswith("engine_tp2") else 1
     engine_ranks = list(range(ctx.world_size)) if engine_tp == 1 else [0]
-    settings = EngineSettings(max_model_len=128, kv_cache_space_gb=0.1, tensor_model_parallel_size=engine_tp)
-    engine = RolloutEngine(engine_dir, settings=settings) if ctx.rank in engine_ranks else None
+    settings = EngineSettings(max_model_len=128, tensor_model_parallel_size=engine_tp, options=VllmOptions(kv_cache_space_gb=0.1))
+    engine = VllmEngine(engine_dir, settings=settings) if ctx.rank in engine_ranks else None
     sampling = SamplingConfig(temperature=1.0, n=2, response_length=12, seed=11)
     pad_id = AutoTokenizer.from_pretrained(engine_dir).pad_token_id
 

@@ -17,15 +17,17 @@ def main(model_dir: str, out_path: str) -> None:
     from safetensors.torch import load_file
 
     from megatron_bridge.vllm_names import grouped_order
-    from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings, SamplingConfig
+    from rltrain.rollout.vllm.engine import VllmEngine
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.vllm.options import VllmOptions
+    from rltrain.rollout.types import SamplingConfig
     from rltrain.weight_sync import checksum
 
     weights = grouped_order(load_file(os.path.join(model_dir, "model.safetensors")).items())
     gen = torch.Generator().manual_seed(3)
     new = [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in weights]
-    settings = EngineSettings(max_model_len=128, kv_cache_space_gb=0.1, multiprocess=True)
-    engine = RolloutEngine(model_dir, settings=settings)
+    settings = EngineSettings(max_model_len=128, options=VllmOptions(kv_cache_space_gb=0.1, multiprocess=True))
+    engine = VllmEngine(model_dir, settings=settings)
     greedy = SamplingConfig(temperature=0.0, response_length=8)
     before = engine.generate([[5, 17, 42]], greedy)
     stats = engine.load_weights(new, bucket_bytes=64 << 10)

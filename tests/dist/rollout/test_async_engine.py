@@ -1,5 +1,5 @@
-"""``AsyncRolloutEngine`` (a real ``AsyncLLM``, engine core in its own process) against the offline
-in-process ``RolloutEngine`` as the independent reference: the same samples bit for bit, concurrent
+"""``AsyncVllmEngine`` (a real ``AsyncLLM``, engine core in its own process) against the offline
+in-process ``VllmEngine`` as the independent reference: the same samples bit for bit, concurrent
 requests equal to one at a time, weight loads (digests of the tensors loaded, prefix cache reset),
 sleep/wake on CPU, timeouts and a dead engine core that raise instead of hanging.
 
@@ -18,11 +18,14 @@ import time
 import pytest
 import torch
 
-from rltrain.rollout.types import EngineSettings, SamplingConfig
+from rltrain.rollout.protocol import EngineSettings
+
+from rltrain.rollout.vllm.options import VllmOptions
+from rltrain.rollout.types import SamplingConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.slow]
 
-SETTINGS = EngineSettings(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=16)
+SETTINGS = EngineSettings(max_model_len=256, max_num_seqs=16, options=VllmOptions(kv_cache_space_gb=0.25))
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150], [1, 340, 202, 371, 296, 224, 21], [11, 12, 13]]
 SAMPLED = SamplingConfig(temperature=1.0, n=3, response_length=16, seed=7)
 GREEDY = SamplingConfig(temperature=0.0, response_length=10)
@@ -33,9 +36,9 @@ LONG_PROMPT = [3 + (7 * i) % 390 for i in range(200)]  # spans full KV blocks: c
 def offline(model_dir):
     """The reference, started first: its in-process engine freezes vLLM's environment in this
     process, the case the async engine must cope with when both share a process."""
-    from rltrain.rollout.engine import RolloutEngine
+    from rltrain.rollout.vllm.engine import VllmEngine
 
-    eng = RolloutEngine(str(model_dir), settings=SETTINGS)
+    eng = VllmEngine(str(model_dir), settings=SETTINGS)
     assert eng.in_process
     yield eng
     eng.shutdown()
@@ -43,11 +46,11 @@ def offline(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, offline):
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
 
     start = time.perf_counter()
-    eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
-    print(f"AsyncRolloutEngine start: {time.perf_counter() - start:.1f} s")
+    eng = AsyncVllmEngine(str(model_dir), settings=SETTINGS)
+    print(f"AsyncVllmEngine start: {time.perf_counter() - start:.1f} s")
     assert not eng.in_process
     yield eng
     eng.shutdown()
@@ -110,9 +113,9 @@ def greedy_with_cache_hits(engine, prompt: list[int]) -> tuple[int, tuple]:
     """One greedy request: (prompt tokens the engine took from its prefix cache, the sample)."""
     from vllm.sampling_params import RequestOutputKind
 
-    from rltrain.rollout.engine import samples_of
+    from rltrain.rollout.vllm.engine import samples_of
 
-    params = engine._sampling_params(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY)
+    params = engine.core.sampling_params(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def one():
         final = None
@@ -214,10 +217,10 @@ def test_weight_load_equals_offline_engine_and_resets_prefix_cache(engine, offli
 
 def test_sleep_and_wake_up_on_cpu_are_the_logged_noop(engine, caplog):
     before = engine.generate(PROMPTS, SAMPLED)
-    with caplog.at_level(logging.INFO, logger="rltrain.rollout.engine"):
+    with caplog.at_level(logging.INFO, logger="rltrain.rollout.vllm.core"):
         for level in (1, 2):
             engine.sleep(level=level)
-            assert not engine._asleep  # nothing released: generate() stays allowed
+            assert not engine.asleep  # nothing released: generate() stays allowed
             engine.wake_up()
     logged = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert logged == [(logging.INFO, "rollout engine sleep/wake_up unsupported on CPU; skipped")]
@@ -237,7 +240,7 @@ def test_run_timeout_names_what_it_waited_for(engine):
 def test_a_batch_whose_pause_is_not_answered_raises_and_leaves_the_engine_serving(engine, monkeypatch):
     """The engine core pauses but its answer comes late (a stand-in for a stuck engine core, which
     cannot be made on demand): the batch raises naming the pause, and the scheduler is resumed."""
-    from rltrain.rollout import async_engine
+    from rltrain.rollout.vllm import async_loop
 
     pause = engine.async_llm.pause_generation
 
@@ -246,7 +249,7 @@ def test_a_batch_whose_pause_is_not_answered_raises_and_leaves_the_engine_servin
         await asyncio.sleep(30)
 
     monkeypatch.setattr(engine.async_llm, "pause_generation", late_pause)
-    monkeypatch.setattr(async_engine, "CONTROL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(async_loop, "CONTROL_TIMEOUT_S", 0.5)
     with pytest.raises(
         TimeoutError, match=r"pausing the scheduler to send a batch did not finish within 0\.5 s"
     ):
@@ -258,9 +261,9 @@ def test_a_batch_whose_pause_is_not_answered_raises_and_leaves_the_engine_servin
 
 def test_dead_engine_core_raises_naming_the_engine(model_dir, engine):
     """A second engine (the shared one keeps serving): its engine core is killed mid-generation."""
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
 
-    doomed = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
+    doomed = AsyncVllmEngine(str(model_dir), settings=SETTINGS)
     outcome: dict[str, BaseException] = {}
 
     def generate() -> None:

@@ -1,5 +1,5 @@
 """Partial rollouts through the asynchronous pipeline (``AsyncSource`` with ``partial=True``, the
-``one_step_off`` schedule) on a real ``AsyncRolloutEngine``: the driver's loop (take, update, report,
+``one_step_off`` schedule) on a real ``AsyncVllmEngine``: the driver's loop (take, update, report,
 refill) runs against ``EnginePolicy``, which stands in for ``PolicyRole`` and its separate engine
 with the engine side's own pieces (``BatchQueue``, ``load_as_version``, what ``RolloutWorker`` runs)
 and no Ray. Its weight send is the test's injected delay: it waits until the batch generating has
@@ -20,11 +20,13 @@ from rltrain.data.prompt_rows import PromptExample
 from rltrain.data.loader import PromptBatch
 from rltrain.trainer.pipeline import AsyncSource
 from rltrain.rollout.partial import BatchQueue, load_as_version
-from rltrain.rollout.types import EngineSettings, SamplingConfig
+from rltrain.rollout.protocol import EngineSettings
+from rltrain.rollout.vllm.options import VllmOptions
+from rltrain.rollout.types import SamplingConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.slow]
 
-SETTINGS = EngineSettings(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=16)
+SETTINGS = EngineSettings(max_model_len=256, max_num_seqs=16, options=VllmOptions(kv_cache_space_gb=0.25))
 STEPS = 3
 INTERRUPT_AT = 160
 """Tokens of a batch (8 samples of up to 96) sampled before a weight send may land."""
@@ -88,9 +90,9 @@ class _Queued:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
 
-    eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS, partial_rollout=True)
+    eng = AsyncVllmEngine(str(model_dir), settings=SETTINGS, partial_rollout=True)
     yield eng
     eng.shutdown()
 

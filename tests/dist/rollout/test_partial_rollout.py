@@ -1,4 +1,4 @@
-"""Partial rollouts on a real ``AsyncRolloutEngine`` (engine core in its own process): a weight
+"""Partial rollouts on a real ``AsyncVllmEngine`` (engine core in its own process): a weight
 update lands while a batch of seeded requests generates, and each test checks the outcome against an
 independent reference: the same batch uninterrupted (the same tokens; logprobs within 1e-5, bit for
 bit when the engine steps are alike), and the new
@@ -16,11 +16,14 @@ import time
 import pytest
 import torch
 
-from rltrain.rollout.types import EngineSettings, SamplingConfig
+from rltrain.rollout.protocol import EngineSettings
+
+from rltrain.rollout.vllm.options import VllmOptions
+from rltrain.rollout.types import SamplingConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e, pytest.mark.slow]
 
-SETTINGS = EngineSettings(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=16)
+SETTINGS = EngineSettings(max_model_len=256, max_num_seqs=16, options=VllmOptions(kv_cache_space_gb=0.25))
 PROMPTS = [[5, 17, 42, 99, 7]]
 SAMPLED = SamplingConfig(temperature=1.0, n=8, response_length=96, seed=7)
 """One request of 8 samples: they enter the engine in one step, so every run of the batch shares its
@@ -40,9 +43,9 @@ def new_weights(weights) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
+    from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
 
-    eng = AsyncRolloutEngine(str(model_dir), settings=SETTINGS)
+    eng = AsyncVllmEngine(str(model_dir), settings=SETTINGS)
     yield eng
     eng.shutdown()
 

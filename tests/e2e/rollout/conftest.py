@@ -30,12 +30,15 @@ def tiny_llama_weights(tiny_llama_dir) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="session")
 def engine(tiny_llama_dir):
-    from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.vllm.engine import VllmEngine
+    from rltrain.rollout.vllm.options import VllmOptions
 
-    eng = RolloutEngine(
+    eng = VllmEngine(
         str(tiny_llama_dir),
-        settings=EngineSettings(max_model_len=256, kv_cache_space_gb=0.25, max_num_seqs=16),
+        settings=EngineSettings(
+            max_model_len=256, max_num_seqs=16, options=VllmOptions(kv_cache_space_gb=0.25)
+        ),
     )
     yield eng
     eng.shutdown()

@@ -122,7 +122,7 @@ def test_padded_output_matches_lists(engine):
 
 
 def test_sleep_on_cpu_logs_once_and_skips(engine, caplog):
-    with caplog.at_level(logging.INFO, logger="rltrain.rollout.engine"):
+    with caplog.at_level(logging.INFO, logger="rltrain.rollout.vllm.core"):
         engine.sleep()
         engine.wake_up()
         engine.sleep(level=2)

@@ -94,7 +94,8 @@ def load_both_ways(engine, monkeypatch, original, new) -> dict:
     vLLM's ``reload_weights`` and through the direct load."""
     results = {}
     for path in ("reload", "direct"):
-        monkeypatch.setattr(engine, "settings", dataclasses.replace(engine.settings, weight_load=path))
+        options = dataclasses.replace(engine.core.options, weight_load=path)
+        monkeypatch.setattr(engine.core, "settings", dataclasses.replace(engine.settings, options=options))
         engine.load_weights(grouped_order(original.items()))
         stats = engine.load_weights(grouped_order(new.items()))
         assert stats.path == path and stats.num_tensors == len(new)
@@ -109,7 +110,7 @@ def test_direct_load_equals_vllm_reload_bit_for_bit(
 ):
     """Both ways the direct load places tensors: routed to each parameter's loader (llama's), and
     through the model's own ``load_weights`` (every model outside ``_ROUTED_MODELS``)."""
-    monkeypatch.setattr(restore_weights._direct_loader(), "routing", routing)
+    monkeypatch.setattr(restore_weights.weights.direct_loader(), "routing", routing)
     new = perturbed(tiny_llama_weights, scale=0.04)
     results = load_both_ways(restore_weights, monkeypatch, tiny_llama_weights, new)
     ids, lps, back = results["direct"]
@@ -138,12 +139,16 @@ def tied_engine(tmp_path_factory):
     from safetensors.torch import load_file
 
     from rltrain.models.tiny import save_tiny_model
-    from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.vllm.engine import VllmEngine
+    from rltrain.rollout.vllm.options import VllmOptions
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny_tied"), "llama", tie_word_embeddings=True)
-    eng = RolloutEngine(
-        str(model_dir), settings=EngineSettings(max_model_len=256, kv_cache_space_gb=0.1, max_num_seqs=16)
+    eng = VllmEngine(
+        str(model_dir),
+        settings=EngineSettings(
+            max_model_len=256, max_num_seqs=16, options=VllmOptions(kv_cache_space_gb=0.1)
+        ),
     )
     yield eng, load_file(str(model_dir / "model.safetensors"))
     eng.shutdown()
@@ -169,7 +174,7 @@ def test_direct_load_packs_from_sent_tensors_without_keeping_them(restore_weight
     new = perturbed(tiny_llama_weights, scale=0.03)
     engine.load_weights(grouped_order(new.items()))
     ref_ids, ref_lps = greedy(engine)
-    loader = engine._direct_loader()
+    loader = engine.weights.direct_loader()
     layers = sum(name.endswith("o_proj.weight") for name in new)
     assert layers > 0 and loader.zero_copy_modules == 2 * layers  # o_proj and down_proj of every layer
 

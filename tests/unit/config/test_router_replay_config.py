@@ -51,10 +51,10 @@ def test_r3_is_taken_where_the_engine_can_return_routes():
 
 def test_a_cpu_engine_asked_for_routes_refuses_before_vllm_starts(tmp_path):
     from rltrain.config.actor import CPU_ROUTED_EXPERTS_REFUSAL
-    from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.vllm.engine import VllmEngine
 
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError) as info:
-        RolloutEngine(str(tmp_path), settings=EngineSettings(return_routed_experts=True))
+        VllmEngine(str(tmp_path), settings=EngineSettings(return_routed_experts=True))
     assert str(info.value) == CPU_ROUTED_EXPERTS_REFUSAL

@@ -126,7 +126,7 @@ def test_an_uncaught_error_reaches_the_terminal_with_its_traceback(tmp_path):
     [
         ("(critic rank 1 pid=7) ERROR rltrain.workers.model_workers: x", True),
         ("(critic rank 1 pid=7, ip=10.0.0.2) WARNING rltrain: x", True),
-        ("\x1b[36m(critic rank 1 pid=7)\x1b[0m WARNING rltrain.rollout.engine: x", True),
+        ("\x1b[36m(critic rank 1 pid=7)\x1b[0m WARNING rltrain.rollout.vllm.engine: x", True),
         ("(critic rank 1 pid=7) INFO rltrain.workers.model_workers: x", False),
         ("(critic rank 1 pid=7) WARNING rltrainer: x", False),
         ("(critic rank 1 pid=7) (MainProcess pid=7) WARNING 12-01 10:21:29 [arg_utils.py:1945] x", False),

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rltrain.rollout.cpu_moe import cpu_moe_reload_problem, refuse_unreloadable_cpu_moe
+from rltrain.rollout.vllm.cpu_moe import cpu_moe_reload_problem, refuse_unreloadable_cpu_moe
 
 
 @pytest.mark.parametrize(
@@ -52,12 +52,12 @@ def test_the_refusal_names_the_file_the_key_and_the_remedy(tmp_path):
 def test_both_engines_refuse_before_vllm_loads_anything(engine, tmp_path):
     """The check sits where both engines build vLLM's arguments: the directory holds a config.json
     only, so reaching vLLM's own load would fail differently (no weights, no tokenizer)."""
-    from rltrain.rollout.async_engine import AsyncRolloutEngine
-    from rltrain.rollout.engine import RolloutEngine
-    from rltrain.rollout.types import EngineSettings
+    from rltrain.rollout.protocol import EngineSettings
+    from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
+    from rltrain.rollout.vllm.engine import VllmEngine
 
     (tmp_path / "config.json").write_text(json.dumps({"num_experts": 4, "moe_intermediate_size": 48}))
-    cls = AsyncRolloutEngine if engine == "async" else RolloutEngine
+    cls = AsyncVllmEngine if engine == "async" else VllmEngine
     with pytest.raises(
         ValueError, match=r"config\.json: moe_intermediate_size=48 gives each of the engine's 1"
     ):

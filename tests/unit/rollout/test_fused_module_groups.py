@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltrain.rollout.engine import _Counter
+from rltrain.rollout.vllm.receive import _Counter
 from rltrain.weight_sync.types import TensorRegions
 
 

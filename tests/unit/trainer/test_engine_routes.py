@@ -50,7 +50,7 @@ def completion(index: int, ids: list[int], routes: np.ndarray | None):
 
 
 def test_samples_carry_vllms_routes_into_the_rollout_output():
-    from rltrain.rollout.engine import samples_of
+    from rltrain.rollout.vllm.engine import samples_of
 
     prompts = [[5, 6, 7], [8, 9]]
     r = [routes_of(3 + 2 - 1, 0), routes_of(3 + 1 - 1, 1), routes_of(2 + 3 - 1, 2), routes_of(2 + 1 - 1, 3)]

