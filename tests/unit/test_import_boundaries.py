@@ -269,7 +269,7 @@ def test_import_checker_flags_each_rule_with_file_and_line():
         "rltrain/workers/x.py:2: imports rltrain.trainer (rule: rltrain/workers/ imports nothing of rltrain.trainer)"
     ]
     assert import_violations("rltrain/trainer/x.py", "import ray\nfrom vllm import LLM\n") == [
-        "rltrain/trainer/x.py:2: imports vllm (rule: vllm only under rltrain/rollout/)",
+        "rltrain/trainer/x.py:2: imports vllm (rule: vllm only under rltrain/rollout/vllm/)",
         "rltrain/trainer/x.py:1: imports ray (rule: ray only under rltrain/orchestrator/)",
     ]
     assert import_violations("rltrain/trainer/x.py", "from megatron.core import tensor_parallel\n") == [
