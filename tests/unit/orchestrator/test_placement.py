@@ -12,6 +12,21 @@ from rltrain.orchestrator.placement import Bundle, RolloutPlacement, rollout_pla
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
+NAMED_POOLS = (
+    "cluster.n_gpus_per_node=2",
+    "rollout.mode=separate",
+    "rollout.num_devices=2",
+    "rollout.tensor_model_parallel_size=2",
+    "cluster.resource_pools.critic_pool.n_gpus_per_node=2",
+    "cluster.resource_pools.rm_pool.n_gpus_per_node=1",
+    "cluster.role_pool.critic=critic_pool",
+    "cluster.role_pool.reward_model=rm_pool",
+    "reward.reward_model.enable=true",
+    "reward.reward_model.model.path=/models/rm",
+)
+"""Two trainer devices, one separate TP=2 engine, the critic and the reward model on pools of their own."""
+
+
 def config(tmp_path, *overrides: str):
     """The quickstart recipe, micro-batches small enough for up to four data-parallel ranks."""
     return load_config(
@@ -106,19 +121,7 @@ def test_placement_imports_without_ray():
 def test_named_pools_get_bundles_of_their_own_after_the_engines(tmp_path):
     from rltrain.orchestrator.placement import PoolPlacement, run_placement
 
-    cfg = config(
-        tmp_path,
-        "cluster.n_gpus_per_node=2",
-        "rollout.mode=separate",
-        "rollout.num_devices=2",
-        "rollout.tensor_model_parallel_size=2",
-        "cluster.resource_pools.critic_pool.n_gpus_per_node=2",
-        "cluster.resource_pools.rm_pool.n_gpus_per_node=1",
-        "cluster.role_pool.critic=critic_pool",
-        "cluster.role_pool.reward_model=rm_pool",
-        "reward.reward_model.enable=true",
-        "reward.reward_model.model.path=/models/rm",
-    )
+    cfg = config(tmp_path, *NAMED_POOLS)
     layout = run_placement(cfg, gpu=True)
     # trainer 0-1, the one TP=2 engine 2, critic 3-4, reward model 5
     assert layout.pools == (

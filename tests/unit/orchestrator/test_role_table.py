@@ -12,6 +12,7 @@ from rltrain.orchestrator.role_table import ROLES, RoleRun, RoleSpec, pool_roles
 from rltrain.trainer.algorithms import build_algorithm
 from rltrain.workers.model_workers import CriticWorker, PolicyWorker, RewardModelWorker
 from rltrain.workers.rollout_worker import RolloutWorker
+from tests.unit.orchestrator.test_placement import NAMED_POOLS
 
 
 def run_of(tmp_path, *overrides: str) -> RoleRun:
@@ -53,22 +54,10 @@ def test_grpo_without_kl_has_neither_critic_nor_reference(tmp_path):
 
 
 def test_separate_engines_and_a_pooled_reward_model(tmp_path):
-    run = run_of(
-        tmp_path,
-        "cluster.n_gpus_per_node=2",
-        "rollout.mode=separate",
-        "rollout.num_devices=4",
-        "rollout.tensor_model_parallel_size=2",
-        "cluster.resource_pools.critic_pool.n_gpus_per_node=2",
-        "cluster.resource_pools.rm_pool.n_gpus_per_node=1",
-        "cluster.role_pool.critic=critic_pool",
-        "cluster.role_pool.reward_model=rm_pool",
-        "reward.reward_model.enable=true",
-        "reward.reward_model.model.path=/models/rm",
-    )
+    run = run_of(tmp_path, *NAMED_POOLS)
     specs = run_roles(run)
     assert [s.name for s in specs] == ["actor_rollout_ref", "rollout", "critic", "reward_model"]
-    assert [s.world(run) for s in specs] == [2, 2, 2, 1]  # 4 devices / TP 2 = 2 engines
+    assert [s.world(run) for s in specs] == [2, 1, 2, 1]  # 2 devices / TP 2 = 1 engine
     assert [s.worker_class() for s in specs[1::2]] == [RolloutWorker, RewardModelWorker]
     assert pool_roles(run) == {
         "global_pool": ["actor"],
