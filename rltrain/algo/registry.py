@@ -50,6 +50,17 @@ class Registry(Generic[T]):
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise UnknownNameError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}{hint}")
 
+    def problems(self, name: str, key: str) -> list[str]:
+        """A config check: ``[]`` when ``name`` is registered, else one line naming ``key``, the
+        registered names and the closest one."""
+        if name in self:
+            return []
+        try:
+            self.get(name)
+        except KeyError as err:
+            return [f"{key}: {err}"]
+        return []
+
     def names(self) -> tuple[str, ...]:
         """Registered names, sorted."""
         return tuple(sorted(self._entries))

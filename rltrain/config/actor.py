@@ -64,12 +64,7 @@ class PolicyLossConfig:
     def validate(self, prefix: str) -> list[str]:
         from rltrain.algo import POLICY_LOSSES  # torch, lazily
 
-        problems = []
-        if self.loss_mode not in POLICY_LOSSES:
-            try:
-                POLICY_LOSSES.get(self.loss_mode)
-            except KeyError as err:  # the registry's message names the choices and the closest one
-                problems.append(f"{prefix}.loss_mode: {err}")
+        problems = POLICY_LOSSES.problems(self.loss_mode, f"{prefix}.loss_mode")
         if self.loss_mode == "dro" and self.dro_beta is None:
             problems.append(f"{prefix}.dro_beta is null: {prefix}.loss_mode=dro needs a value > 0")
         if self.clip_cov_lb >= self.clip_cov_ub:

@@ -161,12 +161,7 @@ class AlgorithmConfig:
     def validate(self, prefix: str) -> list[str]:
         from rltrain.algo import ADV_ESTIMATORS  # torch, lazily
 
-        problems = []
-        if self.adv_estimator not in ADV_ESTIMATORS:
-            try:
-                ADV_ESTIMATORS.get(self.adv_estimator)
-            except KeyError as err:  # the registry's message names the choices and the closest one
-                problems.append(f"{prefix}.adv_estimator: {err}")
+        problems = ADV_ESTIMATORS.problems(self.adv_estimator, f"{prefix}.adv_estimator")
         if not 0 <= self.gamma <= 1:
             problems.append(f"{prefix}.gamma must lie in [0, 1], got {self.gamma}")
         if not 0 <= self.lam <= 1:

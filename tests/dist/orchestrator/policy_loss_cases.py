@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from rollout_correction_cases import RESPONSE_LEN, RESPONSE_LENGTHS, _ActorUpdates, _batch, _config
+from rollout_correction_cases import RESPONSE_LEN, RESPONSE_LENGTHS, _ActorUpdates, _batch, _config, actor_worker
 from transformers import AutoConfig
 
 from rltrain.config import RLConfig
@@ -167,14 +167,7 @@ def policy_loss_updates(model_dir: str) -> dict[str, Any]:
         ),
     )
     # The reference model is never asked for: the batch carries ``ref_logprobs`` set here.
-    worker = PolicyWorker(
-        base,
-        model_dir,
-        None,
-        total_steps=1,
-        placement=rollout_placement(base, gpu=False),
-        reference=build_algorithm(base).needs.reference,
-    )
+    worker = actor_worker(base, model_dir)
     role = _ActorUpdates(SPMDGroup("actor", worker))
     batch = _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
     batch.sampled_mask = SAMPLED_MASK.clone()

@@ -126,9 +126,9 @@ class _ActorUpdates(_DataParallelRole):
     metric_prefix = "actor"
 
 
-def _update(config: RLConfig, model_dir: str, batch: StepBatch, ctx=None) -> dict[str, Any]:
-    """Build an actor, update it on ``batch`` (two mini-batches), and what to compare."""
-    worker = PolicyWorker(
+def actor_worker(config: RLConfig, model_dir: str, ctx=None) -> PolicyWorker:
+    """The policy worker of ``config`` on this process's rank, for a one-step run."""
+    return PolicyWorker(
         config,
         model_dir,
         None,
@@ -137,6 +137,11 @@ def _update(config: RLConfig, model_dir: str, batch: StepBatch, ctx=None) -> dic
         reference=build_algorithm(config).needs.reference,
         ctx=ctx,
     )
+
+
+def _update(config: RLConfig, model_dir: str, batch: StepBatch, ctx=None) -> dict[str, Any]:
+    """Build an actor, update it on ``batch`` (two mini-batches), and what to compare."""
+    worker = actor_worker(config, model_dir, ctx=ctx)
     old, _, _ = worker.compute_log_prob(batch)
     batch.old_logprobs = old
     batch.rollout_logprobs = old - LOG_RATIO.to(old.dtype)
