@@ -225,12 +225,15 @@ def model_alone(
 
     from transformers import AutoConfig
 
+    from rltrain.algo.loss_agg import GlobalCounts
     from rltrain.algo.token_batch import TokenBatch
+    from rltrain.config.algorithm import AlgorithmConfig
     from rltrain.config.parallel import ParallelConfig
     from rltrain.megatron.parallel import ParallelContext
     from rltrain.megatron.worker import MegatronWorker
     from rltrain.models.source import resolve_model_dir
-    from rltrain.workers.ppo_losses import GlobalCounts, actor_loss_fn, critic_loss_fn
+    from rltrain.trainer.algorithms.losses import actor_loss_of, critic_loss_of
+    from rltrain.workers.ppo_losses import actor_loss_fn, critic_loss_fn
     from rltrain.workers.rank_base import role_batching as batching
 
     torch.set_num_threads(1)
@@ -281,14 +284,16 @@ def model_alone(
     stages = {
         "old_logprob": lambda: actor.compute_log_prob(batch),
         "ref": lambda: ref.compute_log_prob(batch),
-        "update_actor": lambda: updates(actor, actor_cfg, lambda c: actor_loss_fn(actor_cfg, c)),
+        "update_actor": lambda: updates(
+            actor, actor_cfg, lambda c: actor_loss_fn(actor_loss_of(actor_cfg, AlgorithmConfig()), c)
+        ),
     }
     if critic:
         stages["values"] = lambda: critic.compute_values(batch)
         stages["update_critic"] = lambda: updates(
             critic,
             critic_cfg,
-            lambda c: critic_loss_fn(critic_cfg, c, actor_loss_scale_factor=actor_cfg.loss_scale_factor),
+            lambda c: critic_loss_fn(critic_loss_of(critic_cfg, actor_cfg), c),
         )
     try:
         return median_seconds(stages, repeats)

@@ -210,7 +210,7 @@ class PPOTrainer(RolloutSide, CheckpointedRun):
             critic_update = None
             if critic is not None:
                 with timer.stage("update_critic"):
-                    critic_update = critic.start_update(mini_batches)
+                    critic_update = critic.start_update(mini_batches, self.algorithm.critic_loss)
             actor_metrics = self.update_actor(step, mini_batches)
             if critic_update is not None:
                 with timer.stage("update_critic"):
@@ -281,7 +281,7 @@ class PPOTrainer(RolloutSide, CheckpointedRun):
             self.source.after_update(step, updated=False)
             return {}
         with self.timer.stage("update_actor"):
-            metrics = _mean_over_steps(self.roles.policy.update(mini_batches))
+            metrics = _mean_over_steps(self.roles.policy.update(mini_batches, self.algorithm.actor_loss))
         with self.timer.stage("weight_sync"):
             return metrics | self.source.after_update(step, updated=True)
 

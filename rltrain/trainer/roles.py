@@ -17,6 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import torch
 
 from rltrain.algo.loss_agg import GlobalCounts
+from rltrain.algo.loss_specs import ActorLoss, CriticLoss
 from rltrain.config.trainer import TrainerConfig
 from rltrain.data.step_batch import StepBatch
 from rltrain.orchestrator.placement import RolloutPlacement
@@ -101,20 +102,21 @@ class _DataParallelRole:
 
         return PendingCall(leaders_answers)
 
-    def _update(self, method: str, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
-        return self._start_update(method, mini_batches).result()
+    def _update(self, method: str, mini_batches: list[StepBatch], loss: Any) -> list[dict[str, float]]:
+        return self._start_update(method, mini_batches, loss).result()
 
     def _start_update(
-        self, method: str, mini_batches: list[StepBatch]
+        self, method: str, mini_batches: list[StepBatch], loss: Any
     ) -> PendingCall[list[dict[str, float]]]:
-        """One optimizer step per mini-batch; each rank gets its data-parallel part of every one.
-        Its result has passed the role's divergence guard."""
+        """One optimizer step of ``loss`` (the algorithm's, :mod:`rltrain.algo.loss_specs`) per
+        mini-batch; each rank gets its data-parallel part of every one. Its result has passed the
+        role's divergence guard."""
         plans: list[list[tuple[StepBatch, GlobalCounts]]] = [[] for _ in range(self.dp_size)]
         for mini in mini_batches:
             counts = GlobalCounts.of(mini.response_mask)
             for d, part in enumerate(mini.chunk(self.dp_size)):
                 plans[d].append((part, counts))
-        pending = self._start_each(method, [(plans[d],) for d in self.dp_ranks])
+        pending = self._start_each(method, [(plans[d], loss) for d in self.dp_ranks])
 
         def checked() -> list[dict[str, float]]:
             results = pending.result()
@@ -195,8 +197,8 @@ class PolicyRole(_DataParallelRole):
     def compute_ref_log_prob(self, batch: StepBatch) -> torch.Tensor:
         return torch.cat(self._dispatch("compute_ref_log_prob", batch))
 
-    def update(self, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
-        return self._update("update_actor", mini_batches)
+    def update(self, mini_batches: list[StepBatch], loss: ActorLoss) -> list[dict[str, float]]:
+        return self._update("update_actor", mini_batches, loss)
 
     def sync_weights(self, *, version: int | None = None) -> dict[str, float]:
         """Send the actor's weights to the engines; ``version`` (partial rollouts): the policy version
@@ -225,12 +227,14 @@ class CriticRole(_DataParallelRole):
         parts = self._start_dispatch("compute_values", batch)
         return PendingCall(lambda: torch.cat(parts.result()))
 
-    def update(self, mini_batches: list[StepBatch]) -> list[dict[str, float]]:
-        return self._update("update_critic", mini_batches)
+    def update(self, mini_batches: list[StepBatch], loss: CriticLoss) -> list[dict[str, float]]:
+        return self._update("update_critic", mini_batches, loss)
 
-    def start_update(self, mini_batches: list[StepBatch]) -> PendingCall[list[dict[str, float]]]:
+    def start_update(
+        self, mini_batches: list[StepBatch], loss: CriticLoss
+    ) -> PendingCall[list[dict[str, float]]]:
         """One optimizer step per mini-batch; ``result()`` gives each step's metrics."""
-        return self._start_update("update_critic", mini_batches)
+        return self._start_update("update_critic", mini_batches, loss)
 
 
 class RewardModelRole(_DataParallelRole):

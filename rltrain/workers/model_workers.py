@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrain.algo.loss_agg import GlobalCounts
+from rltrain.algo.loss_specs import ActorLoss, CriticLoss
 from rltrain.algo.rollout_correction import CorrectionStats, RolloutCorrectionSpec, correction_stats
 from rltrain.config import RLConfig
 from rltrain.data.step_batch import StepBatch
 from rltrain.orchestrator.placement import RolloutPlacement
-from rltrain.workers.ppo_losses import actor_correction, actor_loss_fn, critic_loss_fn
+from rltrain.workers.ppo_losses import actor_loss_fn, critic_loss_fn
 
 if TYPE_CHECKING:
     pass
@@ -196,27 +197,22 @@ class PolicyWorker(MegatronRankBase):
             )
         return self.ref.compute_log_prob(token_batch(batch)).logprobs
 
-    def update_actor(self, mini_batches: list[tuple[StepBatch, GlobalCounts]]) -> list[dict[str, float]]:
-        """One optimizer step per (local mini-batch, its global counts); metrics per step."""
-        loss_inputs = ("old_logprobs", "advantages")
-        if self.config.actor.use_kl_loss:
-            loss_inputs += ("ref_logprobs",)
-        correction = actor_correction(self.config.actor, self.config.algorithm)
-        if correction is not None:
-            loss_inputs += ("rollout_logprobs",)
+    def update_actor(
+        self, mini_batches: list[tuple[StepBatch, GlobalCounts]], loss: ActorLoss
+    ) -> list[dict[str, float]]:
+        """One optimizer step per (local mini-batch, its global counts) of the run's actor ``loss``;
+        metrics per step."""
+        correction = loss.correction
         results = []
         for local, counts in mini_batches:
             extra: dict[str, float] = {}
-            if correction is not None and (correction.spec.rejection or correction.log_metrics):
-                stats = self._correction_stats(local, correction.spec)
-                if correction.spec.rejection:
+            if correction is not None and (correction.rejection or loss.log_correction_metrics):
+                stats = self._correction_stats(local, correction)
+                if correction.rejection:
                     counts = counts.kept(stats)
-                if correction.log_metrics:
-                    extra = stats.metrics(correction.spec)
-            loss_fn = actor_loss_fn(
-                self.config.actor, counts, correction=None if correction is None else correction.spec
-            )
-            res = self.actor.update(token_batch(local, loss_inputs), loss_fn)
+                if loss.log_correction_metrics:
+                    extra = stats.metrics(correction)
+            res = self.actor.update(token_batch(local, loss.inputs), actor_loss_fn(loss, counts))
             results.append(step_metrics("actor", res) | extra)
             self._log_trained("actor", len(results) - 1, len(mini_batches), local)
         return results
@@ -279,13 +275,13 @@ class CriticWorker(MegatronRankBase):
     def compute_values(self, batch: StepBatch) -> torch.Tensor:
         return self.critic.compute_values(token_batch(batch))
 
-    def update_critic(self, mini_batches: list[tuple[StepBatch, GlobalCounts]]) -> list[dict[str, float]]:
+    def update_critic(
+        self, mini_batches: list[tuple[StepBatch, GlobalCounts]], loss: CriticLoss
+    ) -> list[dict[str, float]]:
+        """One optimizer step per (local mini-batch, its global counts) of the run's critic ``loss``."""
         results = []
         for local, counts in mini_batches:
-            loss_fn = critic_loss_fn(
-                self.config.critic, counts, actor_loss_scale_factor=self.config.actor.loss_scale_factor
-            )
-            res = self.critic.update(token_batch(local, ("values", "returns")), loss_fn)
+            res = self.critic.update(token_batch(local, loss.inputs), critic_loss_fn(loss, counts))
             results.append(step_metrics("critic", res))
             self._log_trained("critic", len(results) - 1, len(mini_batches), local)
         return results

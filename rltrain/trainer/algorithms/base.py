@@ -12,10 +12,11 @@ asked of the run's :class:`Algorithm`, and the loop never reads an algorithm set
   its controller, an interaction's turn rewards);
 - :meth:`Algorithm.estimate`: the advantages and returns (``algorithm.adv_estimator``, looked up in
   the estimator registry of :mod:`rltrain.algo.advantages`);
-- :meth:`Algorithm.updates_actor`: whether a step updates the actor (the critic's warm-up).
-
-The losses are the actor's and critic's (``actor.policy_loss.loss_mode`` in the policy-loss
-registry, ``actor.use_kl_loss``, ``critic.cliprange_value``), built on their ranks.
+- :meth:`Algorithm.updates_actor`: whether a step updates the actor (the critic's warm-up);
+- :attr:`Algorithm.actor_loss`, :attr:`Algorithm.critic_loss`: the losses the updates minimize, as
+  data (:mod:`rltrain.algo.loss_specs`) sent with each update to the ranks, which build each
+  mini-batch's loss from them (by default from ``actor.*`` and ``critic.*``:
+  :mod:`~rltrain.trainer.algorithms.losses`).
 
 This base class is KL-regularized PPO and the critic-free estimators over it (GRPO, RLOO,
 REINFORCE++, OPO, ...). An algorithm that needs more is one subclass in a file of its own in this
@@ -40,6 +41,7 @@ from rltrain.algo import (
 )
 from rltrain.logging import metrics as mk
 from rltrain.trainer.algorithms.dapo import DynamicSampling
+from rltrain.trainer.algorithms.losses import actor_loss_of, critic_loss_of
 
 if TYPE_CHECKING:
     from rltrain.config import RLConfig
@@ -93,6 +95,10 @@ class Algorithm:
         """β of the KL in the reward (fixed or adaptive); checkpointed with the run."""
         self.dynamic_sampling = DynamicSampling(config) if algo.filter_groups.enable else None
         """DAPO's dynamic sampling (``algorithm.filter_groups.enable``), or None."""
+        self.actor_loss = actor_loss_of(config.actor, algo)
+        """The actor's loss (``actor.policy_loss``, entropy bonus, KL loss, rollout correction)."""
+        self.critic_loss = critic_loss_of(config.critic, config.actor)
+        """The critic's clipped value loss."""
         self.needs = Needs(
             critic=config.critic_enabled(),
             reference=algo.use_kl_in_reward or config.actor.use_kl_loss,

@@ -177,8 +177,8 @@ def policy_loss_updates(model_dir: str) -> dict[str, Any]:
         logprobs, entropy, _ = worker.compute_log_prob(batch)
         batch.old_logprobs = logprobs - LOG_RATIO.to(logprobs.dtype)
         batch.ref_logprobs = logprobs - REF_LOG_RATIO.to(logprobs.dtype)
-        worker.config = _actor_config(base, case)
-        (metrics,) = role._update("update_actor", [batch])
+        config = _actor_config(base, case)
+        (metrics,) = role._update("update_actor", [batch], build_algorithm(config).actor_loss)
         # numpy, pickled by value (a tensor would cross the queue as a shared-memory handle)
         out["cases"][case.name] = {
             "metrics": metrics,

@@ -147,7 +147,7 @@ def _update(config: RLConfig, model_dir: str, batch: StepBatch, ctx=None) -> dic
     batch.rollout_logprobs = old - LOG_RATIO.to(old.dtype)
     role = _ActorUpdates(SPMDGroup("actor", worker))
     minis = [batch.select(list(range(i, i + MINI_BATCH))) for i in range(0, batch.batch_size, MINI_BATCH)]
-    steps = role._update("update_actor", minis)
+    steps = role._update("update_actor", minis, build_algorithm(config).actor_loss)
     after, _, _ = worker.compute_log_prob(batch)
     # numpy, pickled by value: a tensor would cross the queue as a shared-memory handle that
     # vanishes when this process exits before the parent reads it

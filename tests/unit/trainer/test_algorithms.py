@@ -133,3 +133,53 @@ def test_a_new_algorithm_is_one_registered_class(tmp_path, monkeypatch):
         )
     with pytest.raises(ValueError, match="already registered for adv_estimator 'grpo'"):
         register_algorithm("grpo")(Algorithm)
+
+
+def test_the_algorithm_owns_the_losses_the_updates_get(tmp_path, monkeypatch):
+    """The actor's and critic's losses are the algorithm's, built from ``actor.*`` / ``critic.*`` by
+    default, and what the trainer hands the policy's update is the algorithm's object."""
+    config = config_of(
+        tmp_path,
+        "actor.use_kl_loss=true",
+        "actor.kl_loss_coef=0.05",
+        "actor.kl_loss_type=low_var_kl",
+        "actor.entropy_coeff=0.01",
+        "actor.clip_ratio_high=0.28",
+        "actor.tis_imp_ratio_cap=2.0",
+        "critic.cliprange_value=0.3",
+    )
+    algo = build_algorithm(config)
+    actor = algo.actor_loss
+    assert (actor.loss_mode, actor.loss_agg_mode, actor.entropy_coeff) == ("vanilla", "token-mean", 0.01)
+    assert (actor.kl_loss.coef, actor.kl_loss.kind) == (0.05, "low_var_kl")
+    assert (actor.params.clip_ratio, actor.params.clip_ratio_high) == (0.2, 0.28)
+    assert (actor.correction.rollout_is, actor.correction.rollout_is_threshold) == ("token", 2.0)
+    assert actor.inputs == ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs")
+    assert (algo.critic_loss.cliprange_value, algo.critic_loss.inputs) == (0.3, ("values", "returns"))
+
+    class RecordingPolicy:
+        def __init__(self):
+            self.losses = []
+
+        def update(self, mini_batches, loss):
+            self.losses.append(loss)
+            return [{"actor/pg_loss": 1.0}]
+
+    class Source:
+        def after_update(self, step, *, updated):
+            return {}
+
+    policy = RecordingPolicy()
+    trainer = PPOTrainer(
+        config,
+        roles=Roles(policy, None),
+        tokenizer=None,
+        data=None,
+        rewards=None,
+        tracker=None,
+        total_steps=1,
+    )
+    trainer.source = Source()
+    assert trainer.update_actor(config.critic.warmup_steps, []) == {}  # the warm-up: no update
+    assert trainer.update_actor(config.critic.warmup_steps + 1, []) == {"actor/pg_loss": 1.0}
+    assert policy.losses == [trainer.algorithm.actor_loss]

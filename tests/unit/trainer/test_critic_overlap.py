@@ -10,10 +10,13 @@ import math
 import pytest
 import torch
 
+from rltrain.algo.loss_specs import CriticLoss
 from rltrain.config.trainer import TrainerConfig
 from rltrain.data.step_batch import build_step_batch
 from rltrain.errors import DivergenceError
 from rltrain.trainer.roles import CriticRole
+
+LOSS = CriticLoss(loss_agg_mode="token-mean", loss_scale_factor=None, cliprange_value=0.5)
 
 
 class RecordingCriticGroup:
@@ -38,6 +41,7 @@ class RecordingCriticGroup:
                 for (part,) in per_rank_args
             ]
         assert method == "update_critic"
+        assert [loss for _, loss in per_rank_args] == [LOSS, LOSS]  # every rank gets the run's loss
         metrics = [self.updates.pop(0)]
         return [metrics, metrics]
 
@@ -98,7 +102,7 @@ def test_without_overlap_a_call_has_finished_when_start_returns():
     group = RecordingCriticGroup([update_metrics(loss=0.25)])
     critic = CriticRole(group)
     pending_values = critic.start_values(batch_of(5, 8))
-    pending_update = critic.start_update([batch_of(5, 8)])
+    pending_update = critic.start_update([batch_of(5, 8)], LOSS)
     assert group.events == ["call compute_values", "call update_critic"]
     assert pending_update.result() == [update_metrics(loss=0.25)]
     assert pending_values.result().tolist() == [[5.0, 5.0], [5.0, 5.0], [8.0, 8.0], [8.0, 8.0]]
@@ -109,8 +113,8 @@ def test_an_overlapped_update_passes_the_divergence_guard_when_collected():
     bad = update_metrics(loss=math.nan, skipped=True)
     group = RecordingCriticGroup([bad, bad])
     critic = CriticRole(group, trainer=TrainerConfig(max_consecutive_skipped_steps=2), overlap=True)
-    assert critic.start_update([batch_of(5, 8)]).result() == [bad]
-    second = critic.start_update([batch_of(5, 8)])  # submitted: nothing checked yet
+    assert critic.start_update([batch_of(5, 8)], LOSS).result() == [bad]
+    second = critic.start_update([batch_of(5, 8)], LOSS)  # submitted: nothing checked yet
     assert group.events[-1] == "submit update_critic"
     with pytest.raises(DivergenceError, match=r"^critic diverged: 2 optimizer steps in a row"):
         second.result()

@@ -7,11 +7,14 @@ import math
 
 import pytest
 
+from rltrain.algo.loss_specs import CriticLoss
 from rltrain.config.trainer import TrainerConfig
 from rltrain.data.step_batch import build_step_batch
 from rltrain.errors import DivergenceError, RunStopped
 from rltrain.trainer.divergence import DivergenceGuard
 from rltrain.trainer.roles import CriticRole
+
+LOSS = CriticLoss(loss_agg_mode="token-mean", loss_scale_factor=None, cliprange_value=0.5)
 
 NAN, INF = math.nan, math.inf
 
@@ -83,7 +86,7 @@ class _CriticGroup:
         return [{"dp_rank": r, "dp_size": 2} for r in range(2)]
 
     def call_each(self, method: str, per_rank_args: list[tuple]):
-        assert method == "update_critic" and len(per_rank_args) == 2
+        assert method == "update_critic" and [loss for _, loss in per_rank_args] == [LOSS, LOSS]
         metrics = self.per_update.pop(0)
         return [metrics, metrics]
 
@@ -104,11 +107,11 @@ def test_a_role_update_raises_before_returning_with_the_runs_limit():
     critic = CriticRole(
         _CriticGroup([good, bad, bad]), trainer=TrainerConfig(max_consecutive_skipped_steps=2)
     )
-    assert critic.update([batch]) == good
-    assert critic.update([batch]) == bad
+    assert critic.update([batch], LOSS) == good
+    assert critic.update([batch], LOSS) == bad
     with pytest.raises(
         DivergenceError, match=r"^critic diverged: 2 optimizer steps in a row .* critic/loss=nan$"
     ):
-        critic.update([batch])
+        critic.update([batch], LOSS)
     # without a trainer config the defaults hold
     assert CriticRole(_CriticGroup([]), trainer=None).guard == DivergenceGuard("critic", 3, 1e4)

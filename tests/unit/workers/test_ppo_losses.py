@@ -11,6 +11,8 @@ from rltrain.algo.losses import PolicyLossParams
 from rltrain.algo.token_batch import ModelOutput, TokenBatch
 from rltrain.config import ActorConfig, CriticConfig, load_config
 from rltrain.config.actor import PolicyLossConfig
+from rltrain.config.algorithm import AlgorithmConfig
+from rltrain.trainer.algorithms.losses import actor_loss_of, critic_loss_of
 from rltrain.workers import ppo_losses
 from rltrain.workers.ppo_losses import actor_loss_fn, critic_loss_fn
 
@@ -32,7 +34,7 @@ def test_actor_loss_sums_over_micro_batches_to_token_mean():
     cfg = ActorConfig(
         entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="kl", clip_ratio=0.2
     )
-    fn = actor_loss_fn(cfg, GlobalCounts.of(mask))
+    fn = actor_loss_fn(actor_loss_of(cfg, AlgorithmConfig()), GlobalCounts.of(mask))
     full, _ = fn(
         ModelOutput(logprobs=new, entropy=entropy),
         micro(mask, old_logprobs=old, advantages=adv, ref_logprobs=ref),
@@ -61,7 +63,9 @@ def test_critic_loss_matches_clipped_value_loss_by_hand():
     values = torch.tensor([[0.0, 1.0], [2.0, 5.0]])
     vpreds = torch.tensor([[1.0, 1.0], [2.2, 9.0]])
     returns = torch.tensor([[1.0, 0.0], [3.0, 0.0]])
-    fn = critic_loss_fn(CriticConfig(cliprange_value=0.5), GlobalCounts.of(mask))
+    fn = critic_loss_fn(
+        critic_loss_of(CriticConfig(cliprange_value=0.5), ActorConfig()), GlobalCounts.of(mask)
+    )
     loss, metrics = fn(ModelOutput(values=vpreds), micro(mask, values=values, returns=returns))
     # (0,0): clip(1, -0.5, 0.5)=0.5 -> max(0, 0.25)=0.25, clipped; (0,1): max(1, 1)=1;
     # (1,0): clip(2.2, 1.5, 2.5)=2.2 -> 0.64; (1,1) is padding.
@@ -83,7 +87,7 @@ def test_tool_tokens_of_a_multi_turn_response_get_exactly_zero_gradient():
         sampled_mask=sampled,
     )
     cfg = ActorConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
-    loss_fn = actor_loss_fn(cfg, GlobalCounts.of(batch.response_mask))
+    loss_fn = actor_loss_fn(actor_loss_of(cfg, AlgorithmConfig()), GlobalCounts.of(batch.response_mask))
     logprobs = torch.tensor([[-0.9, -1.1, -0.2, -3.0, -1.0, 0.0]], requires_grad=True)
     entropy = torch.tensor([[2.0, 2.1, 0.5, 0.4, 1.9, 0.0]], requires_grad=True)
     loss, metrics = loss_fn(ModelOutput(logprobs=logprobs, entropy=entropy), batch)
@@ -139,7 +143,9 @@ def test_tau_and_dro_beta_reach_the_policy_loss(monkeypatch):
         old_logprobs=logprobs.detach() - torch.tensor([[0.2, -0.4], [0.0, 0.0]], dtype=torch.float64),
         advantages=torch.tensor([[1.0, 1.0], [-0.5, 0.0]], dtype=torch.float64),
     )
-    loss, _ = actor_loss_fn(cfg, GlobalCounts.of(mask))(ModelOutput(logprobs, torch.zeros(2, 2)), batch)
+    loss, _ = actor_loss_fn(actor_loss_of(cfg, AlgorithmConfig()), GlobalCounts.of(mask))(
+        ModelOutput(logprobs, torch.zeros(2, 2)), batch
+    )
     assert seen == [("dro", PolicyLossParams(tau_pos=1.5, tau_neg=2.5, dro_beta=0.5))]
     # -(A logp - 0.25 lr²): 1 + 0.01, 2 + 0.04, -0.25; mean over 3 tokens
     assert loss.item() == pytest.approx((1.01 + 2.04 - 0.25) / 3, rel=1e-12)
@@ -148,7 +154,7 @@ def test_tau_and_dro_beta_reach_the_policy_loss(monkeypatch):
 def run_actor(cfg: ActorConfig, ref_logprobs: torch.Tensor | None = None):
     logprobs = LOGPROBS.clone().requires_grad_()
     batch = micro(LOSS_MASK, old_logprobs=LOGPROBS - 0.1, advantages=ADVANTAGES, ref_logprobs=ref_logprobs)
-    loss, metrics = actor_loss_fn(cfg, GlobalCounts.of(LOSS_MASK))(
+    loss, metrics = actor_loss_fn(actor_loss_of(cfg, AlgorithmConfig()), GlobalCounts.of(LOSS_MASK))(
         ModelOutput(logprobs, torch.zeros(3, 3)), batch
     )
     loss.backward()
@@ -214,7 +220,7 @@ def test_critic_loss_scale_factor(tmp_path):
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     values = torch.zeros(2, 2)
     returns = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
-    loss, _ = critic_loss_fn(cfg, GlobalCounts.of(mask))(
+    loss, _ = critic_loss_fn(critic_loss_of(cfg, ActorConfig()), GlobalCounts.of(mask))(
         ModelOutput(values=values), micro(mask, values=values, returns=returns)
     )
     # 0.5 · mean over 2 sequences of (1 + 4) / 4 and 9 / 4
@@ -229,8 +235,8 @@ def test_critic_loss_scale_factor_falls_back_to_the_actors(critic_scale, actor_s
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     values = torch.zeros(2, 2)
     returns = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
-    loss, _ = critic_loss_fn(cfg, GlobalCounts.of(mask), actor_loss_scale_factor=actor_scale)(
-        ModelOutput(values=values), micro(mask, values=values, returns=returns)
-    )
+    loss, _ = critic_loss_fn(
+        critic_loss_of(cfg, ActorConfig(loss_scale_factor=actor_scale)), GlobalCounts.of(mask)
+    )(ModelOutput(values=values), micro(mask, values=values, returns=returns))
     # squared errors 0.5 · (1 + 4) and 0.5 · 9 per sequence, each over C = scale (2: the padded width)
     torch.testing.assert_close(loss, torch.tensor(0.5 * (5 / scale + 9 / scale) / 2))

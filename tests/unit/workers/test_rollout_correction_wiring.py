@@ -1,16 +1,19 @@
 """The actor loss with rollout correction: rejection equals training on the kept rows alone, TIS stays
 bit-identical to the loss's own TIS, and the config resolves to the right correction."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from rltrain.algo.loss_agg import LossAgg
+from rltrain.algo.loss_agg import GlobalCounts, LossAgg
 from rltrain.algo.losses import PolicyLossInputs, PolicyLossParams, compute_policy_loss
 from rltrain.algo.rollout_correction import RolloutCorrectionSpec, correction_stats, parse_rejection
 from rltrain.algo.token_batch import ModelOutput, TokenBatch
 from rltrain.config import ActorConfig
 from rltrain.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
-from rltrain.workers.ppo_losses import GlobalCounts, actor_correction, actor_loss_fn
+from rltrain.trainer.algorithms.losses import actor_correction, actor_loss_of
+from rltrain.workers.ppo_losses import actor_loss_fn
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
 ROLLOUT = torch.tensor([[-1.0, -0.5, 0.0], [-2.0, -0.3, -0.9], [-0.2, -1.1, -0.4], [-0.8, 0.0, 0.0]])
@@ -46,7 +49,7 @@ def test_sequence_rejection_equals_the_loss_over_the_remaining_sequences(mode):
     stats = correction_stats(OLD, ROLLOUT, MASK, spec)
     assert (stats.kept_tokens, stats.kept_seqs) == (6, 3)
     counts = GlobalCounts.of(MASK).kept(stats)
-    fn = actor_loss_fn(cfg, counts, correction=spec)
+    fn = actor_loss_fn(replace(actor_loss_of(cfg, AlgorithmConfig()), correction=spec), counts)
     rows = [0, 1, 2, 3]
     full, _ = fn(output(rows), micro(rows, rollout_logprobs=ROLLOUT))
     # micro-batches still add up to the mini-batch loss
@@ -54,10 +57,19 @@ def test_sequence_rejection_equals_the_loss_over_the_remaining_sequences(mode):
     torch.testing.assert_close(halves, full)
 
     kept = [0, 1, 3]  # row 2 is out of bounds: an uncorrected loss over the other rows alone
-    reference, _ = actor_loss_fn(cfg, GlobalCounts.of(MASK[kept]))(output(kept), micro(kept))
+    reference, _ = actor_loss_fn(actor_loss_of(cfg, AlgorithmConfig()), GlobalCounts.of(MASK[kept]))(
+        output(kept), micro(kept)
+    )
     torch.testing.assert_close(full, reference, rtol=1e-6, atol=1e-7)
     assert (
-        abs(float(full) - float(actor_loss_fn(cfg, GlobalCounts.of(MASK))(output(rows), micro(rows))[0]))
+        abs(
+            float(full)
+            - float(
+                actor_loss_fn(actor_loss_of(cfg, AlgorithmConfig()), GlobalCounts.of(MASK))(
+                    output(rows), micro(rows)
+                )[0]
+            )
+        )
         > 1e-3
     )
 
@@ -67,9 +79,9 @@ def test_tis_cap_alone_keeps_the_loss_and_its_metrics_bit_identical():
     correction = actor_correction(cfg, AlgorithmConfig())
     assert correction.spec == RolloutCorrectionSpec("token", 1.2) and not correction.log_metrics
     counts = GlobalCounts.of(MASK)
-    loss, metrics = actor_loss_fn(cfg, counts, correction=correction.spec)(
-        output([0, 1, 2, 3]), micro([0, 1, 2, 3], rollout_logprobs=ROLLOUT)
-    )
+    loss, metrics = actor_loss_fn(
+        replace(actor_loss_of(cfg, AlgorithmConfig()), correction=correction.spec), counts
+    )(output([0, 1, 2, 3]), micro([0, 1, 2, 3], rollout_logprobs=ROLLOUT))
     legacy = compute_policy_loss(
         "vanilla",
         PolicyLossInputs(
