@@ -53,8 +53,6 @@ class Registry(Generic[T]):
     def problems(self, name: str, key: str) -> list[str]:
         """A config check: ``[]`` when ``name`` is registered, else one line naming ``key``, the
         registered names and the closest one."""
-        if name in self:
-            return []
         try:
             self.get(name)
         except KeyError as err:

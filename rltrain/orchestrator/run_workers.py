@@ -152,22 +152,22 @@ class RunWorkers:
         rollout_group.wait("connect_weight_sync", joining)
 
     def handles(self, groups: dict):
-        """The driver-side handles over the started groups."""
+        """The driver-side handles over the started groups: each row's handle fills its
+        :class:`~rltrain.trainer.driver.Roles` field (:attr:`RoleSpec.handle`)."""
+        from rltrain.orchestrator.role_table import run_roles
         from rltrain.trainer.driver import Roles
         from rltrain.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 
-        trainer, critic, reward_model = self.config.trainer, None, None
-        if "critic" in groups:
-            critic = CriticRole(groups["critic"], trainer=trainer, overlap=self.critic_overlaps())
-        if "reward_model" in groups:
-            reward_model = RewardModelRole(groups["reward_model"], trainer=trainer)
-        policy = PolicyRole(
-            groups["actor_rollout_ref"],
-            placement=self.layout,
-            separate=groups.get("rollout"),
-            trainer=trainer,
-        )
-        return Roles(policy=policy, critic=critic, reward_model=reward_model)
+        trainer = self.config.trainer
+        build = {
+            "policy": lambda group: PolicyRole(
+                group, placement=self.layout, separate=groups.get("rollout"), trainer=trainer
+            ),
+            "critic": lambda group: CriticRole(group, trainer=trainer, overlap=self.critic_overlaps()),
+            "reward_model": lambda group: RewardModelRole(group, trainer=trainer),
+        }
+        specs = [spec for spec in run_roles(self.role_run()) if spec.handle is not None]
+        return Roles(**{spec.handle: build[spec.handle](groups[spec.name]) for spec in specs})
 
     def critic_overlaps(self) -> bool:
         """``trainer.overlap_critic``; null: on a CPU-only cluster, or with the critic on devices of

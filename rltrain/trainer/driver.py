@@ -67,7 +67,7 @@ class Roles:
     policy: PolicyRole
     """Actor, reference and rollout."""
 
-    critic: CriticRole | None
+    critic: CriticRole | None = None
     """The critic, or None without one."""
 
     reward_model: RewardModelRole | None = None
