@@ -1,0 +1,111 @@
+"""Released ``config.json`` files of real checkpoints, as test data, and their tiny random models.
+
+Each checkpoint has a folder here named after its Hugging Face repository (``deepseek-v3``,
+``qwen3-8b-yarn``, ...) holding:
+
+- ``config.json``: the released file, byte for byte as published (``source`` in ``shrink.yaml`` says
+  where it was copied from);
+- ``shrink.yaml``: ``source`` (where the file comes from), and ``shrink``: every field changed to make
+  the model tiny, each ``key: {value: ..., why: ...}`` (a dotted key reaches into a nested dict:
+  ``rope_scaling.original_max_position_embeddings``). Only size fields may change (``SIZE_KEYS``,
+  checked by ``tests/unit/models/test_released_configs.py``): layers, widths, head counts, expert
+  counts, vocabulary, lengths. Everything else (RoPE type and factors, routing, norms, biases, MTP
+  and sliding-window settings) stays as released.
+
+``shrunk_config(name)`` gives the tiny config dict; ``save_released_model(out_dir, name)`` builds the
+tiny random model from it with transformers (the reference) and saves it with the tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).parent
+
+SIZE_KEYS = frozenset(
+    {
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "n_group",
+        "topk_group",
+        "first_k_dense_replace",
+        "vocab_size",
+        "max_position_embeddings",
+        "sliding_window",
+        "layer_types",
+        "rope_scaling.original_max_position_embeddings",
+        "rope_parameters.original_max_position_embeddings",
+    }
+)
+"""The fields a shrink may change: sizes and counts (a list like ``layer_types`` only in length)."""
+
+
+def released_names() -> list[str]:
+    return sorted(p.name for p in HERE.iterdir() if (p / "config.json").is_file())
+
+
+def released_config(name: str) -> dict[str, Any]:
+    """The released ``config.json`` of checkpoint ``name``, as published."""
+    return json.loads((HERE / name / "config.json").read_text())
+
+
+def shrink_table(name: str) -> dict[str, Any]:
+    """``shrink.yaml`` of ``name``: ``source`` and ``shrink`` (key → {value, why})."""
+    return yaml.safe_load((HERE / name / "shrink.yaml").read_text())
+
+
+def shrunk_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """The released config of ``name`` with its shrink applied (then ``overrides``, top-level keys)."""
+    config = copy.deepcopy(released_config(name))
+    for key, change in shrink_table(name)["shrink"].items():
+        *parents, leaf = key.split(".")
+        target = config
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = copy.deepcopy(change["value"])
+    config.update(overrides)
+    return config
+
+
+def save_released_model(out_dir: str | Path, name: str, *, seed: int = 0, **overrides: Any) -> Path:
+    """Build the tiny random model of ``name`` (transformers, fp32) and save it with the tiny
+    tokenizer; the vocabulary is the tokenizer's, padded to a multiple of 64. Returns the folder."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from rltrain.models.tiny import build_tiny_tokenizer, save_pretrained_with_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = shrunk_config(name, vocab_size=-(-len(tokenizer) // 64) * 64, **overrides)
+    config.update(
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    config.pop("auto_map", None)
+    config.pop("quantization_config", None)
+    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.eval()
+    return save_pretrained_with_tokenizer(model, tokenizer, out_dir)
