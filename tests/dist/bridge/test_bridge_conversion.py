@@ -27,13 +27,33 @@ def _assert_same_checkpoint(a, b) -> None:
 @pytest.mark.parametrize(
     ("model_type", "tp", "pp", "ep"),
     [
-        ("llama", 2, 2, 1),  # untied embeddings, logits at TP=2 through two pipeline stages
-        ("qwen2", 2, 1, 1),  # tied embeddings, QKV biases
-        ("mixtral", 2, 1, 2),  # experts over EP=2 (DeepSeek-V3 below: experts and two pipeline stages)
-        ("qwen2_moe", 2, 1, 2),  # shared expert with its gate
+        # untied embeddings, logits at TP=2 through two pipeline stages
+        pytest.param(
+            "llama", 2, 2, 1, marks=pytest.mark.supports("llama", "conversion", "tp", "pp", "hf_parity")
+        ),
+        # tied embeddings, QKV biases
+        pytest.param("qwen2", 2, 1, 1, marks=pytest.mark.supports("qwen2", "conversion", "tp", "hf_parity")),
+        # experts over EP=2 (DeepSeek-V3 below: experts and two pipeline stages)
+        pytest.param(
+            "mixtral", 2, 1, 2, marks=pytest.mark.supports("mixtral", "conversion", "tp", "ep", "hf_parity")
+        ),
+        # shared expert with its gate
+        pytest.param(
+            "qwen2_moe",
+            2,
+            1,
+            2,
+            marks=pytest.mark.supports("qwen2_moe", "conversion", "tp", "ep", "hf_parity"),
+        ),
         # MLA, 2 dense + 2 MoE layers (one per pipeline stage), shared expert, sigmoid group-limited
         # routing with a nonzero expert bias
-        ("deepseek_v3", 2, 2, 2),
+        pytest.param(
+            "deepseek_v3",
+            2,
+            2,
+            2,
+            marks=pytest.mark.supports("deepseek_v3", "conversion", "tp", "pp", "ep", "hf_parity"),
+        ),
     ],
 )
 def test_hf_to_mcore_to_hf_is_bit_exact(tmp_path, model_type, tp, pp, ep):
@@ -75,6 +95,7 @@ def test_missing_expert_tensor_fails_naming_it(tmp_path):
         run_conversion("hf-to-mcore", src, tmp_path / "mcore")
 
 
+@pytest.mark.supports("deepseek_v2", "conversion", "pp", "ep")
 def test_uneven_pipeline_stages_convert_bit_exact(tmp_path):
     """DeepSeek-V2 (MLA; layer 0 dense, layers 1-2 MoE with a shared expert, softmax routing limited
     to 2 of 3 expert groups, top-k not renormalized, scaled by 2) at PP=2 with 2 layers on the first
@@ -99,6 +120,7 @@ def test_uneven_pipeline_stages_convert_bit_exact(tmp_path):
 
 
 @pytest.mark.parametrize("etp", [None, 1], ids=["etp=tp=2", "etp=1"])
+@pytest.mark.supports("qwen3_moe", "conversion", "tp", "ep")
 def test_qwen3_moe_expert_tensor_parallel_converts_bit_exact(tmp_path, etp):
     """qwen3_moe at TP=2, EP=2 with the experts split over expert-TP (= TP, or whole experts at
     expert-TP=1 while attention stays TP=2): logits against transformers and back to HF bit for bit."""
@@ -111,6 +133,7 @@ def test_qwen3_moe_expert_tensor_parallel_converts_bit_exact(tmp_path, etp):
     _assert_same_checkpoint(src, tmp_path / "back")
 
 
+@pytest.mark.supports("deepseek_v2", "conversion", "tp", "ep", "hf_parity")
 def test_deepseek_v2_lite_direct_query_converts_bit_exact_at_tp2(tmp_path):
     """DeepSeek-V2-Lite's attention: no query latent (``q_lora_rank: null``), queries from one
     ``q_proj`` that Megatron's ``linear_q_proj`` splits by heads; at TP=2, EP=2 the logits match

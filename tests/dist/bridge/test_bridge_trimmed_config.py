@@ -30,14 +30,30 @@ REPORTED_V3 = {"n_routed_experts": 16, "num_experts_per_tok": 8, "n_group": 8, "
 @pytest.mark.parametrize(
     ("model_type", "overrides", "left_out"),
     [
-        ("llama", {}, {"rms_norm_eps", "head_dim", "tie_word_embeddings"}),
-        ("qwen2", {}, set()),
-        ("qwen3", {}, set()),
-        ("mixtral", {}, set()),
-        ("qwen2_moe", {}, set()),
-        ("qwen3_moe", {}, set()),
-        ("deepseek_v2", {}, set()),
-        ("deepseek_v3", REPORTED_V3, {"num_experts_per_tok", "n_group", "topk_group", "rms_norm_eps"}),
+        pytest.param(
+            "llama",
+            {},
+            {"rms_norm_eps", "head_dim", "tie_word_embeddings"},
+            marks=pytest.mark.supports("llama", "conversion", "hf_parity"),
+        ),
+        pytest.param("qwen2", {}, set(), marks=pytest.mark.supports("qwen2", "conversion", "hf_parity")),
+        pytest.param("qwen3", {}, set(), marks=pytest.mark.supports("qwen3", "conversion", "hf_parity")),
+        pytest.param("mixtral", {}, set(), marks=pytest.mark.supports("mixtral", "conversion", "hf_parity")),
+        pytest.param(
+            "qwen2_moe", {}, set(), marks=pytest.mark.supports("qwen2_moe", "conversion", "hf_parity")
+        ),
+        pytest.param(
+            "qwen3_moe", {}, set(), marks=pytest.mark.supports("qwen3_moe", "conversion", "hf_parity")
+        ),
+        pytest.param(
+            "deepseek_v2", {}, set(), marks=pytest.mark.supports("deepseek_v2", "conversion", "hf_parity")
+        ),
+        pytest.param(
+            "deepseek_v3",
+            REPORTED_V3,
+            {"num_experts_per_tok", "n_group", "topk_group", "rms_norm_eps"},
+            marks=pytest.mark.supports("deepseek_v3", "conversion", "hf_parity"),
+        ),
     ],
 )
 def test_trimmed_config_converts_exactly_like_the_full_one(tmp_path, model_type, overrides, left_out):

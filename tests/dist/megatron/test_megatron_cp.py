@@ -21,6 +21,7 @@ pytestmark = pytest.mark.dist
 TOL = 1e-5
 
 
+@pytest.mark.supports("llama", "cp")
 def test_context_parallel_matches_single_rank(tmp_path) -> None:
     results = run_ranks(cp_case, 4, str(tmp_path), timeout_s=600)
     for rank, layouts in enumerate(results):
@@ -33,6 +34,7 @@ def test_context_parallel_matches_single_rank(tmp_path) -> None:
                 assert diff < TOL, f"rank {rank} {layout} {name}: max diff {diff:.3g} ≥ {TOL}"
 
 
+@pytest.mark.supports("mixtral", "cp", refused=True)
 def test_moe_with_context_parallelism_is_refused_naming_the_key() -> None:
     # The router's auxiliary loss would see one CP rank's tokens, not the sequence's.
     with pytest.raises(NotImplementedError, match=r"mixtral: parallel.context_parallel_size=2 with MoE"):

@@ -16,6 +16,12 @@ from megatron_cases import hf_parity_case
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.supports("llama", "hf_parity")
+@pytest.mark.supports("qwen2", "hf_parity")
+@pytest.mark.supports("qwen3", "hf_parity")
+@pytest.mark.supports("mixtral", "hf_parity")
+@pytest.mark.supports("qwen2_moe", "hf_parity")
+@pytest.mark.supports("qwen3_moe", "hf_parity")
 def test_logprobs_match_hf_transformers() -> None:
     (result,) = run_ranks(hf_parity_case, 1)
     print(result)

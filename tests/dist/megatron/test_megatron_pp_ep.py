@@ -24,6 +24,7 @@ def _check(results: list[dict[str, dict[str, float]]]) -> None:
                 assert diff < TOL, f"rank {rank} {layout} {name}: max diff {diff:.3g} ≥ {TOL}"
 
 
+@pytest.mark.supports("llama", "pp")
 def test_pp2_and_vpp_match_single_stage(tmp_path) -> None:
     _check(run_ranks(pp2_case, 2, str(tmp_path)))
 
@@ -36,16 +37,19 @@ def test_uneven_pp2_with_virtual_stages_matches_single_stage(tmp_path) -> None:
     _check(run_ranks(uneven_pp2_case, 2, str(tmp_path), True))
 
 
+@pytest.mark.supports("mixtral", "ep")
 def test_ep2_moe_matches_single_rank(tmp_path) -> None:
     _check(run_ranks(ep2_case, 2, str(tmp_path)))
 
 
+@pytest.mark.supports("deepseek_v3", "ep")
 def test_ep2_mixed_dense_and_moe_layers_match_single_rank(tmp_path) -> None:
     """Layers 0-1 dense, 2-3 MoE (DeepSeek-V3 tiny preset): loss, grad norm and the logprobs after
     the update agree with a single rank to 1e-5."""
     _check(run_ranks(ep2_mixed_case, 2, str(tmp_path)))
 
 
+@pytest.mark.supports("qwen3_moe", "tp", "ep")
 def test_expert_tensor_parallel_one_under_attention_tp2_matches_single_rank(tmp_path) -> None:
     """Attention TP=2 with whole experts (expert-TP 1) on EP=2 ranks: outputs, loss, grad norm and
     the logprobs after the update agree with a TP=1/DP=2 run to 1e-5. (At EP=1, experts repeated on

