@@ -77,6 +77,9 @@ class MLAFacts:
     qk_rope_head_dim: int
     """Per-head query/key dimensions with RoPE (the key's are shared by all heads)."""
     v_head_dim: int
+    latent_norm_eps: float = 1e-6
+    """Epsilon of the latent norms (HF's ``q_a_layernorm`` / ``kv_a_layernorm``): transformers builds
+    them with its RMSNorm's default 1e-6 whatever ``rms_norm_eps`` says (Moonlight: 1e-5)."""
 
 
 @dataclass(frozen=True)

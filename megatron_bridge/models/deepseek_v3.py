@@ -91,17 +91,14 @@ def mla_facts(config: Any, name: str) -> MLAFacts:
         raise NotImplementedError(
             f"{name}: rope_interleave=false is not supported (Megatron's MLA interleaves)"
         )
-    if float(get("rms_norm_eps")) != 1e-6:
-        # HF's q_a_layernorm / kv_a_layernorm keep eps=1e-6 whatever rms_norm_eps says; Megatron uses one eps.
-        raise NotImplementedError(
-            f"{name}: rms_norm_eps={get('rms_norm_eps')} (only 1e-6, the latent norms' eps)"
-        )
     return MLAFacts(
         q_lora_rank=get("q_lora_rank"),
         kv_lora_rank=get("kv_lora_rank"),
         qk_nope_head_dim=get("qk_nope_head_dim"),
         qk_rope_head_dim=get("qk_rope_head_dim"),
         v_head_dim=get("v_head_dim"),
+        # HF's q_a_layernorm / kv_a_layernorm keep their class default whatever rms_norm_eps says
+        latent_norm_eps=1e-6,
     )
 
 

@@ -39,6 +39,7 @@ from rltrain.megatron.local_spec import local_block_spec
 from rltrain.megatron.model_config import (
     SCALAR_HEAD_ROLES,
     Role,
+    architecture_facts,
     gpt_options,
     padded_vocab_size,
     transformer_config_from_hf,
@@ -136,6 +137,7 @@ def build_model(
         hf_config.vocab_size, tp_size=ctx.tp_size, divisible_by=make_vocab_size_divisible_by
     )
     options = gpt_options(hf_config, role=role, vocab_size=vocab)
+    mla = architecture_facts(hf_config).mla
     num_chunks = ctx.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -159,10 +161,48 @@ def build_model(
         )
         if role in SCALAR_HEAD_ROLES and post:
             model.output_layer = ValueHead(config)
+        if mla and mla.latent_norm_eps != config.layernorm_epsilon:
+            set_latent_norm_eps(model, mla.latent_norm_eps)
         model.to(ctx.device)
         apply_converters(model, converters)
         chunks.append(model)
     return chunks
+
+
+def set_latent_norm_eps(model: torch.nn.Module, eps: float) -> int:
+    """Give multi-latent attention's latent norms (``q_layernorm``, ``kv_layernorm``) ``eps``;
+    returns how many were set.
+
+    Megatron builds them with ``layernorm_epsilon`` (the decoder's ``rms_norm_eps``); transformers
+    with its RMSNorm's default 1e-6 (``MLAFacts.latent_norm_eps``), which differs where a checkpoint's
+    ``rms_norm_eps`` is not 1e-6 (Moonlight: 1e-5). Where Transformer Engine fuses a norm into the
+    up projection (the norm is an ``IdentityOp``) the fused module's ``eps`` is set; a norm that keeps
+    its eps elsewhere is refused by name rather than left at the wrong value.
+    """
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    count = 0
+    for attention in model.modules():
+        if not isinstance(attention, MLASelfAttention):
+            continue
+        for norm_name, fused_into in (
+            ("q_layernorm", "linear_q_up_proj"),
+            ("kv_layernorm", "linear_kv_up_proj"),
+        ):
+            norm = getattr(attention, norm_name, None)
+            if norm is None:  # no query latent (q_lora_rank: null)
+                continue
+            if isinstance(norm, IdentityOp):
+                norm = getattr(attention, fused_into)
+            if not isinstance(getattr(norm, "eps", None), float):
+                raise NotImplementedError(
+                    f"multi-latent attention's {norm_name} ({type(norm).__name__}) has no eps attribute to "
+                    f"set to {eps} (transformers' latent norm eps; rms_norm_eps differs)"
+                )
+            norm.eps = eps
+            count += 1
+    return count
 
 
 def gpt_model(chunk: torch.nn.Module) -> torch.nn.Module:

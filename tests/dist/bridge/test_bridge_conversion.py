@@ -72,6 +72,17 @@ def test_hf_to_mcore_to_hf_is_bit_exact(tmp_path, model_type, tp, pp, ep):
         assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes()
 
 
+@pytest.mark.supports("deepseek_v3", "conversion", "tp", "hf_parity")
+def test_mla_latent_norms_keep_transformers_eps_under_another_rms_norm_eps(tmp_path):
+    """Moonlight's rms_norm_eps is 1e-5, and it has no query latent; transformers' latent norm keeps
+    1e-6, Megatron's would take 1e-5: 1.6e-4 logit error on this model (measured) until the builder
+    sets the latent norms' eps (``set_latent_norm_eps``); then 2.4e-7."""
+    src = save_tiny_model(tmp_path / "hf", "deepseek_v3", seed=2, rms_norm_eps=1e-5, q_lora_rank=None)
+    to_mcore = run_conversion("hf-to-mcore", src, tmp_path / "mcore", tp=2, atol=1e-4)
+    assert to_mcore.max_abs_logit_diff <= 1e-5
+    assert to_mcore.bit_exact_tensors == len(HFCheckpointReader(src).names())
+
+
 def test_mcore_reshard_keeps_weights_and_logits(tmp_path):
     src = save_tiny_model(tmp_path / "hf", "qwen2", seed=2)
     run_conversion("hf-to-mcore", src, tmp_path / "tp1", verify=False)

@@ -154,7 +154,6 @@ def test_deepseek_v3_released_config_and_refusals():
     for overrides, message in [
         ({"topk_group": 2}, r"deepseek_v3: num_experts_per_tok=2 / topk_group=2 must be 2"),
         ({"norm_topk_prob": False}, r"deepseek_v3: norm_topk_prob=false"),
-        ({"rms_norm_eps": 1e-5}, r"deepseek_v3: rms_norm_eps=1e-05"),
         ({"rope_interleave": False}, r"deepseek_v3: rope_interleave=false"),
     ]:
         with pytest.raises(NotImplementedError, match=message):
@@ -196,10 +195,26 @@ def test_deepseek_v2_released_config_and_refusals():
         ({"topk_method": "noaux_tc"}, r"deepseek_v2: topk_method='noaux_tc' is not supported"),
         ({"scoring_func": "sigmoid"}, r"deepseek_v2: scoring_func='sigmoid'"),
         ({"norm_topk_prob": True}, r"deepseek_v2: norm_topk_prob=true"),
-        ({"rms_norm_eps": 1e-5}, r"deepseek_v2: rms_norm_eps=1e-05"),
     ]:
         with pytest.raises(NotImplementedError, match=message):
             family.facts(tiny_hf_config("deepseek_v2", vocab_size=448, **overrides))
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_mla_latent_norms_keep_transformers_eps_whatever_rms_norm_eps_says(model_type):
+    # transformers builds q_a_layernorm / kv_a_layernorm without eps: its RMSNorm's default 1e-6
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(model_type, vocab_size=448, rms_norm_eps=1e-5)  # Moonlight's eps
+    model = AutoModelForCausalLM.from_config(config)
+    attention = model.model.layers[0].self_attn
+    assert attention.kv_a_layernorm.variance_epsilon == attention.q_a_layernorm.variance_epsilon == 1e-6
+    assert model.model.layers[0].input_layernorm.variance_epsilon == 1e-5
+    assert inspect.signature(type(attention.kv_a_layernorm)).parameters["eps"].default == 1e-6
+    facts = get_family(model_type).facts(config)
+    assert facts.mla.latent_norm_eps == 1e-6
 
 
 def test_dense_layers_follow_hf_sparse_step_and_mlp_only_layers():
