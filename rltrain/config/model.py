@@ -48,6 +48,12 @@ class TinyModelConfig:
     """What the tiny BPE tokenizer is trained on: ``tool_calls`` adds Hermes-style calculator calls
     (the multi-turn recipe), so the call syntax takes few tokens."""
 
+    config_path: str | None = None
+    """A ``config.json`` to build the tiny model from instead of its family's tiny preset (a released
+    checkpoint's, shrunk in its sizes): layers and widths come from the file, so
+    ``num_hidden_layers`` and ``hidden_size`` stay unset, and ``model_type`` is unset or the file's;
+    the vocabulary is the tiny tokenizer's."""
+
     sft_tool_call_fraction: NonNegativeFloat = 1.0
     """Multi-turn warm-up (``data.generated.name: calculator``): the fraction of examples that call
     the calculator and then answer with its result; the rest answer at once (a guess for sums a
@@ -112,6 +118,10 @@ class ModelConfig:
             return [
                 f"set exactly one of {prefix}.path, {prefix}.gguf_package, {prefix}.tiny (given: {given})"
             ]
+        if self.tiny is not None and self.tiny.config_path is not None:
+            problem = self._tiny_config_file_problem(prefix)
+            if problem:
+                return [problem]
         if self.tiny is not None:
             from megatron_bridge.registry import supported_model_types
 
@@ -132,3 +142,29 @@ class ModelConfig:
                     f"got {self.tiny.sft_tool_call_fraction}"
                 ]
         return []
+
+    def _tiny_config_file_problem(self, prefix: str) -> str | None:
+        import json
+        from pathlib import Path
+
+        from megatron_bridge.registry import supported_model_types
+
+        tiny, key = self.tiny, f"{prefix}.tiny.config_path"
+        defaults = TinyModelConfig()
+        for name in ("num_hidden_layers", "hidden_size"):
+            if getattr(tiny, name) != getattr(defaults, name):
+                return f"{prefix}.tiny.{name} is set, but {key} gives the model's {name}; set one"
+        path = Path(tiny.config_path).expanduser()
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            return f"{key}={tiny.config_path}: {type(err).__name__}: {err}"
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        if model_type not in supported_model_types():
+            return (
+                f"{key}={tiny.config_path}: model_type={model_type!r} has no model family; "
+                f"supported: {', '.join(supported_model_types())}"
+            )
+        if tiny.model_type not in (defaults.model_type, model_type):
+            return f"{prefix}.tiny.model_type={tiny.model_type!r}, but {key} is a {model_type!r} config"
+        return None

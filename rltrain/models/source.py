@@ -54,11 +54,16 @@ def _tiny_model_dir(model: ModelConfig, *, data: DataConfig, cache: Path, tools_
     warmup_source = asdict(data.generated) if (tiny.sft_warmup_steps and data.generated) else None
     shape = {k: v for k, v in asdict(tiny).items() if _KEYED_WHEN_SET.get(k, object()) != v}
     material: dict = {"tiny": shape, "warmup_data": warmup_source, "v": 2}
+    model_type = tiny.model_type
+    if tiny.config_path is not None:
+        file_config = json.loads(Path(tiny.config_path).expanduser().read_text(encoding="utf-8"))
+        material["config_file"], model_type = file_config, file_config["model_type"]
+        del shape["config_path"]  # its content is the key, not where it lies
     if warmup_source is not None and warmup_source["name"] != "arithmetic":
         material["tools"] = Path(tools_file).read_text(encoding="utf-8") if tools_file else None
         material["warmup_rows"] = "disjoint x8"  # its own problems, not the RL prompts
     key_material = json.dumps(material, sort_keys=True)
-    out = cache / f"tiny-{tiny.model_type}-{hashlib.sha1(key_material.encode()).hexdigest()[:12]}"
+    out = cache / f"tiny-{model_type}-{hashlib.sha1(key_material.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
     if tiny.sft_warmup_steps and data.generated is None:
@@ -78,16 +83,22 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
     hidden = tiny.hidden_size
     from rltrain.models.tiny import TOKENIZER_CORPORA, build_tiny_tokenizer
 
-    hf_model, tokenizer = build_tiny_model(
-        tiny.model_type,
-        tokenizer=build_tiny_tokenizer(corpus=TOKENIZER_CORPORA[tiny.tokenizer_corpus]()),
-        seed=tiny.seed,
-        num_hidden_layers=tiny.num_hidden_layers,
-        hidden_size=hidden,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=max(hidden // 64, 1),
-        intermediate_size=2 * hidden,
-    )
+    tokenizer = build_tiny_tokenizer(corpus=TOKENIZER_CORPORA[tiny.tokenizer_corpus]())
+    if tiny.config_path is not None:
+        from rltrain.models.tiny import model_from_config_file
+
+        hf_model = model_from_config_file(tiny.config_path, tokenizer=tokenizer, seed=tiny.seed)
+    else:
+        hf_model, tokenizer = build_tiny_model(
+            tiny.model_type,
+            tokenizer=tokenizer,
+            seed=tiny.seed,
+            num_hidden_layers=tiny.num_hidden_layers,
+            hidden_size=hidden,
+            num_attention_heads=hidden // 32,
+            num_key_value_heads=max(hidden // 64, 1),
+            intermediate_size=2 * hidden,
+        )
     if tiny.sft_warmup_steps:
         from rltrain.data.tasks import generate_arithmetic
         from rltrain.models.warmup import sft_warmup
@@ -134,4 +145,4 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
             pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows[: task.num_train]]
             sft_warmup(hf_model, tokenizer, pairs, **fit)
     save_pretrained_with_tokenizer(hf_model, tokenizer, out)
-    log.info("built tiny %s model in %s", tiny.model_type, out)
+    log.info("built tiny %s model in %s", hf_model.config.model_type, out)

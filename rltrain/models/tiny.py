@@ -140,6 +140,35 @@ def build_tiny_model(
     return model, tokenizer
 
 
+def tiny_model_from_config(config: dict[str, Any], *, tokenizer, seed: int = 0):
+    """A randomly initialised fp32 HF causal LM of the ``config.json`` dict ``config`` (a released
+    checkpoint's, shrunk in its sizes), with ``tokenizer``'s vocabulary (padded to a multiple of 64)
+    and special tokens."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = {
+        **config,
+        "vocab_size": -(-len(tokenizer) // 64) * 64,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": None,
+    }
+    config.pop("auto_map", None)  # remote code: the model is built by transformers' own class
+    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def model_from_config_file(path: str | Path, *, tokenizer, seed: int = 0):
+    """``tiny_model_from_config`` of the ``config.json`` at ``path``."""
+    return tiny_model_from_config(
+        json.loads(Path(path).expanduser().read_text()), tokenizer=tokenizer, seed=seed
+    )
+
+
 def save_tiny_model(
     out_dir: str | Path, model_type: str = "llama", *, seed: int = 0, **overrides: Any
 ) -> Path:

@@ -88,24 +88,16 @@ def shrunk_config(name: str, **overrides: Any) -> dict[str, Any]:
 
 def save_released_model(out_dir: str | Path, name: str, *, seed: int = 0, **overrides: Any) -> Path:
     """Build the tiny random model of ``name`` (transformers, fp32) and save it with the tiny
-    tokenizer; the vocabulary is the tokenizer's, padded to a multiple of 64. Returns the folder."""
-    import torch
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    from rltrain.models.tiny import build_tiny_tokenizer, save_pretrained_with_tokenizer
+    tokenizer; the vocabulary is the tokenizer's, padded to a multiple of 64. A released FP8/MXFP4
+    ``quantization_config`` is left out (the tiny model is a float32 one). Returns the folder."""
+    from rltrain.models.tiny import (
+        build_tiny_tokenizer,
+        save_pretrained_with_tokenizer,
+        tiny_model_from_config,
+    )
 
     tokenizer = build_tiny_tokenizer()
-    config = shrunk_config(name, vocab_size=-(-len(tokenizer) // 64) * 64, **overrides)
-    config.update(
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    config.pop("auto_map", None)
+    config = shrunk_config(name, **overrides)
     config.pop("quantization_config", None)
-    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.eval()
+    model = tiny_model_from_config(config, tokenizer=tokenizer, seed=seed)
     return save_pretrained_with_tokenizer(model, tokenizer, out_dir)

@@ -108,3 +108,29 @@ def test_smoothed_loss_floor_is_the_loss_of_the_smoothed_target_itself():
     assert smoothed_loss_floor(e, vocab) == pytest.approx(reached.item(), rel=1e-12)
     assert smoothed_loss_floor(e, vocab) == pytest.approx(2.7781, abs=1e-4)
     assert smoothed_loss_floor(0.0, vocab) == 0.0
+
+
+def test_a_tiny_model_from_a_config_file_is_that_config_with_the_tiny_vocabulary(tmp_path):
+    """A released config (Moonlight, shrunk) → the built model's config.json holds every field of the
+    file as given, but the vocabulary and special tokens (the tiny tokenizer's) and auto_map."""
+    from tests.released import shrunk_config
+
+    released = shrunk_config("moonlight-16b-a3b-instruct")
+    (tmp_path / "moonlight.json").write_text(json.dumps(released))
+    model = ModelConfig(
+        tiny=TinyModelConfig(config_path=str(tmp_path / "moonlight.json")), cache_dir=str(tmp_path / "cache")
+    )
+    built = json.loads((resolve_model_dir(model, data=DataConfig()) / "config.json").read_text())
+    changed = {"vocab_size", "eos_token_id", "pad_token_id", "bos_token_id", "auto_map", "torch_dtype"}
+    # what transformers makes of the file (it moves rope_theta into rope_parameters, for one)
+    from tests.unit.bridge.trimmed_configs import as_transformers_loads_it
+
+    expected = as_transformers_loads_it(released)
+    assert expected["hidden_size"] == 64 and expected["n_routed_experts"] == 8
+    loaded = as_transformers_loads_it(built)
+    different = {k for k in expected.keys() | loaded.keys() if expected.get(k) != loaded.get(k)}
+    assert different <= changed | {"transformers_version", "dtype"}, different
+    assert built["vocab_size"] % 64 == 0 and built["vocab_size"] >= len(build_tiny_tokenizer())
+    assert "auto_map" not in built and resolve_model_dir(model, data=DataConfig()).name.startswith(
+        "tiny-deepseek_v3-"
+    )
