@@ -115,7 +115,7 @@ def gpt_options(hf_config: Any, *, role: Role, vocab_size: int | None = None) ->
         max_sequence_length=hf_config.max_position_embeddings,
         rotary_base=float(rope["rope_theta"]),
         rope_scaling=llama3,
-        rope_scaling_factor=float(rope.get("factor", 8.0)),
+        rope_scaling_factor=float(rope.get("factor") or 8.0),  # used by llama3 only
         seq_len_interpolation_factor=float(rope["factor"]) if rope_type == "linear" else None,
         tie_word_embeddings=facts.tie_word_embeddings and role not in SCALAR_HEAD_ROLES,
         position_embedding_type="yarn" if rope_type == "yarn" and not facts.mla else "rope",

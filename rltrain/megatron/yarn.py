@@ -82,9 +82,13 @@ def yarn_settings(hf_config: Any, rope: dict, *, mla: bool) -> YarnSettings:
     if factor is None:
         if mla:
             # transformers' MLA softmax scale reads the factor itself (and fails without it).
-            raise NotImplementedError(f"{where}.factor is missing (YaRN with multi-latent attention needs it)")
+            raise NotImplementedError(
+                f"{where}.factor is missing (YaRN with multi-latent attention needs it)"
+            )
         factor = hf_config.max_position_embeddings / original
-    partial = float(rope.get("partial_rotary_factor", config_value(hf_config, "partial_rotary_factor", default=1.0)))
+    partial = float(
+        rope.get("partial_rotary_factor", config_value(hf_config, "partial_rotary_factor", default=1.0))
+    )
     if partial != 1.0 and not mla:
         raise NotImplementedError(
             f"{where}.partial_rotary_factor={partial} with YaRN: Megatron-Core 0.16.1's YarnRotaryEmbedding "
