@@ -236,7 +236,9 @@ def transformer_config_from_hf(
         return MLATransformerConfig(**kwargs)
     rope = _rope(hf_config)
     if rope["rope_type"] == "yarn":
-        return gqa_transformer_config(kwargs, yarn_settings(hf_config, rope, mla=False))
+        return gqa_transformer_config(
+            kwargs, yarn_settings(hf_config, rope, mla=False), model_type=model_type
+        )
     return TransformerConfig(**kwargs)
 
 

@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from megatron.core.transformer import TransformerConfig
 
 from megatron_bridge.hf_config import config_value
@@ -173,6 +174,19 @@ class YarnTransformerConfig(TransformerConfig):
 YARN_FIELDS = tuple(f.name for f in fields(YarnTransformerConfig) if f.name.startswith("yarn_"))
 
 
-def gqa_transformer_config(kwargs: dict[str, Any], settings: YarnSettings) -> TransformerConfig:
-    """The ``TransformerConfig`` of ``kwargs`` carrying the YaRN ``settings``."""
+def gqa_transformer_config(
+    kwargs: dict[str, Any], settings: YarnSettings, *, model_type: str
+) -> TransformerConfig:
+    """The ``TransformerConfig`` of ``kwargs`` carrying the YaRN ``settings``; refuses context
+    parallelism without CUDA."""
+    cp = kwargs.get("context_parallel_size", 1)
+    if cp > 1 and not torch.cuda.is_available():
+        # Seen: RuntimeError: pin_memory=True requires a CUDA or other accelerator backend (the
+        # embedding's constructor caches cos/sin for the original length, sliced per CP rank by
+        # rope_utils.get_pos_emb_on_this_cp_rank).
+        raise NotImplementedError(
+            f"{model_type}: rope_parameters.rope_type='yarn' with parallel.context_parallel_size={cp} "
+            "needs CUDA (Megatron-Core 0.16.1's YarnRotaryEmbedding slices its cos/sin cache per CP rank "
+            "through pinned memory)"
+        )
     return YarnTransformerConfig(**kwargs, **gqa_yarn_fields(settings))

@@ -182,3 +182,16 @@ def test_partial_rotary_yarn_is_refused_for_grouped_query_attention() -> None:
         NotImplementedError, match=r"qwen3: rope_parameters.partial_rotary_factor=0.5 with YaRN"
     ):
         _build("qwen3", rope)
+
+
+def test_yarn_with_context_parallelism_is_refused_without_cuda() -> None:
+    # Megatron's YarnRotaryEmbedding slices its cos/sin cache per CP rank in its constructor with
+    # pin_memory=True: "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend".
+    hf = tiny_hf_config("qwen3", vocab_size=448, rope_parameters={"rope_theta": 1e6, **CARD})
+    with pytest.raises(
+        NotImplementedError,
+        match=r"qwen3: rope_parameters.rope_type='yarn' with parallel.context_parallel_size=2 needs CUDA",
+    ):
+        transformer_config_from_hf(
+            hf, parallel=ParallelConfig(context_parallel_size=2), params_dtype=torch.float32
+        )
