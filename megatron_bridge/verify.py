@@ -13,7 +13,9 @@ and fp16, fp64 for fp32). So a correct conversion passes whatever the dtype, dep
 while an error larger than the dtype's own rounding fails. The wider reference holds twice the
 checkpoint's bytes on rank 0 for the moment of one forward. The probe rows are
 ``PROBE_TOKENS`` long (capped at the model's context): a dropped or wrong RoPE scaling changes the
-rotation of far positions only, and at 16 tokens it hides under bf16 rounding.
+rotation of far positions only, and at 16 tokens it hides under bf16 rounding. With YaRN
+(``rope_type: yarn``) they reach ``PROBE_TOKENS_PAST_ORIGINAL`` tokens beyond its
+``original_max_position_embeddings`` (``probe_tokens``), where the scaled rotation takes over.
 """
 
 from __future__ import annotations
@@ -33,6 +35,25 @@ ROUNDING_NOISE_FACTOR = 3.0
 noise, so their difference stays within about twice it (measured 0.5-1.9 times it in bf16 over two
 seeds of each tiny family, MoE included, whose noise is larger as rounding flips expert choices);
 three leaves room without hiding an error larger than the rounding."""
+
+
+PROBE_TOKENS_PAST_ORIGINAL = 32
+"""With YaRN, probe rows end this many tokens past ``original_max_position_embeddings`` (if longer
+than ``PROBE_TOKENS``; capped at the model's context)."""
+
+
+def probe_tokens(config: Any) -> int:
+    """Tokens per probe row for the HF ``config``: ``PROBE_TOKENS``, or with YaRN up to
+    ``PROBE_TOKENS_PAST_ORIGINAL`` past its pre-training length; never beyond the model's context."""
+    from megatron_bridge.hf_config import config_value
+
+    context = config.max_position_embeddings
+    rope = config_value(config, "rope_parameters", "rope_scaling", default=None) or {}
+    tokens = PROBE_TOKENS
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        original = rope.get("original_max_position_embeddings") or context
+        tokens = max(tokens, original + PROBE_TOKENS_PAST_ORIGINAL)
+    return min(tokens, context)
 
 
 WIDER = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}

@@ -41,7 +41,13 @@ from megatron_bridge.hf_io import HFCheckpointReader, copy_hf_aux_files
 from megatron_bridge.live import LazyShards, bridge_for_chunks, chunk_namings
 from megatron_bridge.mcore_view import MegatronCheckpointView
 from megatron_bridge.memory import PeakMemory
-from megatron_bridge.verify import LogitsComparison, compare_logits, megatron_logits, probe_batch
+from megatron_bridge.verify import (
+    LogitsComparison,
+    compare_logits,
+    megatron_logits,
+    probe_batch,
+    probe_tokens,
+)
 from rltrain.config.parallel import ParallelConfig
 from rltrain.convert.model import build_padded_model
 from rltrain.convert.report import MODES, ConversionReport
@@ -87,11 +93,11 @@ def setup_rank(
 
 
 def _check_logits(
-    chunks: Chunks, ctx: ParallelContext, bridge: Bridge, hf_dir: Path, atol: float, max_positions: int
+    chunks: Chunks, ctx: ParallelContext, bridge: Bridge, hf_dir: Path, atol: float, tokens: int
 ) -> LogitsComparison | None:
     """Megatron's logits vs transformers', both in the model's dtype, on rank 0 (None elsewhere);
     raises ``VerificationError`` saying by how much they differ and what that was held to."""
-    ids = probe_batch(bridge.dims.vocab_size, max_positions=max_positions)
+    ids = probe_batch(bridge.dims.vocab_size, seq=tokens)
     ours = megatron_logits(chunks, ctx, ids, vocab_size=bridge.dims.vocab_size)
     if ctx.rank != 0:
         return None
@@ -189,7 +195,7 @@ def rank_main(
     # (b) logits against transformers: a forward needs the model, so each rank holds its shard here.
     model = build()
     load_checkpoint(dst_p if mode != "mcore-to-hf" else src_p, ctx=ctx, chunks=model)
-    positions = config.max_position_embeddings
+    positions = probe_tokens(config)  # past YaRN's original_max_position_embeddings when it has one
     if mode == "mcore-to-mcore":
         with tempfile.TemporaryDirectory(dir=dst_p) as tmp:
             reference = _shared_tmp(Path(tmp))

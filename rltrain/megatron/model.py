@@ -152,7 +152,7 @@ def build_model(
             post_process=post,
             parallel_output=True,
             share_embeddings_and_output_weights=options.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type=options.position_embedding_type,
             rotary_base=options.rotary_base,
             rope_scaling=options.rope_scaling,
             rope_scaling_factor=options.rope_scaling_factor,

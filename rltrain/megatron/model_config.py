@@ -26,6 +26,7 @@ from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.parallel import last_stage_layers_for_megatron
+from rltrain.megatron.yarn import gqa_transformer_config, mla_yarn_kwargs, yarn_settings
 
 Role = Literal["actor", "reference", "critic", "reward"]
 SCALAR_HEAD_ROLES = ("critic", "reward")
@@ -45,6 +46,9 @@ class GPTOptions:
     seq_len_interpolation_factor: float | None
     """Linear RoPE scaling (``rope_type: linear``)."""
     tie_word_embeddings: bool
+    position_embedding_type: str = "rope"
+    """``"yarn"`` for YaRN with grouped-query attention (its settings ride on the TransformerConfig);
+    multi-latent attention applies its own RoPE, YaRN included."""
 
 
 def architecture_facts(hf_config: Any) -> ArchitectureFacts:
@@ -102,16 +106,19 @@ def gpt_options(hf_config: Any, *, role: Role, vocab_size: int | None = None) ->
             raise NotImplementedError(
                 f"rope_parameters {wrong} differ from Megatron's llama3 constants {expected}"
             )
+    elif rope_type == "yarn":
+        yarn_settings(hf_config, rope, mla=facts.mla is not None)  # refuses what Megatron cannot express
     elif rope_type not in ("default", "linear"):
-        raise NotImplementedError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
+        raise NotImplementedError(f"rope_type={rope_type!r} is not supported (default, linear, llama3, yarn)")
     return GPTOptions(
         vocab_size=vocab_size or hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         rotary_base=float(rope["rope_theta"]),
         rope_scaling=llama3,
-        rope_scaling_factor=float(rope.get("factor", 8.0)),
+        rope_scaling_factor=float(rope.get("factor") or 8.0),  # used by llama3 only
         seq_len_interpolation_factor=float(rope["factor"]) if rope_type == "linear" else None,
         tie_word_embeddings=facts.tie_word_embeddings and role not in SCALAR_HEAD_ROLES,
+        position_embedding_type="yarn" if rope_type == "yarn" and not facts.mla else "rope",
     )
 
 
@@ -201,12 +208,12 @@ def transformer_config_from_hf(
         raise ValueError(f"model.moe.{changed[0]} is set but {model_type} has no experts")
     if facts.mla:
         mla = facts.mla
-        rope_type = _rope(hf_config)["rope_type"]
-        if rope_type != "default":
+        rope = _rope(hf_config)
+        if rope["rope_type"] not in ("default", "yarn"):
             # MLA applies its own RoPE; GPTModel's linear / llama3 scaling would not reach it.
             raise NotImplementedError(
-                f"{model_type}: rope_parameters.rope_type={rope_type!r} with multi-latent attention "
-                "is not supported (default only)"
+                f"{model_type}: rope_parameters.rope_type={rope['rope_type']!r} with multi-latent attention "
+                "is not supported (default, yarn)"
             )
         kwargs.update(
             q_lora_rank=mla.q_lora_rank,
@@ -216,15 +223,22 @@ def transformer_config_from_hf(
             v_head_dim=mla.v_head_dim,
             # The latent norms (HF's q_a_layernorm / kv_a_layernorm).
             qk_layernorm=True,
-            # Plain RoPE on the rotary dims (``gpt_options`` refuses other rope types for MLA);
-            # scaling factor 1 makes Megatron's YaRN softmax mscale 1, HF's 1/sqrt(qk_head_dim).
+            # Plain RoPE on the rotary dims: scaling factor 1 makes Megatron's YaRN softmax mscale 1,
+            # HF's 1/sqrt(qk_head_dim).
             rope_type="rope",
-            rotary_base=float(_rope(hf_config)["rope_theta"]),
+            rotary_base=float(rope["rope_theta"]),
             rotary_scaling_factor=1.0,
             mscale=1.0,
             mscale_all_dim=1.0,
         )
+        if rope["rope_type"] == "yarn":
+            kwargs.update(mla_yarn_kwargs(yarn_settings(hf_config, rope, mla=True)))
         return MLATransformerConfig(**kwargs)
+    rope = _rope(hf_config)
+    if rope["rope_type"] == "yarn":
+        return gqa_transformer_config(
+            kwargs, yarn_settings(hf_config, rope, mla=False), model_type=model_type
+        )
     return TransformerConfig(**kwargs)
 
 

@@ -10,7 +10,9 @@ Each checkpoint has a folder here named after its Hugging Face repository (``dee
   ``rope_scaling.original_max_position_embeddings``). Only size fields may change (``SIZE_KEYS``,
   checked by ``tests/unit/models/test_released_configs.py``): layers, widths, head counts, expert
   counts, vocabulary, lengths. Everything else (RoPE type and factors, routing, norms, biases, MTP
-  and sliding-window settings) stays as released.
+  and sliding-window settings) stays as released, except what ``documented`` lists: a setting the
+  checkpoint's own model card tells users to add to ``config.json`` (Qwen3's YaRN block for long
+  context), each ``key: {value: ..., why: ..., cite: ...}``, applied before the shrink.
 
 ``shrunk_config(name)`` gives the tiny config dict; ``save_released_model(out_dir, name)`` builds the
 tiny random model from it with transformers (the reference) and saves it with the tiny tokenizer.
@@ -69,14 +71,16 @@ def released_config(name: str) -> dict[str, Any]:
 
 
 def shrink_table(name: str) -> dict[str, Any]:
-    """``shrink.yaml`` of ``name``: ``source`` and ``shrink`` (key → {value, why})."""
+    """``shrink.yaml`` of ``name``: ``source``, ``shrink`` (key → {value, why}) and optionally
+    ``documented`` (key → {value, why, cite})."""
     return yaml.safe_load((HERE / name / "shrink.yaml").read_text())
 
 
 def shrunk_config(name: str, **overrides: Any) -> dict[str, Any]:
     """The released config of ``name`` with its shrink applied (then ``overrides``, top-level keys)."""
     config = copy.deepcopy(released_config(name))
-    for key, change in shrink_table(name)["shrink"].items():
+    table = shrink_table(name)
+    for key, change in [*table.get("documented", {}).items(), *table["shrink"].items()]:
         *parents, leaf = key.split(".")
         target = config
         for parent in parents:

@@ -83,3 +83,37 @@ def rope_probe_checks(
                 results[(str(config.dtype), name, tokens)] = (check.max_abs_diff, check.tolerance)
     ctx.destroy()
     return results
+
+
+def _entry_with_yarn_mutated(args: tuple, mutate: object) -> None:
+    """``launch._entry`` on a rank whose conversion reads the checkpoint's config with its YaRN block
+    changed by ``mutate`` (rope_parameters → rope_parameters): the Megatron model is built, and the
+    converted checkpoint's config written, from the mutated config; the weights are untouched."""
+    from types import SimpleNamespace
+
+    from rltrain.convert import launch, ranks
+
+    read = ranks.AutoConfig.from_pretrained
+
+    def mutated(path: object, *rest: object, **kwargs: object) -> object:
+        config = read(path, *rest, **kwargs)
+        config.rope_parameters = mutate(dict(config.rope_parameters))
+        return config
+
+    ranks.AutoConfig = SimpleNamespace(from_pretrained=mutated)
+    launch._entry(*args)
+
+
+def entry_with_yarn_dropped(*args: object) -> None:
+    """The YaRN block lost: plain RoPE of the same theta."""
+    _entry_with_yarn_mutated(args, lambda rope: {"rope_type": "default", "rope_theta": rope["rope_theta"]})
+
+
+def entry_with_yarn_factor_halved(*args: object) -> None:
+    """The YaRN block changed: ``factor`` halved (other interpolated frequencies and cos/sin factor)."""
+    _entry_with_yarn_mutated(args, lambda rope: {**rope, "factor": rope["factor"] / 2})
+
+
+def entry_with_yarn_mscale_all_dim_dropped(*args: object) -> None:
+    """The YaRN block changed: ``mscale_all_dim`` dropped (MLA's softmax scale and cos/sin factor)."""
+    _entry_with_yarn_mutated(args, lambda rope: {k: v for k, v in rope.items() if k != "mscale_all_dim"})

@@ -100,7 +100,19 @@ def test_deepseek_v3_translates_to_mla_and_a_per_layer_moe_pattern() -> None:
             "original_max_position_embeddings": 128,
         },
     )
+    # YaRN reaches MLA's own rotary embedding (tests/unit/megatron/test_yarn.py has every branch).
+    config = transformer_config_from_hf(yarn, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings) == (
+        "yarn",
+        4.0,
+        128,
+    )
+    linear = tiny_hf_config(
+        "deepseek_v3",
+        vocab_size=448,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
+    )
     with pytest.raises(
-        NotImplementedError, match=r"deepseek_v3: rope_parameters.rope_type='yarn' with multi-latent"
+        NotImplementedError, match=r"deepseek_v3: rope_parameters.rope_type='linear' with multi-latent"
     ):
-        transformer_config_from_hf(yarn, parallel=ParallelConfig(), params_dtype=torch.float32)
+        transformer_config_from_hf(linear, parallel=ParallelConfig(), params_dtype=torch.float32)

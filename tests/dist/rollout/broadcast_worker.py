@@ -43,7 +43,9 @@ def main(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         from rltrain.rollout.vllm.options import VllmOptions
         from rltrain.rollout.types import SamplingConfig
 
-        engine = VllmEngine(model_dir, settings=EngineSettings(max_model_len=128, options=VllmOptions(kv_cache_space_gb=0.1)))
+        engine = VllmEngine(
+            model_dir, settings=EngineSettings(max_model_len=128, options=VllmOptions(kv_cache_space_gb=0.1))
+        )
         greedy = SamplingConfig(temperature=0.0, response_length=8)
         before = engine.generate([[5, 17, 42]], greedy).response_ids
         stats = transport.receive(engine)

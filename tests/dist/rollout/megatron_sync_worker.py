@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 3, 150], [11, 12, 13, 14, 15, 16]]
+LONG_PROMPTS = [list(range(30, 54)), list(range(100, 120)), [7, 9] * 11]
+"""``long``: 20-24 prompt tokens and 24 response tokens, rows reaching past position 40 (the YaRN tests'
+original_max_position_embeddings is 16)."""
 
 
 def token_batch(out, response_length: int, pad_id: int):
@@ -51,7 +54,7 @@ LAYOUTS = {
 }
 
 
-def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
+def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: str = "short") -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from megatron_bridge.hf_io import HFCheckpointReader
@@ -78,9 +81,21 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     load_hf_weights(actor.chunks, ctx, bridge, HFCheckpointReader(actor_dir))
     engine_tp = 2 if layout.endswith("engine_tp2") else 1
     engine_ranks = list(range(ctx.world_size)) if engine_tp == 1 else [0]
-    settings = EngineSettings(max_model_len=128, tensor_model_parallel_size=engine_tp, options=VllmOptions(kv_cache_space_gb=0.1))
+    max_model_len = min(128, hf_config.max_position_embeddings)
+    settings = EngineSettings(
+        max_model_len=max_model_len,
+        tensor_model_parallel_size=engine_tp,
+        options=VllmOptions(kv_cache_space_gb=0.1),
+    )
     engine = VllmEngine(engine_dir, settings=settings) if ctx.rank in engine_ranks else None
-    sampling = SamplingConfig(temperature=1.0, n=2, response_length=12, seed=11)
+    prompts = LONG_PROMPTS if length == "long" else PROMPTS
+    sampling = SamplingConfig(
+        temperature=1.0,
+        n=2,
+        response_length=24 if length == "long" else 12,
+        seed=11,
+        ignore_eos=length == "long",
+    )
     pad_id = AutoTokenizer.from_pretrained(engine_dir).pad_token_id
 
     planned = PlannedExport(actor.chunks, ctx, bridge)
@@ -101,7 +116,7 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
         return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes, "seconds": stats.seconds}
 
     def rollout_and_compare(tag: str) -> dict:
-        box = [engine.generate(PROMPTS, sampling) if ctx.rank == 0 else None]
+        box = [engine.generate(prompts, sampling) if ctx.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         out = box[0]
         batch = token_batch(out, sampling.response_length, pad_id)
@@ -167,4 +182,4 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -26,7 +26,9 @@ def main(model_dir: str, out_path: str) -> None:
     weights = grouped_order(load_file(os.path.join(model_dir, "model.safetensors")).items())
     gen = torch.Generator().manual_seed(3)
     new = [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in weights]
-    settings = EngineSettings(max_model_len=128, options=VllmOptions(kv_cache_space_gb=0.1, multiprocess=True))
+    settings = EngineSettings(
+        max_model_len=128, options=VllmOptions(kv_cache_space_gb=0.1, multiprocess=True)
+    )
     engine = VllmEngine(model_dir, settings=settings)
     greedy = SamplingConfig(temperature=0.0, response_length=8)
     before = engine.generate([[5, 17, 42]], greedy)
