@@ -14,6 +14,9 @@ Each checkpoint has a folder here named after its Hugging Face repository (``dee
 
 ``shrunk_config(name)`` gives the tiny config dict; ``save_released_model(out_dir, name)`` builds the
 tiny random model from it with transformers (the reference) and saves it with the tiny tokenizer.
+A ``model_type`` transformers has no class for (Kimi-K2's ``kimi_k2``, whose class is remote code)
+is built with the class ``megatron_bridge.hf_config.CONFIG_CLASS_OF`` names (``DeepseekV3Config``)
+and saved under its released ``model_type``, as the real checkpoint is.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from megatron_bridge.hf_config import CONFIG_CLASS_OF
 
 HERE = Path(__file__).parent
 
@@ -103,9 +108,15 @@ def save_released_model(out_dir: str | Path, name: str, *, seed: int = 0, **over
     )
     config.pop("auto_map", None)
     config.pop("quantization_config", None)
-    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    released_type = config.pop("model_type")  # the class's own (kimi_k2 has none in transformers)
+    hf_config = CONFIG_MAPPING[CONFIG_CLASS_OF.get(released_type, released_type)].from_dict(config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.eval()
-    return save_pretrained_with_tokenizer(model, tokenizer, out_dir)
+    out = save_pretrained_with_tokenizer(model, tokenizer, out_dir)
+    saved = json.loads((out / "config.json").read_text())
+    if saved["model_type"] != released_type:
+        saved["model_type"] = released_type
+        (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    return out
