@@ -20,7 +20,7 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int 
     return -(-vocab_size // multiple) * multiple
 
 
-SWITCH_KEYS = ("use_qk_norm",)
+SWITCH_KEYS = ("attention_bias", "use_qk_norm")
 """Boolean config keys that add or remove mapping rows (``Mapping.switch``)."""
 
 

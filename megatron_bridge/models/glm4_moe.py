@@ -1,8 +1,8 @@
 """GLM-4.5 / GLM-4.5-Air / GLM-4.6 (``glm4_moe``): grouped-query attention with Q/K/V biases and
 optional per-head q/k norms, RoPE on the first half of each head, and DeepSeek-V3's MoE.
 
-Attention: ``q_proj``/``k_proj``/``v_proj`` (with biases when ``attention_bias``), ``o_proj``
-without; ``use_qk_norm`` (GLM-4.5, GLM-4.6; not GLM-4.5-Air) adds per-head RMSNorms on queries and
+Attention: ``q_proj``/``k_proj``/``v_proj`` (with biases when ``attention_bias``, as in every
+released GLM-4.5: rows that exist only then, ``switch``), ``o_proj`` without; ``use_qk_norm`` (GLM-4.5, GLM-4.6; not GLM-4.5-Air) adds per-head RMSNorms on queries and
 keys before RoPE, rows that exist only then (``switch``). RoPE rotates the first
 ``partial_rotary_factor × head_dim`` dimensions of each head rotate-half style (transformers'
 ``apply_rotary_pos_emb`` splits ``q[..., :rotary_dim]`` and rotates its halves) and passes the rest
@@ -21,6 +21,7 @@ not: they are tensors no row maps, so a conversion or load names them and fails 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from megatron_bridge.family import ArchitectureFacts, ModelFamily, MoEFacts
@@ -32,9 +33,13 @@ from megatron_bridge.registry import register
 
 
 def glm4_moe_attention() -> tuple[AnyMapping, ...]:
-    """Norms, fused QKV with biases, output projection, and the q/k norms ``use_qk_norm`` switches on."""
+    """Norms, fused QKV, output projection, and the Q/K/V biases and q/k norms that ``attention_bias``
+    and ``use_qk_norm`` switch on."""
+    unbiased = attention()
+    (bias,) = [row for row in attention(bias=True) if row not in unbiased]
     return (
-        *attention(bias=True),
+        *unbiased,
+        replace(bias, switch="attention_bias"),
         Replicated(
             L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight", switch="use_qk_norm"
         ),
@@ -47,21 +52,19 @@ def glm4_moe_attention() -> tuple[AnyMapping, ...]:
 def rotary_fraction(config: Any) -> float:
     """``partial_rotary_factor``, where transformers 5 keeps it (``rope_parameters``) or the file does."""
     rope = config_value(config, "rope_parameters", default=None) or {}
-    return float(rope.get("partial_rotary_factor") or config_value(config, "partial_rotary_factor"))
+    # Glm4MoeConfig's __post_init__ sets 0.5 where the file leaves it out (it is no field of the class)
+    return float(
+        rope.get("partial_rotary_factor") or config_value(config, "partial_rotary_factor", default=0.5)
+    )
 
 
 def glm4_moe_facts(config: Any) -> ArchitectureFacts:
     """Facts of a GLM-4.5 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
-    if not get("attention_bias"):
-        # The family's rows carry the Q/K/V biases every released GLM-4.5 checkpoint has.
-        raise NotImplementedError(
-            "glm4_moe: attention_bias=false is not supported (released GLM-4.5 has biases)"
-        )
     groups, group_topk = sigmoid_group_routing(config, "glm4_moe")
     moe_ffn = get("moe_intermediate_size")
     return ArchitectureFacts(
-        qkv_bias=True,
+        qkv_bias=bool(get("attention_bias")),
         qk_norm=bool(get("use_qk_norm")),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
         moe=MoEFacts(
@@ -83,8 +86,8 @@ def glm4_moe_facts(config: Any) -> ArchitectureFacts:
 
 
 HF_DEFAULTS = {
-    # transformers' Glm4MoeConfig (GLM-4.5-Air's shapes); partial_rotary_factor 0.5 is set in its
-    # __post_init__; head_dim is not a field (hidden_size // num_attention_heads when left out)
+    # transformers' Glm4MoeConfig (GLM-4.5-Air's shapes, but attention_bias false); head_dim and
+    # partial_rotary_factor are no fields (hidden_size // num_attention_heads and 0.5 when left out)
     "vocab_size": 151552,
     "hidden_size": 4096,
     "intermediate_size": 10944,
@@ -104,7 +107,8 @@ HF_DEFAULTS = {
     "first_k_dense_replace": 1,
     "norm_topk_prob": True,
     "use_qk_norm": False,
-    "partial_rotary_factor": 0.5,
+    # None: __post_init__ builds it from rope_theta and partial_rotary_factor (read on their own)
+    "rope_parameters": None,
 }
 """What a GLM-4.5 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 

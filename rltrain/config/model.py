@@ -113,9 +113,9 @@ class ModelConfig:
                 f"set exactly one of {prefix}.path, {prefix}.gguf_package, {prefix}.tiny (given: {given})"
             ]
         if self.tiny is not None:
-            from megatron_bridge.registry import supported_model_types
+            from megatron_bridge.registry import family_types
 
-            known = supported_model_types()
+            known = family_types()
             if self.tiny.model_type not in known:
                 return [
                     f"{prefix}.tiny.model_type={self.tiny.model_type!r} has no model family; "

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.registry import get_family, supported_model_types
+from megatron_bridge.registry import family_types, get_family
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -102,7 +102,7 @@ def tiny_hf_config(model_type: str, *, vocab_size: int, **overrides: Any):
     (``megatron_bridge/models/``) with ``overrides`` applied."""
     from transformers import AutoConfig
 
-    supported = supported_model_types()
+    supported = family_types()
     if model_type not in supported:
         raise ValueError(f"no tiny preset for model_type={model_type!r}; known: {supported}")
     kwargs = {**copy.deepcopy(dict(get_family(model_type).tiny_preset)), **overrides}
