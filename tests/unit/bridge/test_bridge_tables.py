@@ -7,7 +7,7 @@ import torch
 
 from megatron_bridge.bridge import Bridge
 from megatron_bridge.naming import ChunkNaming
-from megatron_bridge.registry import get_family, family_types
+from megatron_bridge.registry import family_types, get_family
 from megatron_bridge.sharding import all_positions, merge_states, split_state
 
 FAMILIES = tuple(family_types())

@@ -13,7 +13,7 @@ import pytest
 from megatron_bridge.bridge import Bridge
 from megatron_bridge.hf_config import config_value
 from megatron_bridge.layout import layout_problems
-from megatron_bridge.registry import get_family, family_types
+from megatron_bridge.registry import family_types, get_family
 from rltrain.models.tiny import tiny_hf_config
 from tests.unit.bridge.trimmed_configs import as_transformers_loads_it, config_json, trimmed
 
