@@ -106,6 +106,8 @@ class Bridge:
         for order, mapping in enumerate(self.family.mappings):
             if getattr(mapping, "query", "any") not in ("any", self.dims.mla_query):
                 continue  # the other MLA query layout's rows
+            if getattr(mapping, "switch", None) not in (None, *self.dims.switches):
+                continue  # a row the config switches off (GLM-4.5 without use_qk_norm)
             if self.head == "score" and mapping.megatron == _OUTPUT:
                 mapping = Replicated(_OUTPUT, self.family.score_head)
             if mapping.is_expert and self.dims.num_experts == 0:

@@ -20,6 +20,10 @@ def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tp_size: int 
     return -(-vocab_size // multiple) * multiple
 
 
+SWITCH_KEYS = ("attention_bias", "use_qk_norm")
+"""Boolean config keys that add or remove mapping rows (``Mapping.switch``)."""
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """Shapes of one model. ``num_query_groups`` is the number of KV heads (GQA groups)."""
@@ -39,6 +43,8 @@ class ModelDims:
     mla_query: str | None = None
     """Multi-latent attention's queries: ``"latent"`` through a query latent (``q_lora_rank`` set),
     ``"direct"`` through one projection (``q_lora_rank: null``); None without MLA."""
+    switches: frozenset[str] = frozenset()
+    """The keys of ``SWITCH_KEYS`` the config sets true: rows with such a ``switch`` exist."""
 
     @classmethod
     def from_hf_config(
@@ -76,6 +82,7 @@ class ModelDims:
             num_experts=int(num_experts),
             dense_layers=tuple(range(first_dense)),
             mla_query=("latent" if get("q_lora_rank") is not None else "direct") if mla else None,
+            switches=frozenset(key for key in SWITCH_KEYS if get(key, default=False)),
         )
 
     def with_padded_vocab(self, padded: int) -> ModelDims:

@@ -96,6 +96,9 @@ class ArchitectureFacts:
     """Routed experts; ``None`` for a dense decoder."""
     mla: MLAFacts | None = None
     """Multi-latent attention instead of (grouped-query) multi-head attention."""
+    rotary_fraction: float = 1.0
+    """Fraction of each head's dimensions RoPE rotates: the first ones, rotate-half style, the rest
+    pass through (GLM-4.5's ``partial_rotary_factor`` 0.5; Megatron's ``rotary_percent``)."""
 
 
 @dataclass(frozen=True)

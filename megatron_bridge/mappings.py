@@ -44,6 +44,8 @@ class Mapping:
     ``query``: multi-latent attention's query rows, ``"latent"`` only in a model with a query latent
     (``q_lora_rank`` set), ``"direct"`` only in one projecting queries directly (DeepSeek-V2-Lite);
     ``"any"``: every model (``ModelDims.mla_query``).
+    ``switch``: the row exists only in models whose HF config sets this boolean key true
+    (GLM-4.5's optional per-head q/k norms, ``use_qk_norm``; ``ModelDims.switches``); None: always.
     """
 
     megatron: str
@@ -51,6 +53,7 @@ class Mapping:
     tp_dim: int | None = None
     layers: LayerKind = "all"
     query: QueryKind = "any"
+    switch: str | None = None
 
     is_expert = False
 

@@ -2,6 +2,9 @@
 
 Contract: ``get_family(model_type)`` returns the registered ``ModelFamily`` or raises ``KeyError``
 listing every supported ``model_type``; ``registered_family(model_type)`` returns it or None.
+``supported_model_types()`` lists every ``model_type`` a checkpoint may have (Kimi-K2's ``kimi_k2``
+among them); ``family_types()`` one per family, its first: the one with a transformers config class
+and the family's tiny preset (tiny models and per-family test tables use these).
 Families register themselves when ``megatron_bridge.models`` is imported (every module there but
 ``common``), which each of these functions does on first use.
 """
@@ -27,6 +30,13 @@ def supported_model_types() -> list[str]:
     import megatron_bridge.models  # noqa: F401  (registers the families)
 
     return sorted(_FAMILIES)
+
+
+def family_types() -> list[str]:
+    """The first ``model_type`` of each family (``kimi_k2`` is DeepSeek-V3's second: not here)."""
+    import megatron_bridge.models  # noqa: F401  (registers the families)
+
+    return sorted({family.model_types[0] for family in _FAMILIES.values()})
 
 
 def registered_family(model_type: str) -> ModelFamily | None:

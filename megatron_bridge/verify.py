@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_bridge.hf_config import load_hf_config
+
 PROBE_TOKENS = 256
 """Tokens per probe row (fewer when the model's context is shorter)."""
 
@@ -136,7 +138,8 @@ def hf_logits(
 
     # transformers' grouped expert matmul has no fp64 kernel; its eager loop over experts has.
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **experts).eval()
+    config = load_hf_config(hf_dir)  # Kimi-K2's kimi_k2 reads as DeepseekV3Config
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, config=config, dtype=dtype, **experts).eval()
     logits = model(input_ids=input_ids).logits
     return logits if logits.dtype == torch.float64 else logits.float()
 

@@ -13,7 +13,11 @@ latent (``q_lora_rank: null``, DeepSeek-V2-Lite) queries come from one ``q_proj`
 Routing: ``sigmoid(logits) + e_score_correction_bias`` chooses the groups (sum of each group's top-2
 scores) and then the experts; the chosen experts' unbiased scores are renormalized and multiplied
 by ``routed_scaling_factor``. That is Megatron's sigmoid router with ``expert_bias`` when top-k over
-the chosen groups is 2 per group; configs Megatron computes differently are refused by name.
+the chosen groups is 2 per group, or when there is one group (Kimi-K2: ungrouped); configs Megatron
+computes differently are refused by name.
+
+Kimi-K2 (``model_type: kimi_k2``) is this family: its ``config.json`` names DeepSeek-V3's
+architecture and remote-code config class, and reads as transformers' ``DeepseekV3Config``.
 """
 
 from __future__ import annotations
@@ -105,18 +109,7 @@ def mla_facts(config: Any, name: str) -> MLAFacts:
 def deepseek_facts(config: Any) -> ArchitectureFacts:
     """Facts of a DeepSeek-V3 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
-    top_k = get("num_experts_per_tok")
-    groups, group_topk = get("n_group"), get("topk_group")
-    if top_k % group_topk or top_k // group_topk != 2:
-        # HF scores a group by its top-2 experts; Megatron by its top (num_experts_per_tok / topk_group).
-        raise NotImplementedError(
-            f"deepseek_v3: num_experts_per_tok={top_k} / topk_group={group_topk} must be 2 "
-            "(HF ranks groups by their top-2 experts, Megatron by their top num_experts_per_tok/topk_group)"
-        )
-    if not get("norm_topk_prob") and top_k > 1:
-        raise NotImplementedError(
-            "deepseek_v3: norm_topk_prob=false is not supported (Megatron's sigmoid router renormalizes)"
-        )
+    groups, group_topk = sigmoid_group_routing(config, "deepseek_v3")
     for key, routing in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if get(key, default=routing) != routing:
             # transformers' DeepseekV3 (and Megatron here) always route so; vLLM follows the key
@@ -130,6 +123,34 @@ def deepseek_facts(config: Any) -> ArchitectureFacts:
         group_topk=group_topk,
         expert_bias=True,
     )
+
+
+def sigmoid_group_routing(config: Any, name: str) -> tuple[int | None, int | None]:
+    """Megatron's ``(num_groups, group_topk)`` for a config ``name`` routing as DeepSeek-V3 does
+    (sigmoid scores, renormalized top-k, ``n_group``/``topk_group``); raises ``NotImplementedError``
+    naming the key Megatron cannot match.
+
+    A single group (``n_group: 1``, Kimi-K2, GLM-4.5) is no grouping: HF's mask keeps the one group,
+    so every expert competes, which is Megatron's ungrouped router (``(None, None)``).
+    """
+    get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
+    top_k = get("num_experts_per_tok")
+    groups, group_topk = get("n_group"), get("topk_group")
+    if not get("norm_topk_prob") and top_k > 1:
+        raise NotImplementedError(
+            f"{name}: norm_topk_prob=false is not supported (Megatron's sigmoid router renormalizes)"
+        )
+    if groups == 1:
+        if group_topk != 1:
+            raise ValueError(f"{name}: topk_group={group_topk} exceeds n_group=1")
+        return None, None
+    if top_k % group_topk or top_k // group_topk != 2:
+        # HF scores a group by its top-2 experts; Megatron by its top (num_experts_per_tok / topk_group).
+        raise NotImplementedError(
+            f"{name}: num_experts_per_tok={top_k} / topk_group={group_topk} must be 2 "
+            "(HF ranks groups by their top-2 experts, Megatron by their top num_experts_per_tok/topk_group)"
+        )
+    return groups, group_topk
 
 
 def deepseek_architecture(
@@ -200,7 +221,9 @@ HF_DEFAULTS = {
 DEEPSEEK_V3 = register(
     ModelFamily(
         name="deepseek_v3",
-        model_types=("deepseek_v3",),
+        # Kimi-K2's config.json says model_type kimi_k2 (its own remote-code config class) for
+        # DeepSeek-V3's architecture; vLLM and transformers' DeepseekV3Config read it unchanged.
+        model_types=("deepseek_v3", "kimi_k2"),
         mappings=(*embeddings_and_head(), *mla_attention(), *deepseek_moe()),
         facts=deepseek_facts,
         tiny_preset={

@@ -123,9 +123,9 @@ class ModelConfig:
             if problem:
                 return [problem]
         if self.tiny is not None:
-            from megatron_bridge.registry import supported_model_types
+            from megatron_bridge.registry import family_types
 
-            known = supported_model_types()
+            known = family_types()
             if self.tiny.model_type not in known:
                 return [
                     f"{prefix}.tiny.model_type={self.tiny.model_type!r} has no model family; "

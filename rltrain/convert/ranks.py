@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 from megatron_bridge.bridge import Bridge
 from megatron_bridge.convert import compare_bit_exact, reshard_source, write_hf
 from megatron_bridge.dcp_io import DistCheckpointReader
 from megatron_bridge.errors import VerificationError
+from megatron_bridge.hf_config import load_hf_config
 from megatron_bridge.hf_io import HFCheckpointReader, copy_hf_aux_files
 from megatron_bridge.live import LazyShards, bridge_for_chunks, chunk_namings
 from megatron_bridge.mcore_view import MegatronCheckpointView
@@ -71,7 +71,7 @@ def setup_rank(
     """(HF config, context, a builder of the real model, this rank's chunks, their bridge); ``stages``:
     decoder layers on the first and last pipeline stage (None: an even split); ``etp``: expert-TP size
     (None: ``tp``)."""
-    config = AutoConfig.from_pretrained(hf_config_dir)
+    config = load_hf_config(hf_config_dir)
     ctx = ParallelContext.initialize(
         ParallelConfig(
             tensor_model_parallel_size=tp,

@@ -157,6 +157,7 @@ def build_model(
             rope_scaling=options.rope_scaling,
             rope_scaling_factor=options.rope_scaling_factor,
             seq_len_interpolation_factor=options.seq_len_interpolation_factor,
+            rotary_percent=options.rotary_percent,
             vp_stage=vp_stage if num_chunks > 1 else None,
         )
         if role in SCALAR_HEAD_ROLES and post:

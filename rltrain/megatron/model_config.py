@@ -49,6 +49,8 @@ class GPTOptions:
     position_embedding_type: str = "rope"
     """``"yarn"`` for YaRN with grouped-query attention (its settings ride on the TransformerConfig);
     multi-latent attention applies its own RoPE, YaRN included."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions RoPE rotates (``ArchitectureFacts.rotary_fraction``)."""
 
 
 def architecture_facts(hf_config: Any) -> ArchitectureFacts:
@@ -119,7 +121,20 @@ def gpt_options(hf_config: Any, *, role: Role, vocab_size: int | None = None) ->
         seq_len_interpolation_factor=float(rope["factor"]) if rope_type == "linear" else None,
         tie_word_embeddings=facts.tie_word_embeddings and role not in SCALAR_HEAD_ROLES,
         position_embedding_type="yarn" if rope_type == "yarn" and not facts.mla else "rope",
+        rotary_percent=_rotary_percent(facts, model_type=hf_config.model_type),
     )
+
+
+def _rotary_percent(facts: ArchitectureFacts, *, model_type: str) -> float:
+    """Megatron's ``rotary_percent``: RoPE on the first ``rotary_fraction`` of each head, rotate-half
+    style (non-interleaved), the rest passed through; the rotary part must be whole frequency pairs."""
+    if not 0.0 < facts.rotary_fraction <= 1.0:
+        raise ValueError(f"{model_type}: partial_rotary_factor={facts.rotary_fraction} must be in (0, 1]")
+    if facts.rotary_fraction != 1.0 and facts.mla:
+        raise NotImplementedError(
+            f"{model_type}: partial_rotary_factor with multi-latent attention is not supported"
+        )
+    return facts.rotary_fraction
 
 
 def transformer_config_from_hf(

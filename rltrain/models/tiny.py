@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.registry import get_family, supported_model_types
+from megatron_bridge.hf_config import CONFIG_CLASS_OF
+from megatron_bridge.registry import family_types, get_family
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -102,7 +103,7 @@ def tiny_hf_config(model_type: str, *, vocab_size: int, **overrides: Any):
     (``megatron_bridge/models/``) with ``overrides`` applied."""
     from transformers import AutoConfig
 
-    supported = supported_model_types()
+    supported = family_types()
     if model_type not in supported:
         raise ValueError(f"no tiny preset for model_type={model_type!r}; known: {supported}")
     kwargs = {**copy.deepcopy(dict(get_family(model_type).tiny_preset)), **overrides}
@@ -154,7 +155,8 @@ def tiny_model_from_config(config: dict[str, Any], *, tokenizer, seed: int = 0):
         "bos_token_id": None,
     }
     config.pop("auto_map", None)  # remote code: the model is built by transformers' own class
-    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    model_type = config.pop("model_type")  # kimi_k2 has no class of its own in transformers
+    hf_config = CONFIG_MAPPING[CONFIG_CLASS_OF.get(model_type, model_type)].from_dict(config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)

@@ -110,8 +110,7 @@ class MegatronRankBase:
         one layout: Megatron keeps one parallel state per process)."""
         if info is not None:
             init_env(info)
-        from transformers import AutoConfig
-
+        from megatron_bridge.hf_config import load_hf_config
         from rltrain.megatron.parallel import ParallelContext
 
         self.config = config
@@ -123,9 +122,7 @@ class MegatronRankBase:
         self.ctx = ctx or ParallelContext.initialize(
             parallel, seed=config.trainer.seed, timeout_minutes=config.trainer.timeouts.collective_s / 60
         )
-        self.hf_config = AutoConfig.from_pretrained(
-            model_dir, trust_remote_code=config.model.trust_remote_code
-        )
+        self.hf_config = load_hf_config(model_dir, trust_remote_code=config.model.trust_remote_code)
 
     def rank_info(self) -> dict[str, int]:
         c = self.ctx

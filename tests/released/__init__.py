@@ -16,6 +16,9 @@ Each checkpoint has a folder here named after its Hugging Face repository (``dee
 
 ``shrunk_config(name)`` gives the tiny config dict; ``save_released_model(out_dir, name)`` builds the
 tiny random model from it with transformers (the reference) and saves it with the tiny tokenizer.
+A ``model_type`` transformers has no class for (Kimi-K2's ``kimi_k2``, whose class is remote code)
+is built with the class ``megatron_bridge.hf_config.CONFIG_CLASS_OF`` names (``DeepseekV3Config``)
+and saved under its released ``model_type``, as the real checkpoint is.
 """
 
 from __future__ import annotations
@@ -103,5 +106,11 @@ def save_released_model(out_dir: str | Path, name: str, *, seed: int = 0, **over
     tokenizer = build_tiny_tokenizer()
     config = shrunk_config(name, **overrides)
     config.pop("quantization_config", None)
+    released_type = config["model_type"]
     model = tiny_model_from_config(config, tokenizer=tokenizer, seed=seed)
-    return save_pretrained_with_tokenizer(model, tokenizer, out_dir)
+    out = save_pretrained_with_tokenizer(model, tokenizer, out_dir)
+    saved = json.loads((out / "config.json").read_text())
+    if saved["model_type"] != released_type:  # kimi_k2, built by DeepseekV3Config
+        saved["model_type"] = released_type
+        (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    return out

@@ -102,14 +102,16 @@ def ep2_case(tmp: str) -> dict[str, dict[str, float]]:
     return {"ep2": max_diffs(ref, ep2)}
 
 
-def ep2_mixed_case(tmp: str) -> dict[str, dict[str, float]]:
+def ep2_mixed_case(tmp: str, model_type: str = "deepseek_v3") -> dict[str, dict[str, float]]:
     """DeepSeek-V3 (MLA; layers 0-1 dense, 2-3 MoE with a shared expert and sigmoid group-limited
-    routing): EP=2 loads the weights an EP=1 run saved, then must match it through two train steps."""
+    routing), or ``model_type``'s tiny preset (GLM-4.5: layer 0 dense, 1-2 MoE, ungrouped sigmoid
+    routing, RoPE on half of each head): EP=2 loads the weights an EP=1 run saved, then must match
+    it through two train steps."""
     from megatron_fixtures import VOCAB
 
     from rltrain.models.tiny import tiny_hf_config
 
-    hf = tiny_hf_config("deepseek_v3", vocab_size=VOCAB, initializer_range=0.1)
+    hf = tiny_hf_config(model_type, vocab_size=VOCAB, initializer_range=0.1)
     batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
     ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
     ep2 = actor_round(hf, ParallelConfig(expert_model_parallel_size=2), batching, load_from=f"{tmp}/ref")

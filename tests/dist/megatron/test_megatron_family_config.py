@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.registry import supported_model_types
+from megatron_bridge.registry import family_types
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.model_config import gpt_options, transformer_config_from_hf
 from rltrain.models.tiny import tiny_hf_config
@@ -38,12 +38,13 @@ EXPECTED = {
     # qk_layernorm: MLA's latent norms (q_a_layernorm, kv_a_layernorm)
     "deepseek_v3": (False, True,    128, 4,      32,   2,    False,       0.0,   32,   False, False),
     "deepseek_v2": (False, True,    128, 6,      32,   2,    True,        0.0,   32,   False, False),
+    "glm4_moe":  (True,    True,    256, 4,      64,   2,    False,       0.0,   64,   False, False),
 }
 # fmt: on
 
 
 def test_every_family_has_expectations() -> None:
-    assert sorted(EXPECTED) == supported_model_types()
+    assert sorted(EXPECTED) == family_types()
 
 
 @pytest.mark.parametrize("model_type", sorted(EXPECTED))
@@ -54,8 +55,9 @@ def test_family_facts_reach_the_transformer_config(model_type: str) -> None:
     assert {name: getattr(config, name) for name in FIELDS[:-1]} == dict(zip(FIELDS[:-1], expected))
     # layers, hidden, query groups, kv_channels (hidden / heads): the tiny presets' sizes; DeepSeek-V3's
     # has 4 layers (2 dense + 2 MoE) of 64 with 4 heads, no GQA (MLA's own head dims are checked below),
-    # DeepSeek-V2's 3 (1 dense + 2 MoE)
-    shape = {"deepseek_v3": (4, 64, 4, 16), "deepseek_v2": (3, 64, 4, 16)}.get(model_type, (2, 128, 2, 32))
+    # DeepSeek-V2's 3 (1 dense + 2 MoE), GLM-4.5's 3 (1 dense + 2 MoE)
+    shapes = {"deepseek_v3": (4, 64, 4, 16), "deepseek_v2": (3, 64, 4, 16), "glm4_moe": (3, 128, 2, 32)}
+    shape = shapes.get(model_type, (2, 128, 2, 32))
     assert (config.num_layers, config.hidden_size, config.num_query_groups, config.kv_channels) == shape
     assert gpt_options(hf, role="actor").tie_word_embeddings is tied
     assert gpt_options(hf, role="critic").tie_word_embeddings is False
@@ -72,7 +74,7 @@ def test_unsupported_model_type_lists_the_families() -> None:
 
     with pytest.raises(
         NotImplementedError,
-        match=r"gpt_neox.*supported: deepseek_v2, deepseek_v3, llama, mixtral, qwen2, qwen2_moe",
+        match=r"gpt_neox.*supported: deepseek_v2, deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2, qwen2_moe",
     ):
         transformer_config_from_hf(GPTNeoXConfig(), parallel=ParallelConfig(), params_dtype=torch.float32)
 
@@ -116,3 +118,31 @@ def test_deepseek_v3_translates_to_mla_and_a_per_layer_moe_pattern() -> None:
         NotImplementedError, match=r"deepseek_v3: rope_parameters.rope_type='linear' with multi-latent"
     ):
         transformer_config_from_hf(linear, parallel=ParallelConfig(), params_dtype=torch.float32)
+
+
+def test_glm4_moe_and_kimi_k2_translate_to_partial_rope_and_ungrouped_sigmoid_routers() -> None:
+    """GLM-4.5 (tiny preset): RoPE on half of each 32-dim head, layer 0 dense, sigmoid top-2 with the
+    expert bias in one group, which is Megatron's ungrouped router; Kimi-K2's released config (its
+    YaRN removed) the same router over 16 experts, top-8, scaled by 2.827."""
+    from transformers import DeepseekV3Config
+
+    from tests.released import shrunk_config
+
+    hf = tiny_hf_config("glm4_moe", vocab_size=448)
+    config = transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert gpt_options(hf, role="actor").rotary_percent == 0.5 and not config.rotary_interleaved
+    assert config.moe_layer_freq == [0, 1, 1] and config.kv_channels == 32
+    assert config.moe_router_score_function == "sigmoid" and config.moe_router_enable_expert_bias
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (None, None)
+    assert config.moe_router_topk_scaling_factor == 2.5 and not config.moe_router_pre_softmax
+    assert gpt_options(tiny_hf_config("qwen3", vocab_size=448), role="actor").rotary_percent == 1.0
+
+    kimi = shrunk_config("kimi-k2-instruct", rope_scaling=None)  # until YaRN lands (issue #35 part 1)
+    del kimi["model_type"]  # kimi_k2: read by transformers' DeepseekV3Config (load_hf_config)
+    config = transformer_config_from_hf(
+        DeepseekV3Config.from_dict(kimi), parallel=ParallelConfig(), params_dtype=torch.float32
+    )
+    assert config.multi_latent_attention and config.moe_layer_freq == [0, 1, 1, 1]
+    assert (config.num_moe_experts, config.moe_router_topk) == (16, 8)
+    assert (config.moe_router_num_groups, config.moe_router_group_topk) == (None, None)
+    assert config.moe_router_topk_scaling_factor == 2.827 and config.moe_router_enable_expert_bias

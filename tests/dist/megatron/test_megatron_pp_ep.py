@@ -55,3 +55,9 @@ def test_expert_tensor_parallel_one_under_attention_tp2_matches_single_rank(tmp_
     the logprobs after the update agree with a TP=1/DP=2 run to 1e-5. (At EP=1, experts repeated on
     both TP ranks, the gradients do not: that layout is refused by the config.)"""
     _check(run_ranks(etp_case, 2, str(tmp_path)))
+
+
+def test_ep2_glm4_moe_matches_single_rank(tmp_path) -> None:
+    """GLM-4.5's tiny preset (Q/K/V biases, q/k norms, partial RoPE; layer 0 dense, 1-2 MoE with a
+    shared expert, ungrouped sigmoid routing with the expert bias): as DeepSeek-V3 above."""
+    _check(run_ranks(ep2_mixed_case, 2, str(tmp_path), "glm4_moe"))

@@ -55,8 +55,9 @@ LAYOUTS = {
 
 
 def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: str = "short") -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from megatron_bridge.hf_config import load_hf_config
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
     from megatron_bridge.reshard import EngineLayout
@@ -73,7 +74,7 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
     from rltrain.weight_sync import PlannedExport, build_sender, checksum
 
     ctx = ParallelContext.initialize(ParallelConfig(**LAYOUTS[layout]))
-    hf_config = AutoConfig.from_pretrained(actor_dir)
+    hf_config = load_hf_config(actor_dir)  # Kimi-K2's kimi_k2 reads as DeepseekV3Config
     actor = MegatronWorker(
         hf_config, ctx=ctx, role="actor", optim=OptimConfig(lr=3e-3), params_dtype=torch.float32
     )

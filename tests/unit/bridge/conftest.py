@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from megatron_bridge.registry import supported_model_types
+from megatron_bridge.registry import family_types
 from rltrain.models.tiny import save_tiny_model
 
-FAMILIES = tuple(supported_model_types())
+FAMILIES = tuple(family_types())
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import pytest
 import megatron_bridge.models
 from megatron_bridge.family import ArchitectureFacts, MLAFacts, ModelFamily, MoEFacts
 from megatron_bridge.models.common import dense_layers
-from megatron_bridge.registry import get_family, supported_model_types
+from megatron_bridge.registry import family_types, get_family, supported_model_types
 from rltrain.models.tiny import tiny_hf_config
 
 
@@ -96,6 +96,28 @@ TINY_FACTS = {
             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
         ),
     ),
+    # GLM-4.5: GQA with Q/K/V biases and q/k norms, RoPE on half of each head; one dense layer then
+    # two MoE layers, sigmoid top-2 of 4 experts in one group (ungrouped) with the expert bias
+    "glm4_moe": ArchitectureFacts(
+        qkv_bias=True,
+        qk_norm=True,
+        tie_word_embeddings=False,
+        moe=MoEFacts(
+            num_experts=4,
+            top_k=2,
+            ffn_hidden_size=64,
+            renormalize_topk=True,
+            aux_loss_coeff=0.0,
+            shared_expert_ffn_hidden_size=64,
+            dense_layers=(0,),
+            score_function="sigmoid",
+            num_groups=None,
+            group_topk=None,
+            topk_scaling_factor=2.5,
+            expert_bias=True,
+        ),
+        rotary_fraction=0.5,
+    ),
 }
 
 
@@ -104,6 +126,7 @@ def test_every_family_file_registers_its_family():
     assert files == {
         "deepseek_v2",
         "deepseek_v3",
+        "glm4_moe",
         "llama",
         "mixtral",
         "qwen2",
@@ -111,11 +134,15 @@ def test_every_family_file_registers_its_family():
         "qwen3",
         "qwen3_moe",
     }
-    assert supported_model_types() == sorted(files)
+    assert family_types() == sorted(files)
+    # Kimi-K2's checkpoints (model_type kimi_k2) are DeepSeek-V3's family
+    assert supported_model_types() == sorted(files | {"kimi_k2"})
     for name in files:
         module = importlib.import_module(f"megatron_bridge.models.{name}")
         (family,) = [v for v in vars(module).values() if isinstance(v, ModelFamily)]
-        assert family.model_types == (name,) and get_family(name) is family
+        assert family.model_types[0] == name and get_family(name) is family
+        assert all(get_family(alias) is family for alias in family.model_types)
+    assert get_family("deepseek_v3").model_types == ("deepseek_v3", "kimi_k2")
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_FACTS))
@@ -240,7 +267,7 @@ def test_tiny_preset_is_read_only_and_unknown_types_are_named():
         get_family("llama").tiny_preset["hidden_size"] = 1  # type: ignore[index]
     with pytest.raises(
         ValueError,
-        match=r"no tiny preset for model_type='gpt_neox'; known: \['deepseek_v2', 'deepseek_v3', 'llama'",
+        match=r"no tiny preset for model_type='gpt_neox'; known: \['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'llama'",
     ):
         tiny_hf_config("gpt_neox", vocab_size=64)
 

@@ -13,11 +13,11 @@ import pytest
 from megatron_bridge.bridge import Bridge
 from megatron_bridge.hf_config import config_value
 from megatron_bridge.layout import layout_problems
-from megatron_bridge.registry import get_family, supported_model_types
+from megatron_bridge.registry import family_types, get_family
 from rltrain.models.tiny import tiny_hf_config
 from tests.unit.bridge.trimmed_configs import as_transformers_loads_it, config_json, trimmed
 
-FAMILIES = supported_model_types()
+FAMILIES = family_types()
 
 # The "released" configs: each transformers config class with its defaults (most describe a released
 # model: Mixtral-8x7B, Qwen1.5-MoE-A2.7B, DeepSeek-V3), with these overrides: Qwen3-30B-A3B

@@ -2,13 +2,13 @@
 
 import pytest
 
-from megatron_bridge.registry import supported_model_types
+from megatron_bridge.registry import family_types
 from rltrain.config import ConfigError, load_config
 
 
 def test_every_registered_family_is_a_valid_tiny_model_type():
-    assert "qwen3_moe" in supported_model_types()  # the one the old fixed list missed
-    for model_type in supported_model_types():
+    assert "qwen3_moe" in family_types()  # the one the old fixed list missed
+    for model_type in family_types():
         config = load_config("recipes/quickstart_cpu.yaml", [f"model.tiny.model_type={model_type}"])
         assert config.model.tiny.model_type == model_type
 
@@ -18,7 +18,7 @@ def test_an_unknown_tiny_model_type_names_the_override_and_the_families():
         load_config("recipes/quickstart_cpu.yaml", ["model.tiny.model_type=gpt2"])
     assert str(err.value) == (
         "invalid configuration: override 'model.tiny.model_type=gpt2': model.tiny.model_type='gpt2' has no "
-        "model family; supported: " + ", ".join(supported_model_types())
+        "model family; supported: " + ", ".join(family_types())
     )
 
 

@@ -1,0 +1,67 @@
+"""Rank functions of the released-config tests (``tests/released``): each returns numbers to assert."""
+
+from __future__ import annotations
+
+import torch
+from megatron_fixtures import SEED, ensure_process_group, make_batch
+
+from rltrain.config.parallel import ParallelConfig
+from rltrain.megatron.parallel import ParallelContext
+from rltrain.megatron.worker import MegatronWorker
+
+WITHOUT_MTP = {"num_nextn_predict_layers": 0}  # until MTP lands (issue #35, another part)
+WITHOUT_YARN = {"rope_scaling": None}  # until YaRN lands (issue #35 part 1)
+CASES = {"glm-4.5-air": WITHOUT_MTP, "kimi-k2-instruct": WITHOUT_YARN}
+
+
+def released_parity_case(tmp: str) -> dict[str, float]:
+    """The actor's packed log-probs and entropies (``compute_log_prob``: THD rows, Megatron's RoPE
+    through ``packed_rope``) against transformers' on the same weights, for each released config:
+    the tiny model with larger random weights (a peaked distribution; random expert biases that
+    decide the routing), saved, read into Megatron by the bridge."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_bridge.hf_config import load_hf_config
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, load_hf_weights
+    from rltrain.models.tiny import save_pretrained_with_tokenizer
+    from tests.released import save_released_model
+
+    ensure_process_group()
+    out = {}
+    for name, overrides in CASES.items():
+        src = save_released_model(f"{tmp}/{name}/tiny", name, seed=2, **overrides)
+        hf = load_hf_config(src)  # Kimi-K2's kimi_k2 reads as DeepseekV3Config
+        reference = AutoModelForCausalLM.from_pretrained(src, config=hf, dtype=torch.float32).eval()
+        torch.manual_seed(0)
+        for param in reference.parameters():
+            if param.dim() > 1:
+                param.data.normal_(0, 0.15)
+            else:
+                param.data.uniform_(0.5, 1.5)
+        for buffer_name, buffer in reference.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.data.normal_(0, 0.5)
+        weights = save_pretrained_with_tokenizer(
+            reference, AutoTokenizer.from_pretrained(src), f"{tmp}/{name}/w"
+        )
+        ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+        worker = MegatronWorker(hf, ctx=ctx, role="reference")
+        bridge = bridge_for_chunks(hf, worker.chunks, ctx)
+        load_hf_weights(worker.chunks, ctx, bridge, HFCheckpointReader(weights))
+        batch = make_batch(seed=5)
+        ours = worker.compute_log_prob(batch)
+        ctx.destroy()
+        with torch.no_grad():
+            mask = batch.attention_mask
+            logits = reference(
+                input_ids=batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+            ).logits[:, -batch.response_len - 1 : -1]
+        log_p = torch.log_softmax(logits.float(), -1)
+        ref_lp = log_p.gather(-1, batch.input_ids[:, -batch.response_len :, None]).squeeze(-1)
+        ref_ent = -(log_p.exp() * log_p).sum(-1)
+        resp = batch.response_mask.bool()
+        out[f"{name}_logprobs"] = float((ours.logprobs - ref_lp)[resp].abs().max())
+        out[f"{name}_entropy"] = float((ours.entropy - ref_ent)[resp].abs().max())
+        out[f"{name}_scale"] = float(ref_lp[resp].abs().max())
+    return out
