@@ -17,7 +17,6 @@ from tests.released import save_released_model
 pytestmark = pytest.mark.dist
 
 WITHOUT_MTP = {"num_nextn_predict_layers": 0}  # until MTP lands (issue #35, another part)
-WITHOUT_YARN = {"rope_scaling": None}  # until YaRN lands (issue #35 part 1)
 
 
 @pytest.mark.parametrize(
@@ -27,7 +26,7 @@ WITHOUT_YARN = {"rope_scaling": None}  # until YaRN lands (issue #35 part 1)
         # sigmoid routing with a nonzero expert bias, shared expert
         ("glm-4.5-air", WITHOUT_MTP, 1, 2, 2),
         # MLA; 1 dense + 3 MoE layers, top-8 of 16 experts in one group (ungrouped), scaled by 2.827
-        ("kimi-k2-instruct", WITHOUT_YARN, 1, 2, 2),
+        ("kimi-k2-instruct", {}, 1, 2, 2),
     ],
 )
 def test_released_moe_converts_bit_exact_and_matches_transformers(tmp_path, name, overrides, tp, pp, ep):

@@ -10,8 +10,7 @@ from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 
 WITHOUT_MTP = {"num_nextn_predict_layers": 0}  # until MTP lands (issue #35, another part)
-WITHOUT_YARN = {"rope_scaling": None}  # until YaRN lands (issue #35 part 1)
-CASES = {"glm-4.5-air": WITHOUT_MTP, "kimi-k2-instruct": WITHOUT_YARN}
+CASES = {"glm-4.5-air": WITHOUT_MTP, "kimi-k2-instruct": {}}
 
 
 def released_parity_case(tmp: str) -> dict[str, float]:

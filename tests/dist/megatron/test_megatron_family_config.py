@@ -122,8 +122,7 @@ def test_deepseek_v3_translates_to_mla_and_a_per_layer_moe_pattern() -> None:
 
 def test_glm4_moe_and_kimi_k2_translate_to_partial_rope_and_ungrouped_sigmoid_routers() -> None:
     """GLM-4.5 (tiny preset): RoPE on half of each 32-dim head, layer 0 dense, sigmoid top-2 with the
-    expert bias in one group, which is Megatron's ungrouped router; Kimi-K2's released config (its
-    YaRN removed) the same router over 16 experts, top-8, scaled by 2.827."""
+    expert bias in one group, which is Megatron's ungrouped router; Kimi-K2's released config the same router over 16 experts, top-8, scaled by 2.827."""
     from transformers import DeepseekV3Config
 
     from tests.released import shrunk_config
@@ -137,7 +136,7 @@ def test_glm4_moe_and_kimi_k2_translate_to_partial_rope_and_ungrouped_sigmoid_ro
     assert config.moe_router_topk_scaling_factor == 2.5 and not config.moe_router_pre_softmax
     assert gpt_options(tiny_hf_config("qwen3", vocab_size=448), role="actor").rotary_percent == 1.0
 
-    kimi = shrunk_config("kimi-k2-instruct", rope_scaling=None)  # until YaRN lands (issue #35 part 1)
+    kimi = shrunk_config("kimi-k2-instruct")
     del kimi["model_type"]  # kimi_k2: read by transformers' DeepseekV3Config (load_hf_config)
     config = transformer_config_from_hf(
         DeepseekV3Config.from_dict(kimi), parallel=ParallelConfig(), params_dtype=torch.float32

@@ -16,7 +16,6 @@ from tests.released import save_released_model
 pytestmark = [pytest.mark.dist, pytest.mark.e2e]
 
 WITHOUT_MTP = {"num_nextn_predict_layers": 0}  # until MTP lands (issue #35, another part)
-WITHOUT_YARN = {"rope_scaling": None}  # until YaRN lands (issue #35 part 1)
 
 
 def sync_result(tmp_path: Path, name: str, **overrides) -> dict:
@@ -47,6 +46,6 @@ def test_kimi_k2_ep2_sync_logprobs_match_vllm(tmp_path):
     same weights 5.6e-4 mean, 2.6e-3 max), hence its bounds: measured 4.0e-4 mean, 2.1e-3 max after
     the first sync, 1.5e-4 / 8.9e-4 after the step (the top-8-of-16 routing in one group, Kimi-K2's)."""
     vllm_mla = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
-    _, first, second = sync_result(tmp_path, "kimi-k2-instruct", **WITHOUT_YARN, **vllm_mla)["runs"]
+    _, first, second = sync_result(tmp_path, "kimi-k2-instruct", **vllm_mla)["runs"]
     assert first["logprob_abs_diff_mean"] < 6e-4 and first["logprob_abs_diff_max"] < 3e-3, first
     assert second["logprob_abs_diff_mean"] < 6e-4 and second["logprob_abs_diff_max"] < 6e-3, second

@@ -173,7 +173,7 @@ def test_a_single_expert_group_routes_as_ungrouped_top_k():
 
 def test_kimi_k2_released_config_is_deepseek_v3_ungrouped(tmp_path):
     """Kimi-K2-Instruct: MLA as DeepSeek-V3, layer 0 dense, top-8 of 384 experts in a single group,
-    scaled by 2.827; its YaRN is refused by the builder until YaRN lands."""
+    scaled by 2.827, YaRN with factor 32 (beta_fast = beta_slow = 1) built as MLA's YaRN."""
     released = released_config("kimi-k2-instruct")
     assert released["model_type"] == "kimi_k2" and released["architectures"] == ["DeepseekV3ForCausalLM"]
     expected = ArchitectureFacts(
@@ -188,7 +188,7 @@ def test_kimi_k2_released_config_is_deepseek_v3_ungrouped(tmp_path):
     assert get_family("kimi_k2") is get_family("deepseek_v3")
     assert get_family("kimi_k2").facts(released) == expected
     # The saved tiny checkpoint says kimi_k2, as the real one; it loads as transformers' DeepseekV3Config.
-    src = save_released_model(tmp_path / "hf", "kimi-k2-instruct", rope_scaling=None)
+    src = save_released_model(tmp_path / "hf", "kimi-k2-instruct")
     assert json.loads((src / "config.json").read_text())["model_type"] == "kimi_k2"
     hf = load_hf_config(src)
     assert type(hf).__name__ == "DeepseekV3Config" and hf.model_type == "deepseek_v3"
@@ -197,6 +197,6 @@ def test_kimi_k2_released_config_is_deepseek_v3_ungrouped(tmp_path):
     from rltrain.config.parallel import ParallelConfig
     from rltrain.megatron.model_config import transformer_config_from_hf
 
-    yarn = load_hf_config(save_released_model(tmp_path / "yarn", "kimi-k2-instruct"))
-    with pytest.raises(NotImplementedError, match=r"rope_type='yarn' with multi-latent attention"):
-        transformer_config_from_hf(yarn, parallel=ParallelConfig(), params_dtype=torch.float32)
+    config = transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert config.rope_type == "yarn" and config.rotary_scaling_factor == 32.0
+    assert (config.beta_fast, config.beta_slow, config.original_max_position_embeddings) == (1.0, 1.0, 16)
