@@ -93,6 +93,11 @@ class ArchitectureFacts:
     """Routed experts; ``None`` for a dense decoder."""
     mla: MLAFacts | None = None
     """Multi-latent attention instead of (grouped-query) multi-head attention."""
+    sliding_window: int | None = None
+    """Keys a sliding-window layer's query attends to, itself included (HF's ``sliding_window``:
+    query i sees keys i - sliding_window + 1 .. i); ``None``: no sliding-window layer."""
+    sliding_layers: tuple[int, ...] = ()
+    """Layer numbers (0-based) with sliding-window attention; the others attend to every earlier key."""
 
 
 @dataclass(frozen=True)
