@@ -95,9 +95,11 @@ def test_sliding_window_layers_become_megatron_window_attention() -> None:
 
 
 def test_sliding_window_under_context_parallelism_is_refused() -> None:
-    hf = tiny_hf_config("mixtral", vocab_size=448, sliding_window=5)
+    hf = tiny_hf_config(
+        "qwen3", vocab_size=448, use_sliding_window=True, sliding_window=5, max_window_layers=0
+    )
     with pytest.raises(
-        NotImplementedError, match=r"mixtral: sliding_window with parallel.context_parallel_size=2"
+        NotImplementedError, match=r"qwen3: sliding_window with parallel.context_parallel_size=2"
     ):
         transformer_config_from_hf(
             hf, parallel=ParallelConfig(context_parallel_size=2), params_dtype=torch.float32
