@@ -1,7 +1,9 @@
 """Registry of model families keyed by HF ``model_type``.
 
-Contract: ``get_family(model_type)`` returns the registered ``ModelFamily`` or raises ``KeyError``
-listing every supported ``model_type``; ``registered_family(model_type)`` returns it or None.
+Contract: ``get_family(model_type)`` returns the registered ``ModelFamily``, raises
+``NotImplementedError`` with the one-line reason for a recognized but refused ``model_type``
+(``megatron_bridge.refused``), or ``KeyError`` listing every supported ``model_type``;
+``registered_family(model_type)`` returns it or None.
 Families register themselves when ``megatron_bridge.models`` is imported (every module there but
 ``common``), which each of these functions does on first use.
 """
@@ -36,7 +38,17 @@ def registered_family(model_type: str) -> ModelFamily | None:
     return _FAMILIES.get(model_type)
 
 
+def refusal(model_type: str) -> str | None:
+    """The one-line reason a recognized but unsupported ``model_type`` is refused, or None."""
+    from megatron_bridge.refused import REFUSED
+
+    return REFUSED.get(model_type)
+
+
 def get_family(model_type: str) -> ModelFamily:
+    reason = refusal(model_type)
+    if reason is not None:
+        raise NotImplementedError(reason)
     supported = supported_model_types()
     if model_type not in _FAMILIES:
         raise KeyError(

@@ -106,6 +106,20 @@ def test_sliding_window_under_context_parallelism_is_refused() -> None:
         )
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gemma-3-1b-it"])
+def test_refused_families_are_refused_by_the_trainer_in_one_line(name: str) -> None:
+    from transformers import CONFIG_MAPPING
+
+    from megatron_bridge.refused import REFUSED
+    from tests.released import shrunk_config
+
+    config = shrunk_config(name)
+    hf = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    with pytest.raises(NotImplementedError) as err:
+        transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert err.value.args == (REFUSED[config["model_type"]],)
+
+
 def test_unsupported_model_type_lists_the_families() -> None:
     from transformers import GPTNeoXConfig
 
