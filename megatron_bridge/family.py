@@ -99,6 +99,11 @@ class ArchitectureFacts:
     rotary_fraction: float = 1.0
     """Fraction of each head's dimensions RoPE rotates: the first ones, rotate-half style, the rest
     pass through (GLM-4.5's ``partial_rotary_factor`` 0.5; Megatron's ``rotary_percent``)."""
+    sliding_window: int | None = None
+    """Keys a sliding-window layer's query attends to, itself included (HF's ``sliding_window``:
+    query i sees keys i - sliding_window + 1 .. i); ``None``: no sliding-window layer."""
+    sliding_layers: tuple[int, ...] = ()
+    """Layer numbers (0-based) with sliding-window attention; the others attend to every earlier key."""
 
 
 @dataclass(frozen=True)

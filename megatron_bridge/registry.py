@@ -1,10 +1,12 @@
 """Registry of model families keyed by HF ``model_type``.
 
-Contract: ``get_family(model_type)`` returns the registered ``ModelFamily`` or raises ``KeyError``
-listing every supported ``model_type``; ``registered_family(model_type)`` returns it or None.
-``supported_model_types()`` lists every ``model_type`` a checkpoint may have (Kimi-K2's ``kimi_k2``
-among them); ``family_types()`` one per family, its first: the one with a transformers config class
-and the family's tiny preset (tiny models and per-family test tables use these).
+Contract: ``get_family(model_type)`` returns the registered ``ModelFamily``, raises
+``NotImplementedError`` with the one-line reason for a recognized but refused ``model_type``
+(``megatron_bridge.refused``), or ``KeyError`` listing every supported ``model_type``;
+``registered_family(model_type)`` returns it or None. ``supported_model_types()`` lists every
+``model_type`` a checkpoint may have (Kimi-K2's ``kimi_k2`` among them); ``family_types()`` one per
+family, its first: the one with a transformers config class and the family's tiny preset (tiny
+models and per-family test tables use these).
 Families register themselves when ``megatron_bridge.models`` is imported (every module there but
 ``common``), which each of these functions does on first use.
 """
@@ -46,7 +48,17 @@ def registered_family(model_type: str) -> ModelFamily | None:
     return _FAMILIES.get(model_type)
 
 
+def refusal(model_type: str) -> str | None:
+    """The one-line reason a recognized but unsupported ``model_type`` is refused, or None."""
+    from megatron_bridge.refused import REFUSED
+
+    return REFUSED.get(model_type)
+
+
 def get_family(model_type: str) -> ModelFamily:
+    reason = refusal(model_type)
+    if reason is not None:
+        raise NotImplementedError(reason)
     supported = supported_model_types()
     if model_type not in _FAMILIES:
         raise KeyError(

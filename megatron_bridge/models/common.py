@@ -121,6 +121,50 @@ def qwen_routed_experts() -> tuple[AnyMapping, ...]:
 
 
 # ---- architecture facts ------------------------------------------------------------------------
+def every_layer(config: Any, num_layers: int) -> list[bool]:
+    """Sliding-window layers of a config without ``layer_types`` (Mistral, Mixtral, Qwen3-MoE): all."""
+    return [True] * num_layers
+
+
+def from_max_window_layers(config: Any, num_layers: int) -> list[bool]:
+    """Qwen2/Qwen3 (transformers' ``Qwen2Config``): layers from ``max_window_layers`` on slide."""
+    first = config_value(config, "max_window_layers", default=num_layers)
+    return [i >= first for i in range(num_layers)]
+
+
+def odd_below_max_window_layers(config: Any, num_layers: int) -> list[bool]:
+    """Qwen2-MoE (transformers' ``Qwen2MoeConfig``): every other layer (0, 2, ...) below
+    ``max_window_layers`` slides."""
+    last = config_value(config, "max_window_layers", default=num_layers)
+    return [i % 2 == 0 and i < last for i in range(num_layers)]
+
+
+def sliding_window_facts(
+    config: Any, default_layers: Callable[[Any, int], list[bool]]
+) -> tuple[int | None, tuple[int, ...]]:
+    """(window, sliding layer numbers) as transformers reads them: nothing unless
+    ``use_sliding_window`` (where the family has it) and ``sliding_window`` are set; then the
+    layers ``layer_types`` marks ``sliding_attention``, or, without ``layer_types``, the
+    family's rule ``default_layers`` (transformers' derivation for its config class)."""
+    window = config_value(config, "sliding_window")
+    if not window or not config_value(config, "use_sliding_window", default=True):
+        return None, ()
+    num_layers = config_value(config, "num_hidden_layers")
+    layer_types = config_value(config, "layer_types")
+    if layer_types is None:
+        sliding = default_layers(config, num_layers)
+    else:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown or len(layer_types) != num_layers:
+            raise NotImplementedError(
+                f"layer_types {unknown or layer_types} is not supported (one of full_attention / "
+                f"sliding_attention per layer, {num_layers} layers)"
+            )
+        sliding = [kind == "sliding_attention" for kind in layer_types]
+    layers = tuple(i for i, slides in enumerate(sliding) if slides)
+    return (int(window) if layers else None), layers
+
+
 def decoder_facts(
     *,
     qkv_bias: bool | None = None,
@@ -128,6 +172,7 @@ def decoder_facts(
     experts: bool = False,
     renormalize_topk: bool | None = None,
     shared_expert: bool = False,
+    window_layers: Callable[[Any, int], list[bool]] = every_layer,
 ) -> Callable[[Any], ArchitectureFacts]:
     """The facts reader of a Llama-style decoder family; each ``None`` is read from the config.
 
@@ -135,10 +180,12 @@ def decoder_facts(
     tokens to experts when the config sets ``num_local_experts`` / ``num_experts``;
     ``renormalize_topk``: from ``norm_topk_prob`` (default off); ``shared_expert``: a sigmoid-gated
     shared expert of ``shared_expert_intermediate_size`` (Qwen2-MoE). Tied embeddings always come
-    from ``tie_word_embeddings``.
+    from ``tie_word_embeddings``; sliding-window attention from ``sliding_window_facts`` with the
+    family's ``window_layers`` rule for configs without ``layer_types``.
     """
 
     def facts(config: Any) -> ArchitectureFacts:
+        window, layers = sliding_window_facts(config, window_layers)
         bias = (
             config_value(config, "qkv_bias", "attention_bias", default=False)
             if qkv_bias is None
@@ -151,6 +198,8 @@ def decoder_facts(
             moe=_moe_facts(config, renormalize_topk=renormalize_topk, shared_expert=shared_expert)
             if experts
             else None,
+            sliding_window=window,
+            sliding_layers=layers,
         )
 
     return facts

@@ -27,6 +27,7 @@ HF_DEFAULTS = {
     "num_local_experts": 8,
     "num_experts_per_tok": 2,
     "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
 }
 """What a Mixtral ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 

@@ -16,6 +16,7 @@ from megatron_bridge.models.common import (
     decoder_facts,
     embeddings_and_head,
     gated_mlp,
+    odd_below_max_window_layers,
     qwen_routed_experts,
 )
 from megatron_bridge.registry import register
@@ -38,6 +39,9 @@ HF_DEFAULTS = {
     "router_aux_loss_coef": 0.001,
     "decoder_sparse_step": 1,
     "mlp_only_layers": None,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
 }
 """What a Qwen2-MoE ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 
@@ -52,7 +56,7 @@ QWEN2_MOE = register(
             *gated_mlp(L + "mlp.shared_experts.", H + "mlp.shared_expert."),
             Replicated(L + "mlp.shared_experts.gate_weight", H + "mlp.shared_expert_gate.weight"),
         ),
-        facts=decoder_facts(experts=True, shared_expert=True),
+        facts=decoder_facts(experts=True, shared_expert=True, window_layers=odd_below_max_window_layers),
         tiny_preset={
             **TINY_SHAPE,
             **TINY_QWEN_EXPERTS,

@@ -8,6 +8,7 @@ from megatron_bridge.models.common import (
     attention,
     decoder_facts,
     embeddings_and_head,
+    from_max_window_layers,
     gated_mlp,
 )
 from megatron_bridge.registry import register
@@ -23,6 +24,9 @@ HF_DEFAULTS = {
     "head_dim": 128,
     "attention_bias": False,
     "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
 }
 """What a Qwen3 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 
@@ -31,7 +35,7 @@ QWEN3 = register(
         name="qwen3",
         model_types=("qwen3",),
         mappings=(*embeddings_and_head(), *attention(qk_norm=True), *gated_mlp(L + "mlp.", H + "mlp.")),
-        facts=decoder_facts(qk_norm=True),
+        facts=decoder_facts(qk_norm=True, window_layers=from_max_window_layers),
         tiny_preset={
             **TINY_SHAPE,
             "intermediate_size": 256,

@@ -32,6 +32,8 @@ HF_DEFAULTS = {
     "router_aux_loss_coef": 0.001,
     "decoder_sparse_step": 1,
     "mlp_only_layers": None,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
 }
 """What a Qwen3-MoE ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 

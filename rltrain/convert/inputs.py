@@ -70,7 +70,7 @@ def check_inputs(
     where = hf_dir / "config.json"
     try:
         get_family(config.get("model_type"))
-    except KeyError as err:
+    except (KeyError, NotImplementedError) as err:
         raise ConversionError(f"{where}: {err.args[0]}") from None
     if step is not None:
         _check_routing(step, config, where)

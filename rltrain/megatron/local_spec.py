@@ -7,7 +7,10 @@
   ``apply_query_key_layer_scaling``), grouped-query heads and attention dropout. It equals Megatron's
   masked path with a block-diagonal causal mask to rounding (tested). RoPE positions restart per
   sequence as in Megatron's own THD rotary path (``packed_rope``: the same bits, with the row's
-  cos/sin built once a forward instead of per sequence, query and layer). Sliding windows and softmax offsets are refused.
+  cos/sin built once a forward instead of per sequence, query and layer). Sliding windows
+  (``window_size``, a left window) are applied here on both the packed and the padded path
+  (Megatron's own softmax would drop the padding mask in favour of the window's); softmax offsets
+  (attention sinks) are refused on the packed path.
   Under context parallelism (Megatron's ``DotProductAttention`` refuses CP > 1; only TE's attention
   has it) each CP rank holds chunks r and 2·CP−1−r of every sequence (``micro_batches._prepare``): the
   keys/values are all-gathered over the CP group (the backward sums their gradients over the group
@@ -51,6 +54,19 @@ def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     future = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).triu(1)
     pad_key = ~attention_mask.bool()[:, None, None, :]
     return future[None, None] | pad_key
+
+
+def outside_window_mask(
+    seq: int, window_size: tuple[int, int], attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """True where a query may not look under Megatron's ``window_size=(left, right)`` (keys outside
+    i - left .. i + right, and future keys), or-ed with ``attention_mask`` ([batch, 1, seq, seq]
+    bool, True = forbidden; None: causal only) → [batch or 1, 1, seq, seq]."""
+    positions = torch.arange(seq, device=attention_mask.device if attention_mask is not None else None)
+    behind = positions.unsqueeze(1) - positions.unsqueeze(0)  # query position - key position
+    outside = (behind > window_size[0]) | (behind < -window_size[1]) | (behind < 0)
+    outside = outside[None, None]
+    return outside if attention_mask is None else attention_mask | outside
 
 
 class _GatherOverContextParallel(torch.autograd.Function):
@@ -106,6 +122,10 @@ class PackedDotProductAttention(DotProductAttention):
         if v_channels is not None:
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
         self.config = config
+        # Megatron's softmax replaces the given mask by the window mask (padding would be lost):
+        # this class applies the window itself, on top of the causal or padding mask.
+        self.window_size = self.scale_mask_softmax.window_size
+        self.scale_mask_softmax.window_size = None
         self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
 
     def forward(
@@ -125,6 +145,8 @@ class PackedDotProductAttention(DotProductAttention):
                 raise NotImplementedError(
                     "context_parallel_size > 1 needs packed sequences (use_remove_padding=true) on the CPU path"
                 )
+            if self.window_size is not None:
+                attention_mask = outside_window_mask(query.size(0), self.window_size, attention_mask)
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; expected 'thd'")
@@ -132,10 +154,15 @@ class PackedDotProductAttention(DotProductAttention):
             raise NotImplementedError(
                 "attention_bias with packed sequences: not supported by the CPU attention"
             )
-        if self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None:
+        if self.softmax_offset is not None:
             raise NotImplementedError(
-                "sliding-window attention or softmax_type != 'vanilla' with packed sequences: "
+                "softmax_type != 'vanilla' (attention sinks) with packed sequences: "
                 "not supported by the CPU attention"
+            )
+        if self.window_size is not None and (cp_size > 1 or self.window_size[1] != 0):
+            raise NotImplementedError(
+                f"window_size={tuple(self.window_size)} with context_parallel_size={cp_size}: "
+                "the CPU attention has causal left windows without context parallelism only"
             )
         cu_seqlens = packed_seq_params.cu_seqlens_q
         if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(
@@ -165,7 +192,13 @@ class PackedDotProductAttention(DotProductAttention):
                 )
             else:
                 context = packed_causal_attention(
-                    query, key, value, cu_seqlens, scale=scale, dropout_p=dropout_p
+                    query,
+                    key,
+                    value,
+                    cu_seqlens,
+                    scale=scale,
+                    dropout_p=dropout_p,
+                    window_left=None if self.window_size is None else self.window_size[0],
                 )
         return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
 

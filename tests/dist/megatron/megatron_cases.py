@@ -415,7 +415,17 @@ def _hf_families() -> dict[str, object]:
             **common, **moe, shared_expert_intermediate_size=48, norm_topk_prob=False
         ),
         "qwen3_moe": Qwen3MoeConfig(**common, **moe, norm_topk_prob=True),
+        # Sliding windows shorter than the batch's sequences (16 tokens): Qwen2's from
+        # max_window_layers on (layer 1 slides, layer 0 does not), Mixtral's on every layer, where
+        # two windows of 5 reach the left padding (Megatron's own windowed softmax drops the padding mask).
+        "qwen2_window": Qwen2Config(**common, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+        "mixtral_window": tiny_mixtral(sliding_window=5),
     }
+
+
+WINDOWED = ("qwen2_window", "mixtral_window")
+"""The families of ``_hf_families`` with sliding windows: also checked on padded rows and with
+several sequences per packed row."""
 
 
 def hf_parity_case() -> dict[str, float]:
@@ -429,15 +439,24 @@ def hf_parity_case() -> dict[str, float]:
         reference = AutoModelForCausalLM.from_config(hf).float().eval()
         for param in reference.parameters():  # larger weights than HF's init: a peaked distribution
             param.data.normal_(0, 0.15) if param.dim() > 1 else param.data.uniform_(0.5, 1.5)
-        ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
-        worker = MegatronWorker(hf, ctx=ctx, role="reference")
-        missing, unexpected = worker.chunks[0].load_state_dict(
-            _hf_to_megatron(reference.state_dict(), hf), strict=False
-        )
-        assert not unexpected and all("_extra_state" in k for k in missing), (name, missing, unexpected)
+        batchings = {"": None}
+        if name in WINDOWED:
+            batchings = {
+                "_packed4": MicroBatching(micro_batch_size=4),
+                "_padded4": MicroBatching(micro_batch_size=4, use_remove_padding=False),
+                "_padded1": MicroBatching(use_remove_padding=False),
+            }
         batch = make_batch(seed=5)
-        ours = worker.compute_log_prob(batch)
-        ctx.destroy()
+        results = {}
+        for suffix, batching in batchings.items():
+            ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+            worker = MegatronWorker(hf, ctx=ctx, role="reference", forward_batching=batching)
+            missing, unexpected = worker.chunks[0].load_state_dict(
+                _hf_to_megatron(reference.state_dict(), hf), strict=False
+            )
+            assert not unexpected and all("_extra_state" in k for k in missing), (name, missing, unexpected)
+            results[name + suffix] = worker.compute_log_prob(batch)
+            ctx.destroy()
         with torch.no_grad():
             mask = batch.attention_mask
             logits = reference(
@@ -447,9 +466,24 @@ def hf_parity_case() -> dict[str, float]:
         ref_lp = log_p.gather(-1, batch.input_ids[:, -batch.response_len :, None]).squeeze(-1)
         ref_ent = -(log_p.exp() * log_p).sum(-1)
         resp = batch.response_mask.bool()
-        out[f"{name}_logprobs"] = float((ours.logprobs - ref_lp)[resp].abs().max())
-        out[f"{name}_entropy"] = float((ours.entropy - ref_ent)[resp].abs().max())
-        out[f"{name}_scale"] = float(ref_lp[resp].abs().max())
+        for key, ours in results.items():
+            out[f"{key}_logprobs"] = float((ours.logprobs - ref_lp)[resp].abs().max())
+            out[f"{key}_entropy"] = float((ours.entropy - ref_ent)[resp].abs().max())
+            out[f"{key}_scale"] = float(ref_lp[resp].abs().max())
+        if name in WINDOWED:  # the window matters: the same weights without it give other numbers
+            plain = {**hf.to_dict(), "sliding_window": None, "use_sliding_window": False, "layer_types": None}
+            unwindowed = AutoModelForCausalLM.from_config(type(hf).from_dict(plain)).float().eval()
+            unwindowed.load_state_dict(reference.state_dict())
+            with torch.no_grad():
+                full = unwindowed(
+                    input_ids=batch.input_ids,
+                    attention_mask=mask,
+                    position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                ).logits[:, -batch.response_len - 1 : -1]
+            full_lp = torch.log_softmax(full.float(), -1).gather(
+                -1, batch.input_ids[:, -batch.response_len :, None]
+            )
+            out[f"{name}_window_effect"] = float((full_lp.squeeze(-1) - ref_lp)[resp].abs().max())
     return out
 
 

@@ -69,6 +69,59 @@ def test_dense_layers_between_moe_layers_are_refused_naming_them() -> None:
         transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
 
 
+def test_sliding_window_layers_become_megatron_window_attention() -> None:
+    """HF's window of w keys (itself included) is Megatron's window_size=(w - 1, 0), on the layers
+    Megatron's own is_layer_window_attention (1-based layer numbers) picks from the skip pattern."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    hf = tiny_hf_config(
+        "qwen2",
+        vocab_size=448,
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+    )
+    config = transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert config.window_size == (4, 0)
+    windowed = [
+        is_layer_window_attention(config.window_size, config.window_attn_skip_freq, n) for n in (1, 2, 3)
+    ]
+    assert windowed == [False, True, True]
+    plain = transformer_config_from_hf(
+        tiny_hf_config("qwen2", vocab_size=448, sliding_window=5),
+        parallel=ParallelConfig(),
+        params_dtype=torch.float32,
+    )  # use_sliding_window false: the window is not used (transformers ignores it too)
+    assert plain.window_size is None
+
+
+def test_sliding_window_under_context_parallelism_is_refused() -> None:
+    hf = tiny_hf_config(
+        "qwen3", vocab_size=448, use_sliding_window=True, sliding_window=5, max_window_layers=0
+    )
+    with pytest.raises(
+        NotImplementedError, match=r"qwen3: sliding_window with parallel.context_parallel_size=2"
+    ):
+        transformer_config_from_hf(
+            hf, parallel=ParallelConfig(context_parallel_size=2), params_dtype=torch.float32
+        )
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gemma-3-1b-it"])
+def test_refused_families_are_refused_by_the_trainer_in_one_line(name: str) -> None:
+    from transformers import CONFIG_MAPPING
+
+    from megatron_bridge.refused import REFUSED
+    from tests.released import shrunk_config
+
+    config = shrunk_config(name)
+    hf = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    with pytest.raises(NotImplementedError) as err:
+        transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert err.value.args == (REFUSED[config["model_type"]],)
+
+
 def test_unsupported_model_type_lists_the_families() -> None:
     from transformers import GPTNeoXConfig
 

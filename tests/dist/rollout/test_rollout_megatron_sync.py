@@ -68,11 +68,12 @@ def test_megatron_tp2_sync_into_a_tp2_engine(tmp_path):
 def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
     """Mixtral (4 experts, top-2) trained with attention at TP=2 (SP) and whole experts on EP=2 ranks
     (expert-TP 1 ≠ TP): the planner gathers attention over TP and experts over EP, not over
-    expert-TP, into a TP=1 engine; the CPU experts' repack after reload is exercised."""
+    expert-TP, into a TP=1 engine; the CPU experts' repack after reload is exercised. Both apply a
+    sliding window of 4 keys on every layer (the 12 sampled tokens run past it)."""
     from rltrain.models.tiny import save_tiny_model
 
-    engine_dir = save_tiny_model(tmp_path / "engine", "mixtral", seed=0)
-    actor_dir = save_tiny_model(tmp_path / "actor", "mixtral", seed=1)
+    engine_dir = save_tiny_model(tmp_path / "engine", "mixtral", seed=0, sliding_window=4)
+    actor_dir = save_tiny_model(tmp_path / "actor", "mixtral", seed=1, sliding_window=4)
     check_sync(run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2_ep2_etp1"), num_tensors=41)
 
 

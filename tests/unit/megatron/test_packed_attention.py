@@ -10,6 +10,7 @@ blocks, are not seen).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -31,13 +32,17 @@ def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, hf_window: int | None = None
 ) -> torch.Tensor:
-    """The dense reference: [tokens, tokens] block-diagonal causal mask over the whole row."""
+    """The dense reference: [tokens, tokens] block-diagonal causal mask over the whole row; with
+    ``hf_window`` also transformers' sliding window (a key is seen when key > query - hf_window)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     seq_id = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     tokens = seq_id.numel()
     forbidden = (seq_id[:, None] != seq_id[None, :]) | torch.ones(tokens, tokens, dtype=torch.bool).triu(1)
+    if hf_window is not None:
+        position = torch.arange(tokens)
+        forbidden |= ~(position[None, :] > position[:, None] - hf_window)
     repeats = q.size(1) // k.size(1)
     k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
@@ -83,6 +88,21 @@ def test_packed_equals_masked_attention_values_and_gradients() -> None:
             assert scaled_diff(a, b) <= 1e-6, f"{lengths}: {name} differs by {scaled_diff(a, b):.3g}"
         if max(lengths) > 1:  # the gradients compared are not trivially zero
             assert min(float(g.abs().max()) for g in ref[1:]) > 0.1
+
+
+def test_a_sliding_window_equals_transformers_window_values_and_gradients() -> None:
+    """Megatron's window_size=(w - 1, 0) is transformers' sliding_window=w: w keys, itself included."""
+    for hf_window in (1, 3, 8):
+        windowed = functools.partial(packed_causal_attention, scale=SCALE, window_left=hf_window - 1)
+        reference = functools.partial(masked_attention, hf_window=hf_window)
+        for lengths in (LENGTHS, [40]):
+            new = values_and_grads(windowed, lengths)
+            ref = values_and_grads(reference, lengths)
+            for name, a, b in zip(("output", "dq", "dk", "dv"), new, ref):
+                diff = scaled_diff(a, b)
+                assert diff <= 1e-6, f"w={hf_window} {lengths}: {name} differs by {diff:.3g}"
+            # segments longer than the window: the window changes the result
+            assert scaled_diff(new[0], values_and_grads(packed, lengths)[0]) > 1e-2
 
 
 def test_a_single_segment_is_plain_causal_attention() -> None:
