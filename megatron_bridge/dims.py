@@ -39,6 +39,9 @@ class ModelDims:
     mla_query: str | None = None
     """Multi-latent attention's queries: ``"latent"`` through a query latent (``q_lora_rank`` set),
     ``"direct"`` through one projection (``q_lora_rank: null``); None without MLA."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``; DeepSeek-V3,
+    GLM-4.5), stored in HF checkpoints as decoder layers ``num_layers + i``."""
 
     @classmethod
     def from_hf_config(
@@ -76,6 +79,7 @@ class ModelDims:
             num_experts=int(num_experts),
             dense_layers=tuple(range(first_dense)),
             mla_query=("latent" if get("q_lora_rank") is not None else "direct") if mla else None,
+            num_mtp_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=0)),
         )
 
     def with_padded_vocab(self, padded: int) -> ModelDims:

@@ -93,6 +93,8 @@ class ArchitectureFacts:
     """Routed experts; ``None`` for a dense decoder."""
     mla: MLAFacts | None = None
     """Multi-latent attention instead of (grouped-query) multi-head attention."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``; DeepSeek-V3)."""
 
 
 @dataclass(frozen=True)

@@ -98,14 +98,24 @@ def mapped_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
             yield name, buffer
 
 
+def stage_copy(module: torch.nn.Module, canonical: str) -> bool:
+    """Whether ``canonical`` is the embedding copy that a pipeline stage with multi-token-prediction
+    layers holds beside the first stage's (Megatron keeps the two equal): loaded like it, never
+    exported from there."""
+    return canonical == _EMBED and not getattr(_unwrap(module), "pre_process", True)
+
+
 def _local_params(
-    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge
+    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, copies: bool = True
 ) -> list[tuple[str, str, torch.Tensor]]:
-    """(canonical name, local name, parameter) of every parameter of this rank's chunks."""
+    """(canonical name, local name, parameter) of every parameter of this rank's chunks
+    (``copies=False``: without a stage's embedding copy, ``stage_copy``)."""
     out = []
     for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
         for local, param in mapped_tensors(_unwrap(chunk)):
-            out.append((naming.to_canonical(local), local, param))
+            canonical = naming.to_canonical(local)
+            if copies or not stage_copy(chunk, canonical):
+                out.append((canonical, local, param))
     return out
 
 
@@ -300,7 +310,7 @@ def export_hf_weights(
     chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, dst: int = 0, progress: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield full HF-named tensors on rank ``dst``; every rank must iterate to the end."""
-    params = {c: p for c, _, p in _local_params(chunks, ctx, bridge)}
+    params = {c: p for c, _, p in _local_params(chunks, ctx, bridge, copies=False)}
     is_expert_rank_replica = getattr(ctx, "expert_dp_rank", 0)
     mine = {
         "rank": ctx.rank,

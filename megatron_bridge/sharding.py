@@ -111,6 +111,9 @@ def holds(bridge: Bridge, pos: RankPosition, canonical: str) -> bool:
         return first
     if canonical.startswith("output_layer."):
         return last and not (unit.tied and first)
+    if canonical.startswith("mtp."):
+        # Megatron-Core builds every MTP layer on the last stage
+        return last and (not unit.is_expert or chunk_naming(bridge, pos).owns_expert(canonical))
     if canonical.startswith("decoder.layers."):
         layer = int(canonical.split(".")[2])
         if layer not in _layers_of(bridge, pos):
