@@ -143,7 +143,7 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
     step = actor.update(first["batch"], loss_fn)
     mtp_after = {n: p for c in actor.chunks for n, p in c.named_parameters() if "mtp." in n}
     mtp_change = max([(mtp_after[n] - p).abs().max().item() for n, p in mtp_before.items()], default=0.0)
-    exported = dict(export_hf_weights(actor.chunks, ctx, bridge, dst=0))
+    exported = dict(export_hf_weights(actor.chunks, ctx, bridge, dst=0)) if bridge.num_mtp_layers else {}
     mtp_exported = {n: t for n, t in exported.items() if ".layers.4." in n}
     copies = {"model.layers.4.embed_tokens.weight": "model.embed_tokens.weight"}
     copies["model.layers.4.shared_head.head.weight"] = "lm_head.weight"
@@ -165,7 +165,7 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str) -> None:
             "checksum_problems": problems,
             "step_skipped": bool(step.skipped),
             "step_logprob_change": float((moved - first["trainer"])[mask].abs().max()),
-            "mtp": {
+            "mtp": {} if not bridge.num_mtp_layers else {
                 "num_params": len(mtp_before),
                 "trainable": sum(p.requires_grad for p in mtp_after.values()),
                 "max_change_after_step": mtp_change,
