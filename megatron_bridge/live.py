@@ -16,7 +16,8 @@ TP) — and ``groups``):
   meta device, and reads a parameter's values (or any view of it) only when ``materialize``d,
   keeping one unit: the source of a streamed checkpoint writer.
 - ``export_hf_weights(chunks, ctx, bridge, dst=0)`` (collective generator: every rank must exhaust
-  it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only, one unit at a time, in HF order;
+  it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only (not from an MTP stage's embedding
+  copy, ``sharding.stage_copy``), one unit at a time, in HF order;
   the TP shards travel point-to-point from the one replica that holds them (DP/expert-DP rank 0)
   to ``dst``; no rank ever holds more than one unit of full tensors.
 """
@@ -34,6 +35,7 @@ from megatron_bridge.errors import CheckpointError
 from megatron_bridge.hf_io import HFCheckpointReader
 from megatron_bridge.naming import ChunkNaming
 from megatron_bridge.registry import get_family
+from megatron_bridge.sharding import stage_copy
 
 _EMBED = "embedding.word_embeddings.weight"
 NOT_MAPPED = "not_mapped_by_bridge"
@@ -98,25 +100,14 @@ def mapped_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
             yield name, buffer
 
 
-def stage_copy(module: torch.nn.Module, canonical: str) -> bool:
-    """Whether ``canonical`` is the embedding copy that a pipeline stage with multi-token-prediction
-    layers holds beside the first stage's (Megatron keeps the two equal): loaded like it, never
-    exported from there."""
-    return canonical == _EMBED and not getattr(_unwrap(module), "pre_process", True)
-
-
-def _local_params(
-    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, copies: bool = True
-) -> list[tuple[str, str, torch.Tensor]]:
-    """(canonical name, local name, parameter) of every parameter of this rank's chunks
-    (``copies=False``: without a stage's embedding copy, ``stage_copy``)."""
-    out = []
-    for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
-        for local, param in mapped_tensors(_unwrap(chunk)):
-            canonical = naming.to_canonical(local)
-            if copies or not stage_copy(chunk, canonical):
-                out.append((canonical, local, param))
-    return out
+def _local_params(chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, copies: bool = True) -> list:
+    """(canonical name, local name, parameter) of this rank's chunks (``copies=False``: no ``stage_copy``)."""
+    return [
+        (naming.to_canonical(local), local, param)
+        for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge))
+        for local, param in mapped_tensors(_unwrap(chunk))
+        if copies or not stage_copy(chunk, naming.to_canonical(local))
+    ]
 
 
 def _tp_coords(bridge: Bridge, canonical: str, ctx: Any) -> tuple[int, int]:

@@ -7,7 +7,9 @@ Contract:
 - Bridge tables are written in *canonical* Megatron names: the local layer spec at TP = PP = EP = 1,
   i.e. global layer and expert indices. ``to_canonical``/``from_canonical`` translate the names a
   live model chunk reports (stage-local layer index, EP-local expert index, Transformer Engine
-  spellings) to and from canonical ones. Pure string code, no torch, no Megatron.
+  spellings) to and from canonical ones. A multi-token-prediction layer's transformer layer
+  (``mtp.layers.i.transformer_layer.*``) keeps its index (Megatron builds every MTP layer on the
+  last stage) and has its experts offset like a decoder layer's. Pure string code, no torch, no Megatron.
 """
 
 from __future__ import annotations

@@ -124,6 +124,15 @@ def holds(bridge: Bridge, pos: RankPosition, canonical: str) -> bool:
     return last  # final norm
 
 
+def stage_copy(module: torch.nn.Module, canonical: str) -> bool:
+    """Whether ``canonical`` is the embedding copy that a pipeline stage with multi-token-prediction
+    layers holds beside the first stage's (Megatron keeps the two equal): loaded like it, never
+    exported from there."""
+    while hasattr(module, "module"):
+        module = module.module
+    return canonical == "embedding.word_embeddings.weight" and not getattr(module, "pre_process", True)
+
+
 def tp_coords(bridge: Bridge, canonical: str, pos: RankPosition) -> tuple[int, int]:
     """(rank, size) of the tensor-parallel group that splits ``canonical``."""
     unit, _ = bridge.unit_of_megatron(canonical)

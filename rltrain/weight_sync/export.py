@@ -120,7 +120,8 @@ class PlannedExport:
     def _exported_params(self) -> dict[str, torch.Tensor]:
         """This rank's tensors to export by canonical Megatron name: the parameters (and persistent
         buffers) the bridge maps, as the converters' ``export`` transforms them (none: themselves)."""
-        from megatron_bridge.live import mapped_tensors, stage_copy
+        from megatron_bridge.live import mapped_tensors
+        from megatron_bridge.sharding import stage_copy
 
         params: dict[str, torch.Tensor] = {}
         known = set(self.bridge.megatron_names(include_tied_output=True))
