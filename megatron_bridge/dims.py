@@ -45,6 +45,9 @@ class ModelDims:
     ``"direct"`` through one projection (``q_lora_rank: null``); None without MLA."""
     switches: frozenset[str] = frozenset()
     """The keys of ``SWITCH_KEYS`` the config sets true: rows with such a ``switch`` exist."""
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``; DeepSeek-V3,
+    GLM-4.5), stored in HF checkpoints as decoder layers ``num_layers + i``."""
 
     @classmethod
     def from_hf_config(
@@ -83,6 +86,7 @@ class ModelDims:
             dense_layers=tuple(range(first_dense)),
             mla_query=("latent" if get("q_lora_rank") is not None else "direct") if mla else None,
             switches=frozenset(key for key in SWITCH_KEYS if get(key, default=False)),
+            num_mtp_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=0)),
         )
 
     def with_padded_vocab(self, padded: int) -> ModelDims:

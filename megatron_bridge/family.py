@@ -104,6 +104,8 @@ class ArchitectureFacts:
     query i sees keys i - sliding_window + 1 .. i); ``None``: no sliding-window layer."""
     sliding_layers: tuple[int, ...] = ()
     """Layer numbers (0-based) with sliding-window attention; the others attend to every earlier key."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``; DeepSeek-V3)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ TP) — and ``groups``):
   meta device, and reads a parameter's values (or any view of it) only when ``materialize``d,
   keeping one unit: the source of a streamed checkpoint writer.
 - ``export_hf_weights(chunks, ctx, bridge, dst=0)`` (collective generator: every rank must exhaust
-  it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only, one unit at a time, in HF order;
+  it) yields ``(hf_name, full tensor)`` on global rank ``dst`` only (not from an MTP stage's embedding
+  copy, ``sharding.stage_copy``), one unit at a time, in HF order;
   the TP shards travel point-to-point from the one replica that holds them (DP/expert-DP rank 0)
   to ``dst``; no rank ever holds more than one unit of full tensors.
 """
@@ -34,6 +35,7 @@ from megatron_bridge.errors import CheckpointError
 from megatron_bridge.hf_io import HFCheckpointReader
 from megatron_bridge.naming import ChunkNaming
 from megatron_bridge.registry import get_family
+from megatron_bridge.sharding import stage_copy
 
 _EMBED = "embedding.word_embeddings.weight"
 NOT_MAPPED = "not_mapped_by_bridge"
@@ -98,15 +100,14 @@ def mapped_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
             yield name, buffer
 
 
-def _local_params(
-    chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge
-) -> list[tuple[str, str, torch.Tensor]]:
-    """(canonical name, local name, parameter) of every parameter of this rank's chunks."""
-    out = []
-    for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge)):
-        for local, param in mapped_tensors(_unwrap(chunk)):
-            out.append((naming.to_canonical(local), local, param))
-    return out
+def _local_params(chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, copies: bool = True) -> list:
+    """(canonical name, local name, parameter) of this rank's chunks (``copies=False``: no ``stage_copy``)."""
+    return [
+        (naming.to_canonical(local), local, param)
+        for chunk, naming in zip(chunks, chunk_namings(chunks, ctx, bridge))
+        for local, param in mapped_tensors(_unwrap(chunk))
+        if copies or not stage_copy(chunk, naming.to_canonical(local))
+    ]
 
 
 def _tp_coords(bridge: Bridge, canonical: str, ctx: Any) -> tuple[int, int]:
@@ -300,7 +301,7 @@ def export_hf_weights(
     chunks: list[torch.nn.Module], ctx: Any, bridge: Bridge, *, dst: int = 0, progress: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield full HF-named tensors on rank ``dst``; every rank must iterate to the end."""
-    params = {c: p for c, _, p in _local_params(chunks, ctx, bridge)}
+    params = {c: p for c, _, p in _local_params(chunks, ctx, bridge, copies=False)}
     is_expert_rank_replica = getattr(ctx, "expert_dp_rank", 0)
     mine = {
         "rank": ctx.rank,

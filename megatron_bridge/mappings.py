@@ -310,4 +310,68 @@ class GroupedExperts:
         return self.inner.unshard(shards)
 
 
-AnyMapping = Mapping | PerExpert | GroupedExperts
+@dataclass(frozen=True)
+class CopyOf(Mapping):
+    """An HF tensor that repeats the HF tensor of another row: a multi-token-prediction layer's own
+    embedding or output head (``model.layers.*.embed_tokens`` / ``shared_head.head``, ``*`` the MTP
+    layer's HF index), which Megatron shares with the main model. ``megatron`` names the shared
+    Megatron tensor; the bridge adds ``hf`` to that tensor's unit (``WithCopies``)."""
+
+
+@dataclass(frozen=True)
+class WithCopies:
+    """``inner``'s unit plus HF tensors ``copies`` that must equal its first HF tensor bit for bit.
+
+    Import refuses a copy that differs, naming it (Megatron holds one tensor for both, so a
+    different copy would be lost); export writes the shared tensor under every copy's name.
+    """
+
+    inner: Mapping
+    copies: tuple[str, ...]
+
+    is_expert = False
+
+    @property
+    def megatron(self) -> str:
+        return self.inner.megatron
+
+    @property
+    def layers(self) -> LayerKind:
+        return self.inner.layers
+
+    @property
+    def tp_dim(self) -> int | None:
+        return self.inner.tp_dim
+
+    def hf_patterns(self) -> tuple[str, ...]:
+        return (*self.inner.hf_patterns(), *self.copies)
+
+    def megatron_names(self, values: tuple[int, ...], dims: ModelDims) -> list[str]:
+        return self.inner.megatron_names(values, dims)
+
+    def hf_names(self, values: tuple[int, ...]) -> list[str]:
+        return [*self.inner.hf_names(values), *self.copies]
+
+    def to_megatron(self, hf: Sequence[Tensor], dims: ModelDims) -> list[Tensor]:
+        own = len(self.inner.hf_patterns())
+        shared = hf[0]
+        for name, copy in zip(self.copies, hf[own:]):
+            if copy.dtype != shared.dtype or copy.shape != shared.shape or not torch.equal(copy, shared):
+                raise ValueError(
+                    f"{name} differs from {self.inner.hf}: Megatron shares one tensor for both "
+                    "(the multi-token-prediction layer's copy would be lost)"
+                )
+        return self.inner.to_megatron(hf[:own], dims)
+
+    def to_hf(self, megatron: Sequence[Tensor], dims: ModelDims) -> list[Tensor]:
+        out = self.inner.to_hf(megatron, dims)
+        return [*out, *[out[0]] * len(self.copies)]
+
+    def shard(self, full: Tensor, *, rank: int, size: int) -> Tensor:
+        return self.inner.shard(full, rank=rank, size=size)
+
+    def unshard(self, shards: Sequence[Tensor]) -> Tensor:
+        return self.inner.unshard(shards)
+
+
+AnyMapping = Mapping | PerExpert | GroupedExperts | WithCopies

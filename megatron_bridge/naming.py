@@ -7,7 +7,9 @@ Contract:
 - Bridge tables are written in *canonical* Megatron names: the local layer spec at TP = PP = EP = 1,
   i.e. global layer and expert indices. ``to_canonical``/``from_canonical`` translate the names a
   live model chunk reports (stage-local layer index, EP-local expert index, Transformer Engine
-  spellings) to and from canonical ones. Pure string code, no torch, no Megatron.
+  spellings) to and from canonical ones. A multi-token-prediction layer's transformer layer
+  (``mtp.layers.i.transformer_layer.*``) keeps its index (Megatron builds every MTP layer on the
+  last stage) and has its experts offset like a decoder layer's. Pure string code, no torch, no Megatron.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# A multi-token-prediction layer's transformer layer: its own index (no pipeline offset: Megatron
+# builds every MTP layer on the last stage), experts and norms spelled as in a decoder layer.
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _GROUPED_EXPERT = re.compile(r"^(mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
 
@@ -75,10 +80,17 @@ class ChunkNaming:
 
     def to_canonical(self, name: str) -> str:
         """Canonical (global, local-spec) name of the chunk's parameter ``name``."""
+        mtp = _MTP_LAYER.match(name)
+        if mtp is not None:
+            return f"{mtp.group(1)}.{self._canonical_rest(mtp.group(2))}"
         m = _LAYER.match(name)
         if m is None:
             return name
-        layer, rest = int(m.group(1)) + self.layer_offset, m.group(2)
+        layer = int(m.group(1)) + self.layer_offset
+        return f"decoder.layers.{layer}.{self._canonical_rest(m.group(2))}"
+
+    def _canonical_rest(self, rest: str) -> str:
+        """A layer's parameter name below the layer, in canonical spelling."""
         if self.te_spec:
             for plain, fused in _TE_FUSED_NORMS.items():
                 if rest.startswith(fused) and not (self.moe and plain == "pre_mlp_layernorm."):
@@ -91,14 +103,21 @@ class ChunkNaming:
         if e is not None and g is None:
             expert = int(e.group(2)) + self.expert_offset
             rest = f"{e.group(1)}local_experts.{expert}.{e.group(3)}.{e.group(4)}"
-        return f"decoder.layers.{layer}.{rest}"
+        return rest
 
     def from_canonical(self, name: str) -> str:
         """The chunk's own spelling of canonical ``name`` (inverse of ``to_canonical``)."""
+        mtp = _MTP_LAYER.match(name)
+        if mtp is not None:
+            return f"{mtp.group(1)}.{self._local_rest(mtp.group(2))}"
         m = _LAYER.match(name)
         if m is None:
             return name
-        layer, rest = int(m.group(1)) - self.layer_offset, m.group(2)
+        layer = int(m.group(1)) - self.layer_offset
+        return f"decoder.layers.{layer}.{self._local_rest(m.group(2))}"
+
+    def _local_rest(self, rest: str) -> str:
+        """A layer's parameter name below the layer, in the chunk's spelling."""
         e = _LOCAL_EXPERT.match(rest)
         if e is not None:
             expert = int(e.group(2)) - self.expert_offset
@@ -110,11 +129,11 @@ class ChunkNaming:
             for plain, fused in _TE_FUSED_NORMS.items():
                 if rest.startswith(plain) and not (self.moe and plain == "pre_mlp_layernorm."):
                     rest = fused + rest[len(plain) :]
-        return f"decoder.layers.{layer}.{rest}"
+        return rest
 
     def owns_expert(self, canonical: str) -> bool:
         """Whether canonical expert parameter ``canonical`` lives on this rank (True for non-experts)."""
-        m = _LAYER.match(canonical)
+        m = _LAYER.match(canonical) or _MTP_LAYER.match(canonical)
         e = _LOCAL_EXPERT.match(m.group(2)) if m else None
         if e is None:
             return True

@@ -111,6 +111,9 @@ def holds(bridge: Bridge, pos: RankPosition, canonical: str) -> bool:
         return first
     if canonical.startswith("output_layer."):
         return last and not (unit.tied and first)
+    if canonical.startswith("mtp."):
+        # Megatron-Core builds every MTP layer on the last stage
+        return last and (not unit.is_expert or chunk_naming(bridge, pos).owns_expert(canonical))
     if canonical.startswith("decoder.layers."):
         layer = int(canonical.split(".")[2])
         if layer not in _layers_of(bridge, pos):
@@ -119,6 +122,15 @@ def holds(bridge: Bridge, pos: RankPosition, canonical: str) -> bool:
             return chunk_naming(bridge, pos).owns_expert(canonical)
         return True
     return last  # final norm
+
+
+def stage_copy(module: torch.nn.Module, canonical: str) -> bool:
+    """Whether ``canonical`` is the embedding copy that a pipeline stage with multi-token-prediction
+    layers holds beside the first stage's (Megatron keeps the two equal): loaded like it, never
+    exported from there."""
+    while hasattr(module, "module"):
+        module = module.module
+    return canonical == "embedding.word_embeddings.weight" and not getattr(module, "pre_process", True)
 
 
 def tp_coords(bridge: Bridge, canonical: str, pos: RankPosition) -> tuple[int, int]:

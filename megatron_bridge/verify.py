@@ -129,6 +129,134 @@ def megatron_logits(
 
 
 @torch.no_grad()
+def megatron_mtp_logits(
+    chunks: list[torch.nn.Module], ctx: Any, input_ids: torch.Tensor, *, vocab_size: int, dst: int = 0
+) -> list[torch.Tensor] | None:
+    """The multi-token-prediction layers' logits on rank ``dst`` (None elsewhere), collective like
+    ``megatron_logits``: per MTP layer ``k``, ``[batch, seq - 1 - k, vocab_size]`` (fp32) — at
+    position ``i`` the prediction of token ``i + k + 2`` from the main model's hidden state ``i``
+    and token ``i + k + 1`` (the positions that have such a token). The last stage runs its
+    ``mtp`` block (Megatron-Core's) on the decoder's output with the decoder's own attention mask
+    and rotary inputs, then the shared output layer; the TP shards are gathered."""
+    model = _unwrap(chunks[0])
+    captured: dict[str, Any] = {}
+
+    def keep(module: Any, args: Any, kwargs: dict, output: torch.Tensor) -> None:
+        captured.update(kwargs, hidden=output)
+
+    handle = model.decoder.register_forward_hook(keep, with_kwargs=True) if hasattr(model, "mtp") else None
+    try:
+        megatron_logits(chunks, ctx, input_ids, vocab_size=vocab_size, dst=dst)
+    finally:
+        if handle is not None:
+            handle.remove()
+    batch, seq = input_ids.shape
+    device = getattr(ctx, "device", torch.device("cpu"))
+    out = None
+    if handle is not None:
+        ids = input_ids.to(device)
+        positions = torch.arange(seq, device=device).expand(batch, seq)
+        hidden = model.mtp(
+            input_ids=ids,
+            position_ids=positions,
+            hidden_states=captured["hidden"],
+            attention_mask=captured["attention_mask"],
+            rotary_pos_emb=captured.get("rotary_pos_emb"),
+            rotary_pos_cos=captured.get("rotary_pos_cos"),
+            rotary_pos_sin=captured.get("rotary_pos_sin"),
+            embedding=model.embedding,
+        )
+        weight = (
+            model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        )
+        out = []
+        for k, part in enumerate(hidden.chunk(1 + len(model.mtp.layers), dim=0)[1:]):
+            logits, _ = model.output_layer(part, weight=weight)
+            parts = [torch.empty_like(logits) for _ in range(ctx.tp_size)]
+            dist.all_gather(parts, logits.contiguous(), group=ctx.groups.tp)
+            full = torch.cat(parts, dim=-1)[..., :vocab_size].float().transpose(0, 1)
+            out.append(full[:, : seq - 1 - k].contiguous())
+    return _to_dst(out, ctx, dst, device)
+
+
+def _to_dst(out: list[torch.Tensor] | None, ctx: Any, dst: int, device: torch.device) -> list | None:
+    """Move the logits list of the one TP/DP rank 0 of the last stage that computed it to ``dst``."""
+    mine = int(out is not None and ctx.tp_rank == 0 and ctx.dp_rank == 0)
+    flags = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(ctx.world_size)]
+    dist.all_gather(flags, torch.tensor([mine], device=device))
+    src = next(r for r, f in enumerate(flags) if int(f))
+    if src == dst:
+        return [t.cpu() for t in out] if ctx.rank == dst else None
+    box = [[t.cpu() for t in out] if ctx.rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0] if ctx.rank == dst else None
+
+
+@torch.no_grad()
+def hf_mtp_logits(
+    hf_dir: str | Path, input_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """Transformers' multi-token-prediction logits of the checkpoint in ``hf_dir`` in ``dtype``, laid
+    out as ``megatron_mtp_logits`` returns them: its ``MtpModel`` (the MTP layers read from the
+    checkpoint, the main model's embedding and head) fed the main model's final hidden states."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_layers import MtpModel
+
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **experts).eval()
+    config = model.config
+    first = config.num_hidden_layers
+    # MtpModel finds the MTP tensors by the main model's patterns of keys to ignore, which name the
+    # released checkpoint's layers (DeepSeek-V3: 61); name this checkpoint's.
+    model._keys_to_ignore_on_load_unexpected = [
+        rf"model\.layers\.{first + k}\..*" for k in range(config.num_nextn_predict_layers)
+    ]
+    mtp = MtpModel.from_pretrained(model).eval()
+    hidden = model.model(input_ids=input_ids).last_hidden_state
+    seq = input_ids.shape[1]
+    out = []
+    for k, layer in enumerate(mtp.layers):
+        ids = input_ids[:, k + 1 :]
+        hidden = hidden[:, : seq - 1 - k]
+        # RoPE is relative: positions from 0 give the same attention as the shifted tokens' own
+        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        embeds = mtp.embed_tokens(ids)
+        hidden = layer(
+            embeds,
+            hidden,
+            position_embeddings=mtp.rotary_emb(embeds, position_ids=positions),
+            position_ids=positions,
+            past_key_values=None,
+            **mtp.create_masks_for_mtp_layer(k, embeds, None, positions),
+        )
+        logits = mtp._project_to_logits(hidden)
+        out.append(logits if logits.dtype == torch.float64 else logits.float())
+    return out
+
+
+def compare_mtp_logits(
+    ours: list[torch.Tensor], hf_dir: str | Path, input_ids: torch.Tensor, *, dtype: torch.dtype, atol: float
+) -> list[LogitsComparison]:
+    """``compare_logits`` for each multi-token-prediction layer, against ``hf_mtp_logits``."""
+    reference = hf_mtp_logits(hf_dir, input_ids, dtype=dtype)
+    wider = hf_mtp_logits(hf_dir, input_ids, dtype=WIDER[dtype]) if dtype in WIDER else reference
+    out = []
+    for mine, ref, wide in zip(ours, reference, wider, strict=True):
+        noise = (ref - wide).abs().max().item()
+        out.append(
+            LogitsComparison(
+                dtype=dtype,
+                probe_shape=(mine.shape[0], mine.shape[1]),
+                max_abs_diff=(mine - ref).abs().max().item(),
+                rounding_noise=noise,
+                atol=atol,
+                tolerance=atol + ROUNDING_NOISE_FACTOR * noise,
+            )
+        )
+    return out
+
+
+@torch.no_grad()
 def hf_logits(
     hf_dir: str | Path, input_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:

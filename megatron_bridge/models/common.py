@@ -9,6 +9,7 @@ HF config (``PretrainedConfig`` or a ``config.json`` dict) and reads only standa
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from megatron_bridge.family import ArchitectureFacts, MoEFacts
@@ -16,7 +17,10 @@ from megatron_bridge.hf_config import config_value
 from megatron_bridge.mappings import (
     QKV,
     AnyMapping,
+    ColumnParallel,
+    CopyOf,
     GatedMLP,
+    GroupedExperts,
     PerExpert,
     Replicated,
     RowParallel,
@@ -118,6 +122,37 @@ def qwen_routed_experts() -> tuple[AnyMapping, ...]:
         up="up_proj.weight",
         down="down_proj.weight",
     )
+
+
+def mtp_layers(
+    decoder_rows: tuple[AnyMapping, ...], *, embedding_copy: bool = True, head_copy: bool = True
+) -> tuple[AnyMapping, ...]:
+    """The rows of multi-token-prediction layers as DeepSeek-V3 and GLM-4.5 store them: HF decoder
+    layer ``num_hidden_layers + i`` holds a whole decoder layer (the family's ``decoder_rows``, same
+    HF names) plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``; Megatron-Core's
+    ``mtp.layers.i`` holds them as ``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm`` and
+    ``transformer_layer``. ``embedding_copy`` / ``head_copy``: the checkpoint also stores the
+    layer's own ``embed_tokens`` / ``shared_head.head``, which Megatron shares with the main model
+    (``CopyOf``: checked equal on import, written back on export)."""
+    m = "mtp.layers.*."
+
+    def inner(row: AnyMapping) -> AnyMapping:
+        if isinstance(row, PerExpert | GroupedExperts):
+            return replace(row, inner=inner(row.inner))
+        return replace(row, megatron=m + "transformer_layer." + row.megatron.removeprefix(L))
+
+    rows: list[AnyMapping] = [inner(row) for row in decoder_rows if row.megatron.startswith(L)]
+    rows += [
+        Replicated(m + "enorm.weight", H + "enorm.weight"),
+        Replicated(m + "hnorm.weight", H + "hnorm.weight"),
+        ColumnParallel(m + "eh_proj.weight", H + "eh_proj.weight"),
+        Replicated(m + "final_layernorm.weight", H + "shared_head.norm.weight"),
+    ]
+    if embedding_copy:
+        rows.append(CopyOf("embedding.word_embeddings.weight", H + "embed_tokens.weight"))
+    if head_copy:
+        rows.append(CopyOf("output_layer.weight", H + "shared_head.head.weight"))
+    return tuple(rows)
 
 
 # ---- architecture facts ------------------------------------------------------------------------

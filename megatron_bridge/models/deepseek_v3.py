@@ -28,7 +28,14 @@ from typing import Any
 from megatron_bridge.family import ArchitectureFacts, MLAFacts, ModelFamily, MoEFacts
 from megatron_bridge.hf_config import config_value
 from megatron_bridge.mappings import AnyMapping, ColumnParallel, Replicated, RowParallel
-from megatron_bridge.models.common import H, L, embeddings_and_head, gated_mlp, routed_experts
+from megatron_bridge.models.common import (
+    H,
+    L,
+    embeddings_and_head,
+    gated_mlp,
+    mtp_layers,
+    routed_experts,
+)
 from megatron_bridge.registry import register
 
 TINY_MLA = {
@@ -186,6 +193,7 @@ def deepseek_architecture(
             expert_bias=expert_bias,
         ),
         mla=mla_facts(config, name),
+        mtp_num_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=0)),
     )
 
 
@@ -215,6 +223,8 @@ HF_DEFAULTS = {
     "routed_scaling_factor": 2.5,
     "moe_intermediate_size": 2048,
     "first_k_dense_replace": 3,
+    # the config.json key is num_nextn_predict_layers (transformers' attribute_map)
+    "num_mtp_layers": 1,
 }
 """What a DeepSeek-V3 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 
@@ -224,7 +234,13 @@ DEEPSEEK_V3 = register(
         # Kimi-K2's config.json says model_type kimi_k2 (its own remote-code config class) for
         # DeepSeek-V3's architecture; vLLM and transformers' DeepseekV3Config read it unchanged.
         model_types=("deepseek_v3", "kimi_k2"),
-        mappings=(*embeddings_and_head(), *mla_attention(), *deepseek_moe()),
+        mappings=(
+            *embeddings_and_head(),
+            *mla_attention(),
+            *deepseek_moe(),
+            # the released checkpoints' layer 61 (num_nextn_predict_layers: 1)
+            *mtp_layers((*mla_attention(), *deepseek_moe())),
+        ),
         facts=deepseek_facts,
         tiny_preset={
             "hidden_size": 64,

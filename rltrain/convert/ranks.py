@@ -44,7 +44,9 @@ from megatron_bridge.memory import PeakMemory
 from megatron_bridge.verify import (
     LogitsComparison,
     compare_logits,
+    compare_mtp_logits,
     megatron_logits,
+    megatron_mtp_logits,
     probe_batch,
     probe_tokens,
 )
@@ -106,6 +108,27 @@ def _check_logits(
     if not comparison.ok:
         raise VerificationError(f"the converted model's {comparison.describe()}")
     return comparison
+
+
+def _check_mtp_logits(
+    chunks: Chunks, ctx: ParallelContext, bridge: Bridge, hf_dir: Path, atol: float, max_positions: int
+) -> list[LogitsComparison]:
+    """Each multi-token-prediction layer's logits vs transformers' ``MtpModel`` (empty without MTP
+    layers, and on ranks but 0); raises ``VerificationError`` naming the layer. Transformers does
+    not run these layers in its forward, so without this a wrong MTP mapping that the round trip
+    undoes (swapped norms, experts) would pass."""
+    if not bridge.num_mtp_layers:
+        return []
+    ids = probe_batch(bridge.dims.vocab_size, max_positions=max_positions)
+    ours = megatron_mtp_logits(chunks, ctx, ids, vocab_size=bridge.dims.vocab_size)
+    if ctx.rank != 0:
+        return []
+    dtype = next(chunks[0].parameters()).dtype
+    comparisons = compare_mtp_logits(ours, hf_dir, ids, dtype=dtype, atol=atol)
+    for k, comparison in enumerate(comparisons):
+        if not comparison.ok:
+            raise VerificationError(f"the converted model's MTP layer {k} {comparison.describe()}")
+    return comparisons
 
 
 def _locations(
@@ -203,9 +226,14 @@ def rank_main(
                 write_hf(source, reference, aux_from=hf_dir, progress=False)
             dist.barrier()
             logits = _check_logits(model, ctx, bridge, reference, atol, positions)
+            mtp = _check_mtp_logits(model, ctx, bridge, reference, atol, positions)
             dist.barrier()
     else:
-        logits = _check_logits(model, ctx, bridge, src_p if mode == "hf-to-mcore" else dst_p, atol, positions)
+        hf_ref = src_p if mode == "hf-to-mcore" else dst_p
+        logits = _check_logits(model, ctx, bridge, hf_ref, atol, positions)
+        mtp = _check_mtp_logits(model, ctx, bridge, hf_ref, atol, positions)
+    report.mtp_logits_checks = [f"MTP layer {k}: {c.describe()}" for k, c in enumerate(mtp)]
+    report.max_abs_mtp_logit_diffs = [c.max_abs_diff for c in mtp]
     if logits is not None:
         report.max_abs_logit_diff, report.logits_tolerance = logits.max_abs_diff, logits.tolerance
         report.logits_check = logits.describe()

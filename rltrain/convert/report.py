@@ -38,6 +38,9 @@ class ConversionReport:
     checkpoint_bytes: int | None = None
     """Bytes of all tensors of the source checkpoint (in HF terms)."""
     notes: list[str] = field(default_factory=list)
+    mtp_logits_checks: list[str] = field(default_factory=list)
+    """Per multi-token-prediction layer, its logits against transformers' ``MtpModel``, in words."""
+    max_abs_mtp_logit_diffs: list[float] = field(default_factory=list)
 
     def summary(self) -> str:
         lines = [
@@ -48,6 +51,7 @@ class ConversionReport:
             lines.append(f"  round trip: {self.bit_exact_tensors} tensors bit-exact")
         if self.logits_check is not None:
             lines.append(f"  {self.logits_check}")
+        lines += [f"  {check}" for check in self.mtp_logits_checks]
         if self.peak_memory_growth_bytes is not None and self.largest_tensor_bytes:
             growth = self.peak_memory_growth_bytes
             lines.append(

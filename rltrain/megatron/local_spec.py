@@ -249,3 +249,19 @@ def local_block_spec(config: TransformerConfig, *, vp_stage: int | None) -> Tran
     else:
         layers = [_local_layer_spec(config, num_experts=config.num_moe_experts)] * num_layers
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def local_mtp_block_spec(
+    config: TransformerConfig, block: TransformerBlockSubmodules, *, vp_stage: int | None
+) -> Any:
+    """The multi-token-prediction block of this stage for a CPU run (None where it has none):
+    Megatron's own, built from the stage's last decoder layer spec, with this module's RMSNorm
+    for ``enorm``, ``hnorm`` and ``final_layernorm``."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+
+    class _Norms(LocalSpecProvider):
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+            return RMSNorm
+
+    return get_gpt_mtp_block_spec_for_backend(config, block, _Norms(), vp_stage=vp_stage)

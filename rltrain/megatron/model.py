@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from rltrain.config.moe import MoEConfig
 from rltrain.megatron.converters import ModelConverter, apply_converters
 from rltrain.megatron.cpu_compat import transformer_engine_problem
-from rltrain.megatron.local_spec import local_block_spec
+from rltrain.megatron.local_spec import local_block_spec, local_mtp_block_spec
 from rltrain.megatron.model_config import (
     SCALAR_HEAD_ROLES,
     Role,
@@ -81,6 +81,46 @@ def _warn_local_layers_on_cuda(problem: str) -> None:
         "without its fused kernels (install transformer-engine for them)",
         problem,
     )
+
+
+def mtp_block_spec(config: TransformerConfig, spec: Any, *, vp_stage: int | None) -> Any:
+    """Megatron-Core's multi-token-prediction block of this stage (None where it has none), built
+    from the stage's decoder spec ``spec``, with the same backend."""
+    if not config.mtp_num_layers:
+        return None
+    if isinstance(spec, TransformerBlockSubmodules) and not _uses_transformer_engine():
+        return local_mtp_block_spec(config, spec, vp_stage=vp_stage)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=True, vp_stage=vp_stage)
+
+
+def _uses_transformer_engine() -> bool:
+    return torch.cuda.is_available() and transformer_engine_problem() is None
+
+
+class MTPHeldGPTModel(GPTModel):
+    """A ``GPTModel`` holding multi-token-prediction layers that training ignores (the default
+    ``ignore`` mode): they are built, loaded, checkpointed and exported like every weight, frozen
+    (``requires_grad=False``: no gradient, outside the optimizer), and the forward returns the main
+    head's output only. Megatron's own forward would run them and need ``labels`` for their loss."""
+
+    def _postprocess(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["mtp_in_postprocess"] = False
+        # GPTModel._postprocess computes the MTP loss whenever config.mtp_num_layers is set
+        num_layers, self.config.mtp_num_layers = self.config.mtp_num_layers, None
+        try:
+            return super()._postprocess(*args, **kwargs)
+        finally:
+            self.config.mtp_num_layers = num_layers
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+        # Megatron-Core 0.16.1's GPTModel reads metadata["dp_cp_group"] for an MTP stage's embedding
+        # copy without filling in the default it fills in everywhere else (None: TypeError)
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
 
 class ValueHead(torch.nn.Module):
@@ -138,14 +178,19 @@ def build_model(
     )
     options = gpt_options(hf_config, role=role, vocab_size=vocab)
     mla = architecture_facts(hf_config).mla
+    if role in SCALAR_HEAD_ROLES:
+        config.mtp_num_layers = None  # a value or score head has no next-next-token predictions
     num_chunks = ctx.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
         pre = mpu.is_pipeline_first_stage(ignore_virtual=num_chunks == 1, vp_stage=vp_stage)
         post = mpu.is_pipeline_last_stage(ignore_virtual=num_chunks == 1, vp_stage=vp_stage)
-        model = GPTModel(
+        spec = layer_spec(config, vp_stage=vp_stage if num_chunks > 1 else None)
+        mtp_spec = mtp_block_spec(config, spec, vp_stage=vp_stage if num_chunks > 1 else None)
+        model = (MTPHeldGPTModel if config.mtp_num_layers else GPTModel)(
             config=config,
-            transformer_layer_spec=layer_spec(config, vp_stage=vp_stage if num_chunks > 1 else None),
+            transformer_layer_spec=spec,
+            mtp_block_spec=mtp_spec,
             vocab_size=options.vocab_size,
             max_sequence_length=options.max_sequence_length,
             pre_process=pre,
@@ -164,6 +209,8 @@ def build_model(
             model.output_layer = ValueHead(config)
         if mla and mla.latent_norm_eps != config.layernorm_epsilon:
             set_latent_norm_eps(model, mla.latent_norm_eps)
+        if mtp_spec is not None:
+            model.mtp.requires_grad_(False)
         model.to(ctx.device)
         apply_converters(model, converters)
         chunks.append(model)

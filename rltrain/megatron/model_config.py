@@ -218,6 +218,9 @@ def transformer_config_from_hf(
     kwargs.update(sliding_window_kwargs(facts, num_layers=hf_config.num_hidden_layers))
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if facts.mtp_num_layers:
+        # Megatron-Core's MultiTokenPredictionBlock (mtp.layers.*), built on the last stage
+        kwargs["mtp_num_layers"] = facts.mtp_num_layers
     if facts.moe:
         kwargs.update(_moe_kwargs(facts.moe, model_type=model_type, num_layers=hf_config.num_hidden_layers))
         router = _router_option_kwargs(moe_options or MoEConfig())

@@ -33,7 +33,8 @@ def replay_routers(model: torch.nn.Module) -> list[tuple[int, Any]]:
     return [
         (m.layer_number - 1, m.router_replay)
         for m in model.modules()
-        if isinstance(m, TopKRouter) and m.router_replay is not None
+        # a multi-token-prediction layer's router (layer num_layers + 1) is not the decoder's
+        if isinstance(m, TopKRouter) and m.router_replay is not None and m.layer_number <= m.config.num_layers
     ]
 
 

@@ -69,6 +69,8 @@ class PlannedExport:
     ) -> None:
         from megatron_bridge.live import chunk_namings, comm_device, hf_plan
 
+        # The engine serves the main model: multi-token-prediction layers stay with the trainer.
+        bridge = bridge.main_model()
         self.ctx, self.bridge = ctx, bridge
         self.device = comm_device()
         """Where regions travel and are assembled (CUDA under NCCL, else CPU; ``comm_device``)."""
@@ -119,14 +121,21 @@ class PlannedExport:
         """This rank's tensors to export by canonical Megatron name: the parameters (and persistent
         buffers) the bridge maps, as the converters' ``export`` transforms them (none: themselves)."""
         from megatron_bridge.live import mapped_tensors
+        from megatron_bridge.sharding import stage_copy
 
         params: dict[str, torch.Tensor] = {}
+        known = set(self.bridge.megatron_names(include_tied_output=True))
         for module, naming in self._chunks:
             tensors = dict(mapped_tensors(module))
             with torch.no_grad():
                 for converter in self._converters:
                     tensors = converter.export(module, tensors)
-            params.update((naming.to_canonical(local), tensor) for local, tensor in tensors.items())
+            for local, tensor in tensors.items():
+                canonical = naming.to_canonical(local)
+                # not sent: multi-token-prediction layers (the bridge's main model has none) and the
+                # embedding copy of their stage
+                if canonical in known and not stage_copy(module, canonical):
+                    params[canonical] = tensor
         return params
 
     def plan(self, engine: EngineLayout) -> dict[int, list[SliceCopy]]:

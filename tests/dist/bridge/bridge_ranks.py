@@ -89,18 +89,16 @@ def _entry_with_yarn_mutated(args: tuple, mutate: object) -> None:
     """``launch._entry`` on a rank whose conversion reads the checkpoint's config with its YaRN block
     changed by ``mutate`` (rope_parameters → rope_parameters): the Megatron model is built, and the
     converted checkpoint's config written, from the mutated config; the weights are untouched."""
-    from types import SimpleNamespace
-
     from rltrain.convert import launch, ranks
 
-    read = ranks.AutoConfig.from_pretrained
+    read = ranks.load_hf_config
 
     def mutated(path: object, *rest: object, **kwargs: object) -> object:
         config = read(path, *rest, **kwargs)
         config.rope_parameters = mutate(dict(config.rope_parameters))
         return config
 
-    ranks.AutoConfig = SimpleNamespace(from_pretrained=mutated)
+    ranks.load_hf_config = mutated
     launch._entry(*args)
 
 
@@ -117,3 +115,71 @@ def entry_with_yarn_factor_halved(*args: object) -> None:
 def entry_with_yarn_mscale_all_dim_dropped(*args: object) -> None:
     """The YaRN block changed: ``mscale_all_dim`` dropped (MLA's softmax scale and cos/sin factor)."""
     _entry_with_yarn_mutated(args, lambda rope: {k: v for k, v in rope.items() if k != "mscale_all_dim"})
+
+
+def entry_with_mtp_norms_swapped(*args: object) -> None:
+    """``launch._entry`` on a rank whose DeepSeek-V3 table maps the MTP layer's ``enorm`` and ``hnorm``
+    to each other: a bug the round trip cannot see (it swaps both ways) and transformers' main
+    forward never reads."""
+    import dataclasses
+
+    from megatron_bridge import registry
+    from rltrain.convert import launch
+
+    swap = {"model.layers.*.enorm.weight": "model.layers.*.hnorm.weight"}
+    swap |= {v: k for k, v in swap.items()}
+    family = registry.get_family("deepseek_v3")
+    rows = tuple(
+        dataclasses.replace(row, hf=swap[row.hf])
+        if row.megatron.startswith("mtp.") and getattr(row, "hf", None) in swap
+        else row
+        for row in family.mappings
+    )
+    registry._FAMILIES["deepseek_v3"] = dataclasses.replace(family, mappings=rows)
+    launch._entry(*args)
+
+
+def entry_with_mtp_experts_swapped(*args: object) -> None:
+    """``launch._entry`` on a rank whose DeepSeek-V3 table maps the MTP layer's experts 0 and 1 to each
+    other (both ways, so the round trip undoes it)."""
+    import dataclasses
+
+    from megatron_bridge import registry
+    from megatron_bridge.mappings import PerExpert
+    from rltrain.convert import launch
+
+    class Swapped(PerExpert):
+        def hf_names(self, values: tuple[int, ...]) -> list[str]:
+            layer, expert = values
+            return self.inner.hf_names((layer, {0: 1, 1: 0}.get(expert, expert)))
+
+    family = registry.get_family("deepseek_v3")
+    rows = tuple(
+        Swapped(row.inner) if isinstance(row, PerExpert) and row.megatron.startswith("mtp.") else row
+        for row in family.mappings
+    )
+    registry._FAMILIES["deepseek_v3"] = dataclasses.replace(family, mappings=rows)
+    launch._entry(*args)
+
+
+def entry_dropping_mtp_on_export(*args: object) -> None:
+    """``launch._entry`` on a rank whose HF writer leaves out the MTP layer's tensors (layer 4 of the
+    tiny model): what a converter that does not know MTP layers writes."""
+    from megatron_bridge import convert
+    from rltrain.convert import launch, ranks
+
+    def write_without_mtp(view, out, *, aux_from, progress):
+        class Without:
+            def names(self):
+                return [n for n in view.names() if not n.startswith("model.layers.4.")]
+
+            def info(self, name):
+                return view.info(name)
+
+            def get(self, name):
+                return view.get(name)
+
+        convert.write_hf(Without(), out, aux_from=aux_from, progress=progress)
+
+    ranks.write_hf = write_without_mtp
+    launch._entry(*args)

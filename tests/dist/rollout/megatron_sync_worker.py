@@ -154,7 +154,15 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
         mask = mb.response_mask.float()
         return -(output.logprobs * mask).sum() / first["batch"].response_mask.sum(), {}
 
+    # multi-token-prediction layers (training ignores them): frozen, and exported as loaded
+    mtp_before = {n: p.detach().clone() for c in actor.chunks for n, p in c.named_parameters() if "mtp." in n}
     step = actor.update(first["batch"], loss_fn)
+    mtp_after = {n: p for c in actor.chunks for n, p in c.named_parameters() if "mtp." in n}
+    mtp_change = max([(mtp_after[n] - p).abs().max().item() for n, p in mtp_before.items()], default=0.0)
+    exported = dict(export_hf_weights(actor.chunks, ctx, bridge, dst=0)) if bridge.num_mtp_layers else {}
+    mtp_exported = {n: t for n, t in exported.items() if ".layers.4." in n}
+    copies = {"model.layers.4.embed_tokens.weight": "model.embed_tokens.weight"}
+    copies["model.layers.4.shared_head.head.weight"] = "lm_head.weight"
     moved = actor.compute_log_prob(first["batch"]).logprobs
     second = {**sync(), **rollout_and_compare("after_step_and_sync")}
     if ctx.rank == 0:
@@ -173,6 +181,24 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
             "checksum_problems": problems,
             "step_skipped": bool(step.skipped),
             "step_logprob_change": float((moved - first["trainer"])[mask].abs().max()),
+            "mtp": {} if not bridge.num_mtp_layers else {
+                "num_params": len(mtp_before),
+                "trainable": sum(p.requires_grad for p in mtp_after.values()),
+                "max_change_after_step": mtp_change,
+                "exported": len(mtp_exported),
+                "exported_as_loaded": all(
+                    torch.equal(t, HFCheckpointReader(actor_dir).get(n))
+                    for n, t in mtp_exported.items()
+                    if n not in copies
+                ),
+                # the MTP layer's embedding and head are the main model's (trained) ones
+                "copies_are_the_main_tensors": all(
+                    torch.equal(mtp_exported[copy], exported[main]) for copy, main in copies.items()
+                ),
+                "main_head_trained": not torch.equal(
+                    exported["lm_head.weight"], HFCheckpointReader(actor_dir).get("lm_head.weight")
+                ),
+            },
         }
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)

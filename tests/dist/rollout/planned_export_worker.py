@@ -46,6 +46,7 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
     from megatron_bridge.reshard import EngineLayout
+    from megatron_bridge.vllm_names import grouped_order
     from rltrain.config.parallel import ParallelConfig
     from rltrain.convert.model import build_padded_model
     from rltrain.megatron.parallel import ParallelContext
@@ -57,9 +58,11 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
     bridge = bridge_for_chunks(hf_config, chunks, ctx)
     load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(model_dir))
     planned = PlannedExport(chunks, ctx, bridge)
+    bridge = bridge.main_model()  # what an engine is sent: without multi-token-prediction layers
     result: dict = {"tp2": {}}
     for dst in range(ctx.world_size):
-        full = list(export_hf_weights(chunks, ctx, bridge, dst=dst))
+        # the stream keeps vLLM's fused modules together (DeepSeek's q_a/kv_a); otherwise HF order
+        full = grouped_order(export_hf_weights(chunks, ctx, bridge, dst=dst))
         ours = list(planned.stream(EngineLayout(tp=1), 0, dst=dst))
         if ctx.rank == dst:
             assert [n for n, _ in ours] == [n for n, _ in full], "names or order differ"
@@ -69,7 +72,10 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
     full = dict(export_hf_weights(chunks, ctx, bridge, dst=0))
     if ctx.rank == 0:
         reader = HFCheckpointReader(model_dir)
-        result["bit_exact_vs_checkpoint"] = sum(torch.equal(full[n], reader.get(n)) for n in reader.names())
+        result["bit_exact_vs_checkpoint"] = sum(
+            torch.equal(full[n], reader.get(n)) for n in reader.names() if n in full
+        )
+        result["not_sent"] = sorted(set(reader.names()) - set(full))
     engine = EngineLayout(tp=2, ep=2 if bridge.dims.num_experts else 1)
     plan = planned.plan(engine)
     for engine_rank in range(engine.tp):

