@@ -14,9 +14,12 @@ MLP: the first ``first_k_dense_replace`` layers dense, then routed experts with 
 ``e_score_correction_bias`` for the choice only, renormalized top-k times
 ``routed_scaling_factor``; ``n_group: 1`` is no grouping): the DeepSeek-V3 MoE rows, 1:1 renames.
 
-Multi-token prediction: a checkpoint with ``num_nextn_predict_layers > 0`` holds its MTP layer as
-``model.layers.<num_hidden_layers>.*``; transformers drops those tensors on load. The bridge does
-not: they are tensors no row maps, so a conversion or load names them and fails (no silent drop).
+Multi-token prediction: a checkpoint with ``num_nextn_predict_layers > 0`` (every released GLM-4.5)
+holds its MTP layer as ``model.layers.<num_hidden_layers>.*``: a whole decoder layer (the rows
+above), ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and its own ``embed_tokens`` copy, but
+no ``shared_head.head`` (GLM-4.5-Air's module list has ``model.layers.46.embed_tokens`` and no head;
+vLLM's GLM MTP model loads the main ``lm_head`` as its head): ``mtp_layers(..., head_copy=False)``.
+transformers drops those tensors on load; the bridge maps them to Megatron-Core's ``mtp.layers.*``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 from megatron_bridge.family import ArchitectureFacts, ModelFamily, MoEFacts
 from megatron_bridge.hf_config import config_value
 from megatron_bridge.mappings import AnyMapping, Replicated
-from megatron_bridge.models.common import TINY_SHAPE, H, L, attention, embeddings_and_head
+from megatron_bridge.models.common import TINY_SHAPE, H, L, attention, embeddings_and_head, mtp_layers
 from megatron_bridge.models.deepseek_v3 import deepseek_moe, sigmoid_group_routing
 from megatron_bridge.registry import register
 
@@ -82,6 +85,7 @@ def glm4_moe_facts(config: Any) -> ArchitectureFacts:
             expert_bias=True,
         ),
         rotary_fraction=rotary_fraction(config),
+        mtp_num_layers=int(get("num_nextn_predict_layers", "num_mtp_layers", default=0)),
     )
 
 
@@ -109,6 +113,8 @@ HF_DEFAULTS = {
     "use_qk_norm": False,
     # None: __post_init__ builds it from rope_theta and partial_rotary_factor (read on their own)
     "rope_parameters": None,
+    # the config.json key is num_nextn_predict_layers (transformers' attribute_map)
+    "num_mtp_layers": 1,
 }
 """What a GLM-4.5 ``config.json`` that leaves out one of these keys means (``ModelFamily.hf_defaults``)."""
 
@@ -116,7 +122,13 @@ GLM4_MOE = register(
     ModelFamily(
         name="glm4_moe",
         model_types=("glm4_moe",),
-        mappings=(*embeddings_and_head(), *glm4_moe_attention(), *deepseek_moe()),
+        mappings=(
+            *embeddings_and_head(),
+            *glm4_moe_attention(),
+            *deepseek_moe(),
+            # the released checkpoints' layer 46 (GLM-4.5-Air) / 92 (GLM-4.5): num_nextn_predict_layers 1
+            *mtp_layers((*glm4_moe_attention(), *deepseek_moe()), head_copy=False),
+        ),
         facts=glm4_moe_facts,
         tiny_preset={
             **TINY_SHAPE,

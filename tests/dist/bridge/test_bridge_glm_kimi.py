@@ -11,12 +11,11 @@ import torch
 
 from megatron_bridge.hf_io import HFCheckpointReader
 from rltrain.convert.launch import run_conversion
-from rltrain.models.tiny import randomize_expert_bias, save_tiny_model
+from rltrain.models.tiny import add_mtp_layers, randomize_expert_bias, save_tiny_model
 from tests.released import save_released_model
 
 pytestmark = pytest.mark.dist
 
-WITHOUT_MTP = {"num_nextn_predict_layers": 0}  # until MTP lands (issue #35, another part)
 
 
 @pytest.mark.parametrize(
@@ -24,13 +23,14 @@ WITHOUT_MTP = {"num_nextn_predict_layers": 0}  # until MTP lands (issue #35, ano
     [
         # 1 dense + 3 MoE layers over two stages, GQA with Q/K/V biases, RoPE on half of each head,
         # sigmoid routing with a nonzero expert bias, shared expert
-        ("glm-4.5-air", WITHOUT_MTP, 1, 2, 2),
+        ("glm-4.5-air", {}, 1, 2, 2),
         # MLA; 1 dense + 3 MoE layers, top-8 of 16 experts in one group (ungrouped), scaled by 2.827
         ("kimi-k2-instruct", {}, 1, 2, 2),
     ],
 )
 def test_released_moe_converts_bit_exact_and_matches_transformers(tmp_path, name, overrides, tp, pp, ep):
     src = save_released_model(tmp_path / "hf", name, seed=1, **overrides)
+    add_mtp_layers(src)  # GLM-4.5-Air's MTP layer (layer 4 here), as released: converted with the rest
     check_round_trip(tmp_path, src, tp=tp, pp=pp, ep=ep)
 
 

@@ -17,20 +17,16 @@ from megatron_bridge.verify import PROBE_TOKENS, probe_tokens
 from rltrain.convert import launch
 from rltrain.convert.launch import run_conversion
 from rltrain.convert.report import ConversionError
-from rltrain.models.tiny import randomize_expert_bias
+from rltrain.models.tiny import add_mtp_layers, randomize_expert_bias
 from tests.released import save_released_model
 
 pytestmark = pytest.mark.dist
 
-NO_MTP = {"num_nextn_predict_layers": 0}  # MTP is converted and tested separately (issue #35, deliverable 2)
-
-
 def _save(tmp_path, name: str):
-    src = save_released_model(
-        tmp_path / "hf", name, initializer_range=0.1, **(NO_MTP if name == "deepseek-v3" else {})
-    )
+    src = save_released_model(tmp_path / "hf", name, initializer_range=0.1)
     if name == "deepseek-v3":
         randomize_expert_bias(src)  # the bias decides the routing: a nonzero one must survive the trip
+        add_mtp_layers(src)  # its released MTP layer, whose logits the conversion checks under YaRN too
     return src
 
 

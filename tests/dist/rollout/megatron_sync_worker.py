@@ -160,9 +160,12 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
     mtp_after = {n: p for c in actor.chunks for n, p in c.named_parameters() if "mtp." in n}
     mtp_change = max([(mtp_after[n] - p).abs().max().item() for n, p in mtp_before.items()], default=0.0)
     exported = dict(export_hf_weights(actor.chunks, ctx, bridge, dst=0)) if bridge.num_mtp_layers else {}
-    mtp_exported = {n: t for n, t in exported.items() if ".layers.4." in n}
-    copies = {"model.layers.4.embed_tokens.weight": "model.embed_tokens.weight"}
-    copies["model.layers.4.shared_head.head.weight"] = "lm_head.weight"
+    mtp = f"model.layers.{bridge.dims.num_layers}."
+    mtp_exported = {n: t for n, t in exported.items() if n.startswith(mtp)}
+    # the MTP layer's copies of the main embedding and head that the checkpoint stores (GLM-4.5: no head)
+    copies = {mtp + "embed_tokens.weight": "model.embed_tokens.weight"}
+    copies[mtp + "shared_head.head.weight"] = "lm_head.weight"
+    copies = {copy: main for copy, main in copies.items() if copy in mtp_exported}
     moved = actor.compute_log_prob(first["batch"]).logprobs
     second = {**sync(), **rollout_and_compare("after_step_and_sync")}
     if ctx.rank == 0:

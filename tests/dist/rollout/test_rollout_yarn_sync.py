@@ -16,8 +16,6 @@ from tests.released import save_released_model
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e]
 
-NO_MTP = {"num_nextn_predict_layers": 0}  # MTP is built and synced separately (issue #35, deliverable 2)
-
 
 def run_long_sync(tmp_path: Path, engine_dir: Path, actor_dir: Path, layout: str) -> dict:
     out = tmp_path / "result.json"
@@ -49,10 +47,12 @@ def test_deepseek_v3_yarn_ep2_sync_logprobs_match_vllm_past_the_original_length(
     0.66, 4.8e-7: the engine's YaRN (DeepSeek's mscale cos/sin factor and softmax scale) is the
     trainer's and transformers'. 201 tensors: 4 layers' attention and norms, 3 MoE layers of 16
     experts with a shared expert and the expert bias, 1 dense layer."""
-    from rltrain.models.tiny import randomize_expert_bias
+    from rltrain.models.tiny import add_mtp_layers, randomize_expert_bias
 
-    engine_dir = save_released_model(tmp_path / "engine", "deepseek-v3", seed=1, **NO_MTP)
-    actor_dir = save_released_model(tmp_path / "actor", "deepseek-v3", seed=1, **NO_MTP)
+    engine_dir = save_released_model(tmp_path / "engine", "deepseek-v3", seed=1)
+    actor_dir = save_released_model(tmp_path / "actor", "deepseek-v3", seed=1)
+    for directory in (engine_dir, actor_dir):
+        add_mtp_layers(directory)  # the released MTP layer: built frozen by the actor, skipped by vLLM
     randomize_expert_bias(actor_dir)
     result = run_long_sync(tmp_path, engine_dir, actor_dir, "ep2")
     before, first, second = result["runs"]

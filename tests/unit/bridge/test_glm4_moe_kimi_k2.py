@@ -20,8 +20,6 @@ from megatron_bridge.registry import get_family
 from rltrain.models.tiny import tiny_hf_config
 from tests.released import released_config, save_released_model, shrunk_config
 
-WITHOUT_MTP = {"num_nextn_predict_layers": 0}  # until MTP lands (issue #35, another part)
-
 
 def _sigmoid_moe(experts: int, top_k: int, ffn: int, scaling: float) -> MoEFacts:
     return MoEFacts(
@@ -49,6 +47,7 @@ def test_glm_4_5_air_released_config_gives_its_architecture():
         tie_word_embeddings=False,
         moe=_sigmoid_moe(128, 8, 1408, 1.0),
         rotary_fraction=0.5,
+        mtp_num_layers=1,
     )
     family = get_family("glm4_moe")
     assert family.facts(released_config("glm-4.5-air")) == expected
@@ -93,18 +92,30 @@ def test_glm4_moe_qk_norm_rows_follow_use_qk_norm():
     assert norm_rows(False) == []
 
 
-def test_an_mtp_layer_in_a_checkpoint_is_named_not_dropped(tmp_path):
-    """GLM-4.5-Air's checkpoint holds its MTP layer as layer ``num_hidden_layers`` (46), which
-    transformers drops on load; the bridge, with no rows for it, refuses the checkpoint naming it."""
+def test_glm_mtp_layer_maps_to_megatrons_mtp_and_is_never_dropped(tmp_path):
+    """GLM-4.5-Air's checkpoint holds its MTP layer as layer ``num_hidden_layers`` (46): a decoder
+    layer, enorm / hnorm / eh_proj / shared_head.norm and its own embed_tokens copy, no head copy.
+    transformers drops it on load; the bridge maps every tensor to Megatron's ``mtp.layers.0`` and
+    names any that is missing."""
     from safetensors.torch import load_file
 
-    src = save_released_model(tmp_path / "hf", "glm-4.5-air", **WITHOUT_MTP)
+    from rltrain.models.tiny import add_mtp_layers
+
+    src = save_released_model(tmp_path / "hf", "glm-4.5-air")
     config = json.loads((src / "config.json").read_text())
+    added = add_mtp_layers(src)
+    mtp = f"model.layers.{config['num_hidden_layers']}."
+    assert {n.removeprefix(mtp) for n in added} >= {"eh_proj.weight", "enorm.weight", "embed_tokens.weight"}
+    assert f"{mtp}shared_head.head.weight" not in added and f"{mtp}self_attn.q_proj.bias" in added
     state = load_file(src / "model.safetensors")
-    mtp = f"model.layers.{config['num_hidden_layers']}.eh_proj.weight"
-    state[mtp] = torch.zeros(config["hidden_size"], 2 * config["hidden_size"])
-    with pytest.raises(KeyError, match=rf"unexpected tensors \['{mtp}'\]"):
-        Bridge.from_hf_config(config).hf_to_megatron(state)
+    megatron = dict(Bridge.from_hf_config(config).hf_to_megatron(dict(state)))
+    assert torch.equal(megatron["mtp.layers.0.eh_proj.weight"], state[f"{mtp}eh_proj.weight"])
+    assert torch.equal(
+        megatron["mtp.layers.0.final_layernorm.weight"], state[f"{mtp}shared_head.norm.weight"]
+    )
+    del state[f"{mtp}eh_proj.weight"]
+    with pytest.raises(KeyError, match=rf"{mtp}eh_proj\.weight"):
+        dict(Bridge.from_hf_config(config).hf_to_megatron(state))
 
 
 def test_partial_rope_of_transformers_is_megatrons_rotary_percent():
