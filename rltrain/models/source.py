@@ -145,4 +145,9 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
             pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows[: task.num_train]]
             sft_warmup(hf_model, tokenizer, pairs, **fit)
     save_pretrained_with_tokenizer(hf_model, tokenizer, out)
+    if tiny.config_path is not None:
+        from rltrain.models.tiny import add_mtp_layers
+
+        # the MTP layers the config declares, as a released checkpoint stores them (transformers writes none)
+        add_mtp_layers(out)
     log.info("built tiny %s model in %s", hf_model.config.model_type, out)

@@ -91,3 +91,35 @@ def test_multi_turn_recipes_name_tool_and_interaction_files_that_load():
         assert names == (["python"] if "python" in path.name else ["calculator"]), path.name
         if cfg.multi_turn.interaction_config_path:
             assert load_interaction(root / cfg.multi_turn.interaction_config_path).name == "feedback"
+
+
+def test_moonlight_recipe_layout_fits_the_released_checkpoint():
+    """The DeepSeek-V3-architecture recipe against Moonlight's released config.json: the family takes
+    it as it is (one expert group, rms_norm_eps 1e-5, no query latent) and the layout divides it."""
+    from megatron_bridge.layout import layout_problems
+    from megatron_bridge.registry import get_family
+    from tests.released import released_config
+
+    config = load_config(RECIPES / "gpu" / "moonlight_16b_a3b_gsm8k_grpo.yaml")
+    released = released_config("moonlight-16b-a3b-instruct")
+    assert config.model.path == "moonshotai/Moonlight-16B-A3B-Instruct" and config.model.trust_remote_code
+    facts = get_family(released["model_type"]).facts(released)
+    assert (facts.moe.num_experts, facts.moe.top_k, facts.moe.dense_layers) == (64, 6, (0,))
+    assert facts.mla.q_lora_rank is None and facts.mla.latent_norm_eps == 1e-6
+    layout = config.actor.parallel
+    assert (
+        layout_problems(
+            released,
+            tp=layout.tensor_model_parallel_size,
+            pp=layout.pipeline_model_parallel_size,
+            ep=layout.expert_model_parallel_size,
+            etp=layout.expert_tensor_parallel_size,
+            moe=facts.moe,
+        )
+        == []
+    )
+    world = config.cluster.nnodes * config.cluster.n_gpus_per_node
+    assert layout.expert_model_parallel_size * layout.expert_tensor_parallel_size == world == 8
+    assert facts.moe.num_experts // layout.expert_model_parallel_size == 8  # whole experts per GPU
+    assert world % config.rollout.tensor_model_parallel_size == 0
+    assert config.actor.router_replay.mode == "R2"
