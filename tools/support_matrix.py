@@ -125,6 +125,14 @@ def families() -> list[tuple[str, tuple[str, ...]]]:
     return sorted(seen.items())
 
 
+def refused_types() -> dict[str, str]:
+    """Model types the registry recognizes and refuses (``megatron_bridge.refused``), with the reason."""
+    sys.path.insert(0, str(ROOT))
+    from megatron_bridge.refused import REFUSED
+
+    return dict(sorted(REFUSED.items()))
+
+
 def problems(claims: list[Claim], known: list[str]) -> list[str]:
     """Markers naming a family or feature that does not exist, or claiming and refusing one cell."""
     out = []
@@ -142,7 +150,9 @@ def problems(claims: list[Claim], known: list[str]) -> list[str]:
     return out
 
 
-def render(claims: list[Claim], rows: list[tuple[str, tuple[str, ...]]]) -> str:
+def render(
+    claims: list[Claim], rows: list[tuple[str, tuple[str, ...]]], refused: dict[str, str] | None = None
+) -> str:
     by_cell: dict[tuple[str, str], list[Claim]] = defaultdict(list)
     for claim in claims:
         by_cell[claim.family, claim.feature].append(claim)
@@ -166,8 +176,14 @@ def render(claims: list[Claim], rows: list[tuple[str, tuple[str, ...]]]) -> str:
             found = by_cell.get((name, feature), [])
             cells.append("—" if not found else "refused" if found[0].refused else "✓")
         lines.append(f"| {name} | {', '.join(model_types)} | " + " | ".join(cells) + " |")
+    for model_type in refused or {}:
+        lines.append(f"| — | {model_type} | " + " | ".join(["refused"] * len(FEATURES)) + " |")
     lines += ["", "## What a column means", ""]
     lines += [f"- **{FEATURES[f]}**: {MEANING[f]}" for f in FEATURES]
+    if refused:
+        lines += ["", "## Refused model types", ""]
+        lines += ["Recognized by `model_type` and refused, before any weight is read, with this line:", ""]
+        lines += [f"- `{model_type}`: {reason}" for model_type, reason in refused.items()]
     lines += ["", "## The tests behind each cell", ""]
     for name, _ in rows:
         entries = [(f, c) for f in FEATURES for c in sorted(by_cell.get((name, f), []), key=lambda c: c.test)]
@@ -189,7 +205,7 @@ def build() -> str:
     found = problems(claims, [name for name, _ in rows])
     if found:
         raise SystemExit("support matrix: " + "; ".join(found))
-    return render(claims, rows)
+    return render(claims, rows, refused_types())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,6 @@ from tests.released import save_released_model
 pytestmark = pytest.mark.dist
 
 
-
 @pytest.mark.parametrize(
     ("name", "overrides", "tp", "pp", "ep"),
     [
@@ -28,12 +27,15 @@ pytestmark = pytest.mark.dist
         ("kimi-k2-instruct", {}, 1, 2, 2),
     ],
 )
+@pytest.mark.supports("glm4_moe", "conversion", "pp", "ep", "mtp", "hf_parity")
+@pytest.mark.supports("deepseek_v3", "yarn")
 def test_released_moe_converts_bit_exact_and_matches_transformers(tmp_path, name, overrides, tp, pp, ep):
     src = save_released_model(tmp_path / "hf", name, seed=1, **overrides)
     add_mtp_layers(src)  # GLM-4.5-Air's MTP layer (layer 4 here), as released: converted with the rest
     check_round_trip(tmp_path, src, tp=tp, pp=pp, ep=ep)
 
 
+@pytest.mark.supports("glm4_moe", "conversion", "tp", "ep")
 def test_glm_4_5_with_qk_norm_converts_bit_exact_at_tp2_ep2(tmp_path):
     """GLM-4.5 / GLM-4.6's attention (``use_qk_norm``: per-head q/k norms; the tiny preset) with the
     QKV weights and biases split over TP=2 and the experts over EP=2."""

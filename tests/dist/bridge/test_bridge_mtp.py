@@ -20,6 +20,7 @@ from rltrain.models.tiny import add_mtp_layers, randomize_expert_bias, save_tiny
 pytestmark = pytest.mark.dist
 
 
+@pytest.mark.supports("deepseek_v3", "mtp", "conversion", "tp", "pp", "ep")
 def test_mtp_layer_round_trips_bit_exact_at_tp2_pp2_ep2(tmp_path):
     src = save_tiny_model(tmp_path / "hf", "deepseek_v3", seed=1, num_mtp_layers=1)
     randomize_expert_bias(src)
@@ -48,7 +49,9 @@ def test_mtp_layer_round_trips_bit_exact_at_tp2_pp2_ep2(tmp_path):
 def mtp_checkpoint(tmp_path_factory):
     """A tiny DeepSeek-V3 with one MTP layer, weights large enough (std 0.1) that a planted swap
     moves the MTP logits far beyond fp32 rounding."""
-    src = save_tiny_model(tmp_path_factory.mktemp("mtp") / "hf", "deepseek_v3", init_std=0.1, num_mtp_layers=1)
+    src = save_tiny_model(
+        tmp_path_factory.mktemp("mtp") / "hf", "deepseek_v3", init_std=0.1, num_mtp_layers=1
+    )
     add_mtp_layers(src, std=0.1)
     return src
 
@@ -58,7 +61,9 @@ def test_a_swap_in_the_mtp_layer_fails_verification(tmp_path, monkeypatch, mtp_c
     monkeypatch.setattr(launch, "_entry", getattr(bridge_ranks, entry))
     with pytest.raises(ConversionError) as failed:
         run_conversion("hf-to-mcore", mtp_checkpoint, tmp_path / "mcore", ep=2)
-    found = re.search(r"MTP layer 0 logits vs transformers.*max abs diff (\S+) > tolerance (\S+)", str(failed.value))
+    found = re.search(
+        r"MTP layer 0 logits vs transformers.*max abs diff (\S+) > tolerance (\S+)", str(failed.value)
+    )
     assert found, str(failed.value)
     assert float(found.group(1)) > 3 * float(found.group(2))
     assert not (tmp_path / "mcore").exists()
@@ -73,6 +78,8 @@ def test_an_export_dropping_the_mtp_layer_fails_verification(tmp_path, monkeypat
 
 
 def test_a_checkpoint_without_its_mtp_tensors_is_refused_naming_them(tmp_path):
-    src = save_tiny_model(tmp_path / "hf", "deepseek_v3", num_mtp_layers=1)  # transformers writes no MTP layer
+    src = save_tiny_model(
+        tmp_path / "hf", "deepseek_v3", num_mtp_layers=1
+    )  # transformers writes no MTP layer
     with pytest.raises(ConversionError, match=r"missing tensors \['model\.layers\.4\.e"):
         run_conversion("hf-to-mcore", src, tmp_path / "mcore")

@@ -22,6 +22,7 @@ from tests.released import save_released_model
 
 pytestmark = pytest.mark.dist
 
+
 def _save(tmp_path, name: str):
     src = save_released_model(tmp_path / "hf", name, initializer_range=0.1)
     if name == "deepseek-v3":
@@ -35,6 +36,8 @@ def _save(tmp_path, name: str):
     [("qwen3-8b-yarn", dict(tp=2)), ("deepseek-v3", dict(pp=2, ep=2))],
     ids=["qwen3-8b-yarn-tp2", "deepseek-v3-pp2-ep2"],
 )
+@pytest.mark.supports("qwen3", "yarn", "conversion", "tp")
+@pytest.mark.supports("deepseek_v3", "yarn", "mtp")
 def test_released_yarn_checkpoints_convert_bit_exact_both_ways(tmp_path, name, layout):
     src = _save(tmp_path, name)
     config = AutoConfig.from_pretrained(src)

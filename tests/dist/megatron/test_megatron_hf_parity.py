@@ -23,6 +23,8 @@ pytestmark = pytest.mark.dist
 @pytest.mark.supports("mixtral", "hf_parity")
 @pytest.mark.supports("qwen2_moe", "hf_parity")
 @pytest.mark.supports("qwen3_moe", "hf_parity")
+@pytest.mark.supports("qwen2", "sliding_window")
+@pytest.mark.supports("mixtral", "sliding_window")
 def test_logprobs_match_hf_transformers() -> None:
     (result,) = run_ranks(hf_parity_case, 1)
     print(result)

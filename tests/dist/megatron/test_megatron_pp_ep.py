@@ -57,6 +57,7 @@ def test_expert_tensor_parallel_one_under_attention_tp2_matches_single_rank(tmp_
     _check(run_ranks(etp_case, 2, str(tmp_path)))
 
 
+@pytest.mark.supports("glm4_moe", "ep")
 def test_ep2_glm4_moe_matches_single_rank(tmp_path) -> None:
     """GLM-4.5's tiny preset (Q/K/V biases, q/k norms, partial RoPE; layer 0 dense, 1-2 MoE with a
     shared expert, ungrouped sigmoid routing with the expert bias): as DeepSeek-V3 above."""

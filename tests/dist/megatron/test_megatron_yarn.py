@@ -32,6 +32,9 @@ LLAMA_YARN = {
 }
 
 
+@pytest.mark.supports("qwen3", "yarn", "hf_parity")
+@pytest.mark.supports("deepseek_v3", "yarn", "hf_parity")
+@pytest.mark.supports("llama", "yarn")
 def test_released_yarn_configs_match_transformers_past_the_original_length(tmp_path) -> None:
     dirs = {
         "llama": save_tiny_model(

@@ -16,7 +16,6 @@ from tests.released import save_released_model
 pytestmark = [pytest.mark.dist, pytest.mark.e2e]
 
 
-
 def sync_result(tmp_path: Path, name: str, **overrides) -> dict:
     """The engine starts at the actor's weights with a zero expert bias, the actor's bias is random:
     before the sync only the routing differs."""
@@ -33,6 +32,7 @@ def sync_result(tmp_path: Path, name: str, **overrides) -> dict:
     return result
 
 
+@pytest.mark.supports("glm4_moe", "vllm_sync", "ep", "mtp")
 def test_glm_4_5_air_ep2_sync_logprobs_match_vllm(tmp_path):
     """Measured 9.5e-7 max after the first sync, 4.8e-7 after the step (93 tensors)."""
     _, first, second = sync_result(tmp_path, "glm-4.5-air")["runs"]

