@@ -160,6 +160,36 @@ def sigmoid_group_routing(config: Any, name: str) -> tuple[int | None, int | Non
     return groups, group_topk
 
 
+def deepseek_moe_facts(
+    config: Any,
+    *,
+    renormalize_topk: bool,
+    score_function: str,
+    num_groups: int | None,
+    group_topk: int | None,
+    expert_bias: bool,
+) -> MoEFacts:
+    """DeepSeek's MoE (also GLM-4.5's) with the given routing: routed experts of
+    ``moe_intermediate_size``, a shared expert of ``n_shared_experts`` times that, the first
+    ``first_k_dense_replace`` layers dense, ``routed_scaling_factor``, no auxiliary loss."""
+    get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
+    moe_ffn = get("moe_intermediate_size")
+    return MoEFacts(
+        num_experts=get("n_routed_experts", "num_local_experts"),
+        top_k=get("num_experts_per_tok"),
+        ffn_hidden_size=moe_ffn,
+        renormalize_topk=renormalize_topk,
+        aux_loss_coeff=0.0,
+        shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts"),
+        dense_layers=tuple(range(get("first_k_dense_replace"))),
+        score_function=score_function,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        topk_scaling_factor=float(get("routed_scaling_factor")),
+        expert_bias=expert_bias,
+    )
+
+
 def deepseek_architecture(
     config: Any,
     name: str,
@@ -173,23 +203,16 @@ def deepseek_architecture(
     """The facts of a DeepSeek-V2/V3 config ``name`` with its family's routing: MLA attention, routed
     and shared experts, the first ``first_k_dense_replace`` layers dense, no auxiliary loss."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
-    moe_ffn = get("moe_intermediate_size")
     return ArchitectureFacts(
         qkv_bias=False,
         qk_norm=False,
         tie_word_embeddings=bool(get("tie_word_embeddings")),
-        moe=MoEFacts(
-            num_experts=get("n_routed_experts", "num_local_experts"),
-            top_k=get("num_experts_per_tok"),
-            ffn_hidden_size=moe_ffn,
+        moe=deepseek_moe_facts(
+            config,
             renormalize_topk=renormalize_topk,
-            aux_loss_coeff=0.0,
-            shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts"),
-            dense_layers=tuple(range(get("first_k_dense_replace"))),
             score_function=score_function,
             num_groups=num_groups,
             group_topk=group_topk,
-            topk_scaling_factor=float(get("routed_scaling_factor")),
             expert_bias=expert_bias,
         ),
         mla=mla_facts(config, name),

@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from megatron_bridge.family import ArchitectureFacts, ModelFamily, MoEFacts
+from megatron_bridge.family import ArchitectureFacts, ModelFamily
 from megatron_bridge.hf_config import config_value
 from megatron_bridge.mappings import AnyMapping, Replicated
 from megatron_bridge.models.common import TINY_SHAPE, H, L, attention, embeddings_and_head, mtp_layers
-from megatron_bridge.models.deepseek_v3 import deepseek_moe, sigmoid_group_routing
+from megatron_bridge.models.deepseek_v3 import deepseek_moe, deepseek_moe_facts, sigmoid_group_routing
 from megatron_bridge.registry import register
 
 
@@ -65,23 +65,16 @@ def glm4_moe_facts(config: Any) -> ArchitectureFacts:
     """Facts of a GLM-4.5 config; raises ``NotImplementedError`` naming the key Megatron cannot match."""
     get = lambda *names, default=None: config_value(config, *names, default=default)  # noqa: E731
     groups, group_topk = sigmoid_group_routing(config, "glm4_moe")
-    moe_ffn = get("moe_intermediate_size")
     return ArchitectureFacts(
         qkv_bias=bool(get("attention_bias")),
         qk_norm=bool(get("use_qk_norm")),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
-        moe=MoEFacts(
-            num_experts=get("n_routed_experts", "num_local_experts"),
-            top_k=get("num_experts_per_tok"),
-            ffn_hidden_size=moe_ffn,
+        moe=deepseek_moe_facts(
+            config,
             renormalize_topk=True,
-            aux_loss_coeff=0.0,
-            shared_expert_ffn_hidden_size=moe_ffn * get("n_shared_experts"),
-            dense_layers=tuple(range(get("first_k_dense_replace"))),
             score_function="sigmoid",
             num_groups=groups,
             group_topk=group_topk,
-            topk_scaling_factor=float(get("routed_scaling_factor")),
             expert_bias=True,
         ),
         rotary_fraction=rotary_fraction(config),
