@@ -41,15 +41,16 @@ def engine_core(pid: int) -> int:
     found: list[int] = []
 
     def one_core() -> bool:
-        cores = []
+        cores: dict[int, int] = {}  # pid -> parent pid
         for child in psutil.Process(pid).children(recursive=True):
             try:
                 if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
-                    cores.append(child.pid)
+                    cores[child.pid] = child.ppid()
             except psutil.NoSuchProcess:
                 continue
-        found[:] = cores
-        return len(cores) == 1
+        # a process the engine core forks (a compile worker) inherits its title: not another core
+        found[:] = [core for core, parent in cores.items() if parent not in cores]
+        return len(found) == 1
 
     wait_for(one_core, timeout_s=60, what=f"one engine core process under {pid}")
     return found[0]
