@@ -129,11 +129,12 @@ def megatron_logits(
 
 
 @torch.no_grad()
-def megatron_mtp_logits(
+def megatron_logits_and_mtp(
     chunks: list[torch.nn.Module], ctx: Any, input_ids: torch.Tensor, *, vocab_size: int, dst: int = 0
-) -> list[torch.Tensor] | None:
-    """The multi-token-prediction layers' logits on rank ``dst`` (None elsewhere), collective like
-    ``megatron_logits``: per MTP layer ``k``, ``[batch, seq - 1 - k, vocab_size]`` (fp32) — at
+) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """``megatron_logits`` and, from the same forward, the multi-token-prediction layers' logits on
+    rank ``dst`` (None elsewhere), collective: per MTP layer ``k``, ``[batch, seq - 1 - k,
+    vocab_size]`` (fp32) — at
     position ``i`` the prediction of token ``i + k + 2`` from the main model's hidden state ``i``
     and token ``i + k + 1`` (the positions that have such a token). The last stage runs its
     ``mtp`` block (Megatron-Core's) on the decoder's output with the decoder's own attention mask
@@ -146,7 +147,7 @@ def megatron_mtp_logits(
 
     handle = model.decoder.register_forward_hook(keep, with_kwargs=True) if hasattr(model, "mtp") else None
     try:
-        megatron_logits(chunks, ctx, input_ids, vocab_size=vocab_size, dst=dst)
+        main = megatron_logits(chunks, ctx, input_ids, vocab_size=vocab_size, dst=dst)
     finally:
         if handle is not None:
             handle.remove()
@@ -176,7 +177,7 @@ def megatron_mtp_logits(
             dist.all_gather(parts, logits.contiguous(), group=ctx.groups.tp)
             full = torch.cat(parts, dim=-1)[..., :vocab_size].float().transpose(0, 1)
             out.append(full[:, : seq - 1 - k].contiguous())
-    return _to_dst(out, ctx, dst, device)
+    return main, _to_dst(out, ctx, dst, device)
 
 
 def _to_dst(out: list[torch.Tensor] | None, ctx: Any, dst: int, device: torch.device) -> list | None:
@@ -197,14 +198,14 @@ def hf_mtp_logits(
     hf_dir: str | Path, input_ids: torch.Tensor, *, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
     """Transformers' multi-token-prediction logits of the checkpoint in ``hf_dir`` in ``dtype``, laid
-    out as ``megatron_mtp_logits`` returns them: its ``MtpModel`` (the MTP layers read from the
+    out as ``megatron_logits_and_mtp`` returns them: its ``MtpModel`` (the MTP layers read from the
     checkpoint, the main model's embedding and head) fed the main model's final hidden states."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, **experts).eval()
-    config = model.config
+    config = load_hf_config(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, config=config, dtype=dtype, **experts).eval()
     first = config.num_hidden_layers
     # MtpModel finds the MTP tensors by the main model's patterns of keys to ignore, which name the
     # released checkpoint's layers (DeepSeek-V3: 61); name this checkpoint's.

@@ -46,7 +46,7 @@ from megatron_bridge.verify import (
     compare_logits,
     compare_mtp_logits,
     megatron_logits,
-    megatron_mtp_logits,
+    megatron_logits_and_mtp,
     probe_batch,
     probe_tokens,
 )
@@ -96,39 +96,29 @@ def setup_rank(
 
 def _check_logits(
     chunks: Chunks, ctx: ParallelContext, bridge: Bridge, hf_dir: Path, atol: float, tokens: int
-) -> LogitsComparison | None:
-    """Megatron's logits vs transformers', both in the model's dtype, on rank 0 (None elsewhere);
-    raises ``VerificationError`` saying by how much they differ and what that was held to."""
+) -> tuple[LogitsComparison | None, list[LogitsComparison]]:
+    """Megatron's logits vs transformers', both in the model's dtype, and from the same forward each
+    multi-token-prediction layer's against transformers' ``MtpModel`` (transformers' forward does
+    not run those layers, so a wrong MTP mapping the round trip undoes, swapped norms or experts,
+    would pass without it), on rank 0 (None and [] elsewhere); raises ``VerificationError`` saying
+    which logits differ, by how much, and what that was held to."""
     ids = probe_batch(bridge.dims.vocab_size, seq=tokens)
-    ours = megatron_logits(chunks, ctx, ids, vocab_size=bridge.dims.vocab_size)
+    vocab = bridge.dims.vocab_size
+    if bridge.num_mtp_layers:
+        ours, ours_mtp = megatron_logits_and_mtp(chunks, ctx, ids, vocab_size=vocab)
+    else:
+        ours, ours_mtp = megatron_logits(chunks, ctx, ids, vocab_size=vocab), None
     if ctx.rank != 0:
-        return None
+        return None, []
     dtype = next(chunks[0].parameters()).dtype
     comparison = compare_logits(ours, hf_dir, ids, dtype=dtype, atol=atol)
     if not comparison.ok:
         raise VerificationError(f"the converted model's {comparison.describe()}")
-    return comparison
-
-
-def _check_mtp_logits(
-    chunks: Chunks, ctx: ParallelContext, bridge: Bridge, hf_dir: Path, atol: float, max_positions: int
-) -> list[LogitsComparison]:
-    """Each multi-token-prediction layer's logits vs transformers' ``MtpModel`` (empty without MTP
-    layers, and on ranks but 0); raises ``VerificationError`` naming the layer. Transformers does
-    not run these layers in its forward, so without this a wrong MTP mapping that the round trip
-    undoes (swapped norms, experts) would pass."""
-    if not bridge.num_mtp_layers:
-        return []
-    ids = probe_batch(bridge.dims.vocab_size, max_positions=max_positions)
-    ours = megatron_mtp_logits(chunks, ctx, ids, vocab_size=bridge.dims.vocab_size)
-    if ctx.rank != 0:
-        return []
-    dtype = next(chunks[0].parameters()).dtype
-    comparisons = compare_mtp_logits(ours, hf_dir, ids, dtype=dtype, atol=atol)
-    for k, comparison in enumerate(comparisons):
-        if not comparison.ok:
-            raise VerificationError(f"the converted model's MTP layer {k} {comparison.describe()}")
-    return comparisons
+    mtp = compare_mtp_logits(ours_mtp, hf_dir, ids, dtype=dtype, atol=atol) if ours_mtp else []
+    for k, layer in enumerate(mtp):
+        if not layer.ok:
+            raise VerificationError(f"the converted model's MTP layer {k} {layer.describe()}")
+    return comparison, mtp
 
 
 def _locations(
@@ -225,13 +215,11 @@ def rank_main(
             if ctx.rank == 0:
                 write_hf(source, reference, aux_from=hf_dir, progress=False)
             dist.barrier()
-            logits = _check_logits(model, ctx, bridge, reference, atol, positions)
-            mtp = _check_mtp_logits(model, ctx, bridge, reference, atol, positions)
+            logits, mtp = _check_logits(model, ctx, bridge, reference, atol, positions)
             dist.barrier()
     else:
         hf_ref = src_p if mode == "hf-to-mcore" else dst_p
-        logits = _check_logits(model, ctx, bridge, hf_ref, atol, positions)
-        mtp = _check_mtp_logits(model, ctx, bridge, hf_ref, atol, positions)
+        logits, mtp = _check_logits(model, ctx, bridge, hf_ref, atol, positions)
     report.mtp_logits_checks = [f"MTP layer {k}: {c.describe()}" for k, c in enumerate(mtp)]
     report.max_abs_mtp_logit_diffs = [c.max_abs_diff for c in mtp]
     if logits is not None:
