@@ -23,7 +23,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron_bridge.family import ArchitectureFacts, MoEFacts
 from megatron_bridge.hf_config import config_value
 from megatron_bridge.layout import layout_problems
-from megatron_bridge.registry import get_family, refusal, supported_model_types
+from megatron_bridge.registry import get_family, supported_model_types
 from rltrain.config.moe import MoEConfig
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.parallel import last_stage_layers_for_megatron
@@ -57,13 +57,12 @@ class GPTOptions:
 def architecture_facts(hf_config: Any) -> ArchitectureFacts:
     """What the model family of ``hf_config`` (``megatron_bridge/models/``) says about this model."""
     model_type = hf_config.model_type
-    reason = refusal(model_type)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    supported = supported_model_types()
-    if model_type not in supported:
-        raise NotImplementedError(f"model_type={model_type!r}; supported: {', '.join(supported)}")
-    return get_family(model_type).facts(hf_config)
+    try:
+        family = get_family(model_type)  # a recognized but refused type: NotImplementedError, its reason
+    except KeyError:
+        supported = supported_model_types()
+        raise NotImplementedError(f"model_type={model_type!r}; supported: {', '.join(supported)}") from None
+    return family.facts(hf_config)
 
 
 def validate_layout(hf_config: Any, parallel: ParallelConfig, *, moe: MoEFacts | None) -> list[str]:
