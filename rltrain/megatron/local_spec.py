@@ -40,7 +40,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from rltrain.data.packing import context_parallel_index
-from rltrain.megatron.packed_attention import context_parallel_causal_attention, packed_causal_attention
+from rltrain.megatron.packed_attention import (
+    context_parallel_causal_attention,
+    packed_causal_attention,
+    window_keys,
+)
 from rltrain.megatron.packed_rope import install_packed_rope
 
 
@@ -54,19 +58,6 @@ def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     future = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).triu(1)
     pad_key = ~attention_mask.bool()[:, None, None, :]
     return future[None, None] | pad_key
-
-
-def outside_window_mask(
-    seq: int, window_size: tuple[int, int], attention_mask: torch.Tensor | None
-) -> torch.Tensor:
-    """True where a query may not look under Megatron's ``window_size=(left, right)`` (keys outside
-    i - left .. i + right, and future keys), or-ed with ``attention_mask`` ([batch, 1, seq, seq]
-    bool, True = forbidden; None: causal only) → [batch or 1, 1, seq, seq]."""
-    positions = torch.arange(seq, device=attention_mask.device if attention_mask is not None else None)
-    behind = positions.unsqueeze(1) - positions.unsqueeze(0)  # query position - key position
-    outside = (behind > window_size[0]) | (behind < -window_size[1]) | (behind < 0)
-    outside = outside[None, None]
-    return outside if attention_mask is None else attention_mask | outside
 
 
 class _GatherOverContextParallel(torch.autograd.Function):
@@ -126,6 +117,10 @@ class PackedDotProductAttention(DotProductAttention):
         # this class applies the window itself, on top of the causal or padding mask.
         self.window_size = self.scale_mask_softmax.window_size
         self.scale_mask_softmax.window_size = None
+        if self.window_size is not None and self.window_size[1] != 0:
+            raise NotImplementedError(
+                f"window_size={tuple(self.window_size)}: the CPU attention has causal left windows only"
+            )
         self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
 
     def forward(
@@ -145,8 +140,9 @@ class PackedDotProductAttention(DotProductAttention):
                 raise NotImplementedError(
                     "context_parallel_size > 1 needs packed sequences (use_remove_padding=true) on the CPU path"
                 )
-            if self.window_size is not None:
-                attention_mask = outside_window_mask(query.size(0), self.window_size, attention_mask)
+            if self.window_size is not None:  # True = forbidden, as Megatron's masks
+                outside = ~window_keys(query.size(0), self.window_size[0], device=query.device)[None, None]
+                attention_mask = outside if attention_mask is None else attention_mask | outside
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}; expected 'thd'")
@@ -159,10 +155,10 @@ class PackedDotProductAttention(DotProductAttention):
                 "softmax_type != 'vanilla' (attention sinks) with packed sequences: "
                 "not supported by the CPU attention"
             )
-        if self.window_size is not None and (cp_size > 1 or self.window_size[1] != 0):
+        if self.window_size is not None and cp_size > 1:
             raise NotImplementedError(
                 f"window_size={tuple(self.window_size)} with context_parallel_size={cp_size}: "
-                "the CPU attention has causal left windows without context parallelism only"
+                "the CPU attention has sliding windows without context parallelism only"
             )
         cu_seqlens = packed_seq_params.cu_seqlens_q
         if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(

@@ -69,6 +69,14 @@ def segment_groups(cu_seqlens: torch.Tensor) -> list[SegmentGroup]:
     return groups
 
 
+def window_keys(length: int, left: int, *, device: torch.device | None = None) -> torch.Tensor:
+    """[length, length] bool: True where query i may see key j under a causal sliding window of
+    ``left`` keys behind it (Megatron's ``window_size=(left, 0)``): i - left <= j <= i."""
+    position = torch.arange(length, device=device)
+    behind = position.unsqueeze(1) - position.unsqueeze(0)  # query position - key position
+    return (behind >= 0) & (behind <= left)
+
+
 def packed_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -110,9 +118,7 @@ def packed_causal_attention(
         if window_left is None:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         else:
-            position = torch.arange(q.size(2), device=q.device)
-            behind = position.unsqueeze(1) - position.unsqueeze(0)  # query offset - key offset
-            allowed = (behind >= 0) & (behind <= window_left)
+            allowed = window_keys(q.size(2), window_left, device=q.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
         outputs.append(out.transpose(1, 2)[rows, offsets])
     if plan.order is None:  # one group whose valid rows are already the packed order

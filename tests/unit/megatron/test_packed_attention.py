@@ -181,3 +181,15 @@ def test_a_row_of_one_length_class_skips_the_reorder_with_the_same_bits() -> Non
     # Several classes: the groups' outputs interleave in packed order, so they are reordered.
     order = packed_attention._row_plan(cu_seqlens_of(LENGTHS)).order
     assert order is not None and not torch.equal(order, torch.arange(sum(LENGTHS)))
+
+
+def test_window_keys_are_the_query_and_the_left_keys_before_it():
+    from rltrain.megatron.packed_attention import window_keys
+
+    # transformers' window of 2 keys (query i sees i-1 and i) is Megatron's window_size=(1, 0)
+    assert window_keys(4, 1).int().tolist() == [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [0, 1, 1, 0],
+        [0, 0, 1, 1],
+    ]
