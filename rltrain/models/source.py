@@ -85,9 +85,10 @@ def _build_tiny(model: ModelConfig, *, data: DataConfig, out: Path, tools_file: 
 
     tokenizer = build_tiny_tokenizer(corpus=TOKENIZER_CORPORA[tiny.tokenizer_corpus]())
     if tiny.config_path is not None:
-        from rltrain.models.tiny import model_from_config_file
+        from rltrain.models.tiny import tiny_model_from_config
 
-        hf_model = model_from_config_file(tiny.config_path, tokenizer=tokenizer, seed=tiny.seed)
+        file_config = json.loads(Path(tiny.config_path).expanduser().read_text(encoding="utf-8"))
+        hf_model = tiny_model_from_config(file_config, tokenizer=tokenizer, seed=tiny.seed)
     else:
         hf_model, tokenizer = build_tiny_model(
             tiny.model_type,

@@ -124,50 +124,44 @@ def build_tiny_model(
     Token ids of the tokenizer's special tokens are written into the model config so that
     generation stops at ``<|endoftext|>`` or ``<|im_end|>``.
     """
+    tokenizer = tokenizer or build_tiny_tokenizer()
+    config = tiny_hf_config(
+        model_type, vocab_size=tiny_vocab_size(tokenizer), initializer_range=init_std, **overrides
+    )
+    return _random_model(config, tokenizer, seed), tokenizer
+
+
+def tiny_vocab_size(tokenizer) -> int:
+    """The tokenizer's vocabulary in embedding rows padded to a multiple of 64, as released models
+    pad theirs (Qwen2: 151,643 tokens in 151,936 rows): tensor parallelism splits it evenly, at TP
+    up to 64."""
+    return -(-len(tokenizer) // 64) * 64
+
+
+def _random_model(config: Any, tokenizer, seed: int):
+    """A randomly initialised fp32 causal LM of the HF ``config``, its special token ids the
+    tokenizer's (generation stops at ``<|endoftext|>``)."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = tokenizer or build_tiny_tokenizer()
-    # Pad the embedding rows to a multiple of 64, as released models do (Qwen2: 151,643 tokens in
-    # 151,936 rows): tensor parallelism splits the vocabulary evenly, at TP up to 64.
-    vocab_size = -(-len(tokenizer) // 64) * 64
-    config = tiny_hf_config(model_type, vocab_size=vocab_size, initializer_range=init_std, **overrides)
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = None
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval()
-    return model, tokenizer
+    return model.eval()
 
 
 def tiny_model_from_config(config: dict[str, Any], *, tokenizer, seed: int = 0):
     """A randomly initialised fp32 HF causal LM of the ``config.json`` dict ``config`` (a released
-    checkpoint's, shrunk in its sizes), with ``tokenizer``'s vocabulary (padded to a multiple of 64)
-    and special tokens."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    checkpoint's, shrunk in its sizes), with ``tokenizer``'s vocabulary and special tokens."""
+    from transformers import CONFIG_MAPPING
 
-    config = {
-        **config,
-        "vocab_size": -(-len(tokenizer) // 64) * 64,
-        "eos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": None,
-    }
+    config = {**config, "vocab_size": tiny_vocab_size(tokenizer)}
     config.pop("auto_map", None)  # remote code: the model is built by transformers' own class
     model_type = config.pop("model_type")  # kimi_k2 has no class of its own in transformers
-    hf_config = CONFIG_MAPPING[CONFIG_CLASS_OF.get(model_type, model_type)].from_dict(config)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.eval()
-    return model
-
-
-def model_from_config_file(path: str | Path, *, tokenizer, seed: int = 0):
-    """``tiny_model_from_config`` of the ``config.json`` at ``path``."""
-    return tiny_model_from_config(
-        json.loads(Path(path).expanduser().read_text()), tokenizer=tokenizer, seed=seed
+    return _random_model(
+        CONFIG_MAPPING[CONFIG_CLASS_OF.get(model_type, model_type)].from_dict(config), tokenizer, seed
     )
 
 

@@ -15,6 +15,7 @@ from megatron_fixtures import (
     critic_round,
     dp_shard,
     ensure_process_group,
+    hf_reference_logprobs,
     make_batch,
     max_diffs,
     optim,
@@ -457,15 +458,7 @@ def hf_parity_case() -> dict[str, float]:
             assert not unexpected and all("_extra_state" in k for k in missing), (name, missing, unexpected)
             results[name + suffix] = worker.compute_log_prob(batch)
             ctx.destroy()
-        with torch.no_grad():
-            mask = batch.attention_mask
-            logits = reference(
-                input_ids=batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
-            ).logits[:, -batch.response_len - 1 : -1]
-        log_p = torch.log_softmax(logits.float(), -1)
-        ref_lp = log_p.gather(-1, batch.input_ids[:, -batch.response_len :, None]).squeeze(-1)
-        ref_ent = -(log_p.exp() * log_p).sum(-1)
-        resp = batch.response_mask.bool()
+        ref_lp, ref_ent, resp = hf_reference_logprobs(reference, batch)
         for key, ours in results.items():
             out[f"{key}_logprobs"] = float((ours.logprobs - ref_lp)[resp].abs().max())
             out[f"{key}_entropy"] = float((ours.entropy - ref_ent)[resp].abs().max())
@@ -474,16 +467,8 @@ def hf_parity_case() -> dict[str, float]:
             plain = {**hf.to_dict(), "sliding_window": None, "use_sliding_window": False, "layer_types": None}
             unwindowed = AutoModelForCausalLM.from_config(type(hf).from_dict(plain)).float().eval()
             unwindowed.load_state_dict(reference.state_dict())
-            with torch.no_grad():
-                full = unwindowed(
-                    input_ids=batch.input_ids,
-                    attention_mask=mask,
-                    position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                ).logits[:, -batch.response_len - 1 : -1]
-            full_lp = torch.log_softmax(full.float(), -1).gather(
-                -1, batch.input_ids[:, -batch.response_len :, None]
-            )
-            out[f"{name}_window_effect"] = float((full_lp.squeeze(-1) - ref_lp)[resp].abs().max())
+            full_lp, _, _ = hf_reference_logprobs(unwindowed, batch)
+            out[f"{name}_window_effect"] = float((full_lp - ref_lp)[resp].abs().max())
     return out
 
 

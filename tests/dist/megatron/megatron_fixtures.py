@@ -89,6 +89,21 @@ def make_batch(batch_size: int = 4, seq: int = 16, response_len: int = 8, seed: 
     )
 
 
+@torch.no_grad()
+def hf_reference_logprobs(
+    reference: Any, batch: TokenBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' per-token log-probs and entropies of ``batch``'s responses ([batch, response],
+    fp32, left-padded rows with positions from their first token) and the response mask (bool)."""
+    mask = batch.attention_mask
+    logits = reference(
+        input_ids=batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+    ).logits[:, -batch.response_len - 1 : -1]
+    log_p = torch.log_softmax(logits.float(), -1)
+    logprobs = log_p.gather(-1, batch.input_ids[:, -batch.response_len :, None]).squeeze(-1)
+    return logprobs, -(log_p.exp() * log_p).sum(-1), batch.response_mask.bool()
+
+
 def dp_shard(batch: TokenBatch, ctx: ParallelContext) -> TokenBatch:
     per_rank = batch.batch_size // ctx.dp_size
     return batch.select(list(range(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from megatron_fixtures import SEED, ensure_process_group, make_batch
+from megatron_fixtures import SEED, ensure_process_group, hf_reference_logprobs, make_batch
 
 from rltrain.config.parallel import ParallelConfig
 from rltrain.megatron.parallel import ParallelContext
@@ -51,15 +51,7 @@ def released_parity_case(tmp: str) -> dict[str, float]:
         batch = make_batch(seed=5)
         ours = worker.compute_log_prob(batch)
         ctx.destroy()
-        with torch.no_grad():
-            mask = batch.attention_mask
-            logits = reference(
-                input_ids=batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
-            ).logits[:, -batch.response_len - 1 : -1]
-        log_p = torch.log_softmax(logits.float(), -1)
-        ref_lp = log_p.gather(-1, batch.input_ids[:, -batch.response_len :, None]).squeeze(-1)
-        ref_ent = -(log_p.exp() * log_p).sum(-1)
-        resp = batch.response_mask.bool()
+        ref_lp, ref_ent, resp = hf_reference_logprobs(reference, batch)
         out[f"{name}_logprobs"] = float((ours.logprobs - ref_lp)[resp].abs().max())
         out[f"{name}_entropy"] = float((ours.entropy - ref_ent)[resp].abs().max())
         out[f"{name}_scale"] = float(ref_lp[resp].abs().max())
