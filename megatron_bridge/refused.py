@@ -13,8 +13,10 @@ family, no mapping rows and no tiny preset. What was checked, against Megatron-C
   and on the router (``add_bias_linear``; an expert's output bias is scaled by its routing weight
   as in transformers), the clamped GLU ``(clamp(up) + 1) * quick_gelu(clamp(gate))``
   (``glu_linear_offset=1``, ``activation_func_clamp_value=7``, ``quick_gelu``'s 1.702 is
-  transformers' alpha), top-k-then-softmax routing. Missing here: the sinks in the CPU attention
-  on packed rows, YaRN RoPE with ``truncate: false``, and the bridge's rows for the checkpoint's
+  transformers' alpha), top-k-then-softmax routing, and its YaRN (``truncate: false`` is
+  ``yarn_correction_range_round_to_int`` with grouped-query attention, built by
+  ``rltrain/megatron/yarn.py``). Missing here: the sinks in the CPU attention on packed rows and
+  the bridge's rows for the checkpoint's
   fused expert tensors (``gate_up_proj`` [experts, hidden, 2 × ffn] with gate/up interleaved by
   column, ``down_proj`` [experts, ffn, hidden], their biases) and the sinks (split by head under TP).
 - ``gemma3_text``: Megatron-Core 0.16.1's ``GPTModel`` has one rotary embedding for all layers
@@ -29,10 +31,10 @@ from __future__ import annotations
 
 REFUSED: dict[str, str] = {
     "gpt_oss": (
-        "gpt_oss is not supported: attention sinks in the CPU attention on packed rows, YaRN RoPE with "
-        "truncate=false, and weight-bridge rows for its fused interleaved expert tensors, expert biases "
-        "and sinks are not implemented here (Megatron-Core 0.16.1 has the rest: softmax_type='learnable', "
-        "window_size, glu_linear_offset, activation_func_clamp_value)"
+        "gpt_oss is not supported: attention sinks in the CPU attention on packed rows and weight-bridge "
+        "rows for its fused interleaved expert tensors, expert biases and sinks are not implemented here "
+        "(Megatron-Core 0.16.1 has the rest: softmax_type='learnable', window_size, glu_linear_offset, "
+        "activation_func_clamp_value; its YaRN is built)"
     ),
     "gemma3_text": (
         "gemma3_text is not supported: per-layer RoPE bases (rope_local_base_freq on sliding layers), "

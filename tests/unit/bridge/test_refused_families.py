@@ -37,7 +37,7 @@ def test_the_released_config_is_refused_in_one_line(name: str, model_type: str) 
 
 
 def test_the_refusals_name_the_missing_features() -> None:
-    assert "attention sinks" in REFUSED["gpt_oss"] and "YaRN" in REFUSED["gpt_oss"]
+    assert "attention sinks" in REFUSED["gpt_oss"] and "expert biases" in REFUSED["gpt_oss"]
     assert "Megatron-Core 0.16.1" in REFUSED["gpt_oss"]
     for feature in ("rope_local_base_freq", "post-attention", "post-feedforward", "sqrt(hidden_size)"):
         assert feature in REFUSED["gemma3_text"]
