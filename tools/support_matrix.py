@@ -121,8 +121,7 @@ def families() -> list[tuple[str, tuple[str, ...]]]:
     sys.path.insert(0, str(ROOT))
     from megatron_bridge.registry import get_family, supported_model_types
 
-    seen = {get_family(t).name: get_family(t).model_types for t in supported_model_types()}
-    return sorted(seen.items())
+    return sorted({f.name: f.model_types for f in map(get_family, supported_model_types())}.items())
 
 
 def refused_types() -> dict[str, str]:
