@@ -18,7 +18,9 @@ Ray's own error). Imports Ray lazily: the functions a rank runs need only psutil
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,38 @@ def stopped_children() -> list[tuple[int, str]]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone meanwhile, or not ours to read
             continue
     return stopped
+
+
+class ChildWatch:
+    """A rank's answer to the liveness question: the stopped descendants found by the latest walk of
+    /proc, which runs on a thread of its own, one walk per question.
+
+    The answer must not wait for the walk: every file it reads hands the interpreter over, and while
+    the rank's main thread holds the interpreter (pure Python work) each hand-back waits a switch
+    interval, so a walk over a node's few hundred processes took seconds (2 s for 80 processes on
+    two cores) and a busy rank was taken for frozen. A child stopped is therefore seen one walk late,
+    well inside ``liveness_s``."""
+
+    def __init__(self, walk: Callable[[], list[tuple[int, str]]] = stopped_children) -> None:
+        self._walk = walk
+        self._latest: list[tuple[int, str]] = []
+        self._wanted = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rltrain-child-watch", daemon=True)
+        self._thread.start()
+
+    def answer(self) -> list[tuple[int, str]]:
+        """The latest walk's stopped children; asks for a new walk (the next answer has it)."""
+        self._wanted.set()
+        return self._latest
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            try:
+                self._latest = self._walk()
+            except Exception:  # a walk that failed says nothing stopped; the next one retries
+                self._latest = []
 
 
 def kill_descendants() -> None:

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
-from rltrain.orchestrator.liveness import Liveness, kill_descendants, stopped_children
+from rltrain.orchestrator.liveness import ChildWatch, Liveness, kill_descendants
 from rltrain.ports import HeldPort
 from rltrain.trainer.recovery import WorkerError, WorkerLost
 from rltrain.workers.rank_base import RankInfo
@@ -102,6 +102,7 @@ class _RankHost:
         self.role, self.rank = role, rank
         self.worker: Any = None
         self._held_ports: list[HeldPort] = []
+        self._children = ChildWatch()
 
     def __repr__(self) -> str:  # Ray's prefix of this process's lines on the driver
         return f"{self.role} rank {self.rank}"
@@ -136,8 +137,8 @@ class _RankHost:
     @ray.method(concurrency_group="liveness")
     def alive(self) -> list[tuple[int, str]]:
         """The driver's liveness question (:mod:`~rltrain.orchestrator.liveness`): this process's
-        stopped child processes, ``(pid, name)`` each."""
-        return stopped_children()
+        stopped child processes, ``(pid, name)`` each, as the latest walk of /proc found them."""
+        return self._children.answer()
 
     @ray.method(concurrency_group="liveness")
     def kill_children(self) -> None:

@@ -207,14 +207,21 @@ def test_a_stopped_worker_is_named_by_liveness_long_before_its_deadline(placemen
 
 
 def test_busy_workers_keep_answering(placement):
-    """Ranks busy in Python (holding the interpreter between switches) or asleep for four times the
-    liveness bound are not taken for frozen."""
+    """A rank busy in Python (holding the interpreter between switches) or asleep for four times the
+    liveness bound is not taken for frozen, on a node with many processes and a core to spare (a
+    rank that walked /proc for its stopped children before answering took seconds to answer while
+    its main thread held the interpreter: milliseconds of waiting for it per file read)."""
+    others = [subprocess.Popen(["sleep", "120"]) for _ in range(200)]
     group = ranked_group(placement, "actor", call_s=60.0, liveness_s=1.0)
     try:
-        assert group.call_each("spin", [(4.0,), (4.0,)]) == [0, 1]
+        assert group.call_each("spin", [(4.0,), (0.0,)]) == [0, 1]
+        assert group.call_each("spin", [(0.0,), (4.0,)]) == [0, 1]
         assert group.call("nap", 4.0) == [0, 1]
     finally:
         group.kill()
+        for other in others:
+            other.kill()
+            other.wait()
 
 
 def test_a_stopped_child_process_is_named_and_killed_with_its_rank(placement):
