@@ -195,7 +195,8 @@ def randomize_expert_bias(hf_dir: str | Path, *, seed: int = 3, scale: float = 0
     generator = torch.Generator().manual_seed(seed)
     for name in state:
         if name.endswith("e_score_correction_bias"):
-            state[name] = torch.randn(state[name].shape, generator=generator) * scale
+            noise = torch.randn(state[name].shape, generator=generator) * scale
+            state[name] = noise.to(state[name].dtype)  # the dtype the checkpoint keeps it in
     save_file(state, path, metadata={"format": "pt"})
 
 
@@ -204,8 +205,8 @@ def add_mtp_layers(hf_dir: str | Path, *, seed: int = 5, std: float = 0.02) -> l
     to a saved checkpoint, in place, as DeepSeek-V3's release stores them and transformers does not
     write them: decoder layer ``num_hidden_layers + i`` with a whole decoder layer (random, shaped
     like the last decoder layer's tensors), ``enorm``/``hnorm``/``shared_head.norm`` (random around
-    1), ``eh_proj`` ([hidden, 2 × hidden], random) and copies of the main embedding and LM head.
-    Returns the names added."""
+    1), ``eh_proj`` ([hidden, 2 × hidden], random) and copies of the main embedding and LM head, in
+    the checkpoint's dtype. Returns the names added."""
     from safetensors.torch import load_file, save_file
 
     from megatron_bridge.bridge import Bridge
@@ -218,15 +219,16 @@ def add_mtp_layers(hf_dir: str | Path, *, seed: int = 5, std: float = 0.02) -> l
     generator = torch.Generator().manual_seed(seed)
     num_layers, hidden = bridge.dims.num_layers, bridge.dims.hidden_size
     added = [name for name in bridge.hf_names() if name not in state]
+    dtype = state["model.embed_tokens.weight"].dtype  # the checkpoint's own (bf16 for a bf16 one)
     for name in added:
         _, _, rest = name.removeprefix("model.layers.").partition(".")
         if rest in ("embed_tokens.weight", "shared_head.head.weight"):
             main = "model.embed_tokens.weight" if rest == "embed_tokens.weight" else "lm_head.weight"
             state[name] = state[main].clone()
         elif rest.endswith("norm.weight") and f"model.layers.{num_layers - 1}.{rest}" not in state:
-            state[name] = 1 + std * torch.randn(hidden, generator=generator)
+            state[name] = (1 + std * torch.randn(hidden, generator=generator)).to(dtype)
         elif rest == "eh_proj.weight":
-            state[name] = std * torch.randn(hidden, 2 * hidden, generator=generator)
+            state[name] = (std * torch.randn(hidden, 2 * hidden, generator=generator)).to(dtype)
         else:
             like = state[f"model.layers.{num_layers - 1}.{rest}"]
             noise = std * torch.randn(like.shape, generator=generator, dtype=like.dtype)

@@ -183,3 +183,46 @@ def entry_dropping_mtp_on_export(*args: object) -> None:
 
     ranks.write_hf = write_without_mtp
     launch._entry(*args)
+
+
+def released_bf16_conversions(root: str, names: tuple[str, ...]) -> dict[str, dict]:
+    """One rank: each released config's tiny model in bf16 as transformers saves one (loaded with
+    ``dtype=bfloat16``: the tensors it keeps in fp32, DeepSeek-V3's and GLM-4.5's
+    ``e_score_correction_bias``, stay fp32 in the file), with random expert biases and its declared MTP
+    layers, converted hf-to-mcore with the default verification (``rank_main``, as a conversion rank
+    runs it); the reports, and each checkpoint's tensor count and dtypes."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_bridge.hf_config import load_hf_config
+    from rltrain.convert.ranks import rank_main
+    from rltrain.models.tiny import add_mtp_layers, randomize_expert_bias, save_pretrained_with_tokenizer
+    from tests.released import save_released_model
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    out = {}
+    for name in names:
+        fp32 = save_released_model(Path(root, name, "fp32"), name, seed=2)
+        model_type = json.loads((fp32 / "config.json").read_text())["model_type"]
+        model = AutoModelForCausalLM.from_pretrained(fp32, config=load_hf_config(fp32), dtype=torch.bfloat16)
+        src = save_pretrained_with_tokenizer(
+            model, AutoTokenizer.from_pretrained(fp32), Path(root, name, "bf16")
+        )
+        config = json.loads((src / "config.json").read_text())
+        config["model_type"] = model_type  # Kimi-K2's kimi_k2 is built by DeepseekV3Config
+        (src / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        randomize_expert_bias(src)
+        add_mtp_layers(src)
+        with safe_open(src / "model.safetensors", "pt") as f:
+            dtypes = {key: str(f.get_slice(key).get_dtype()) for key in f.keys()}  # noqa: SIM118 - a safe_open handle has no __iter__
+        dst = Path(root, name, "mcore")
+        dst.mkdir()
+        report = rank_main("hf-to-mcore", str(src), str(dst), str(src), 1, 1, 1, True, 1e-4)
+        out[name] = dict(report=report, src=str(src), dtypes=dtypes)
+    return out

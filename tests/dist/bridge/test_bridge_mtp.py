@@ -72,7 +72,7 @@ def test_a_swap_in_the_mtp_layer_fails_verification(tmp_path, monkeypatch, mtp_c
 def test_an_export_dropping_the_mtp_layer_fails_verification(tmp_path, monkeypatch, mtp_checkpoint):
     run_conversion("hf-to-mcore", mtp_checkpoint, tmp_path / "mcore", verify=False)
     monkeypatch.setattr(launch, "_entry", bridge_ranks.entry_dropping_mtp_on_export)
-    with pytest.raises(ConversionError, match=r"missing tensors \['model\.layers\.4\.") as failed:
+    with pytest.raises(ConversionError, match=r"missing tensors \['model\.layers\.4\."):
         run_conversion("mcore-to-hf", tmp_path / "mcore", tmp_path / "back", atol=None)
     assert not (tmp_path / "back").exists()
 
