@@ -8,8 +8,10 @@ call :func:`prepare_run` and :func:`run_driver`.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from rltrain.config import RLConfig, write_resolved
 from rltrain.data.dataset import PromptDataset
@@ -132,12 +134,46 @@ def prepare_run(config: RLConfig, *, write_config: bool = True) -> RunSetup:
                 config.model, data=config.data, tools_file=config.rollout.multi_turn.tool_config_path
             )
         )
+        check_context_length(config, model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         check_reward_model_tokenizer(config, tokenizer)
         data = build_data(config, tokenizer)
     return RunSetup(
         model_dir=model_dir, tokenizer=tokenizer, data=data, total_steps=total_steps_of(config, data)
     )
+
+
+CONTEXT_STATED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+"""RoPE types whose configs state the extended context in ``max_position_embeddings``; any other
+type's ``factor`` multiplies it (vLLM's ``_get_and_verify_max_len``: linear and dynamic scaling)."""
+
+
+def check_context_length(config: RLConfig, model_dir: str) -> None:
+    """Refuse prompts plus responses (or ``rollout.max_model_len``) longer than the model's context,
+    ``max_position_embeddings`` of its ``config.json`` (times a linear or dynamic RoPE factor, as vLLM
+    derives it), in one line naming the keys; vLLM refused them inside an engine process. A config
+    that states no context is not checked."""
+    from rltrain.errors import RunStopped
+
+    path = Path(model_dir) / "config.json"
+    hf = json.loads(path.read_text())
+    hf = hf.get("text_config") or hf
+    context = hf.get("max_position_embeddings")
+    if not context:
+        return
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) not in CONTEXT_STATED_ROPE and rope.get("factor"):
+        context = int(context * rope["factor"])
+    if config.rollout.max_model_len:
+        key, longest = "rollout.max_model_len", config.rollout.max_model_len
+    else:
+        key = "data.max_prompt_length + rollout.response_length"
+        longest = config.data.max_prompt_length + config.rollout.response_length
+    if longest > context:
+        raise RunStopped(
+            f"{key} = {longest} exceeds the model's context of {context} tokens (max_position_embeddings "
+            f"in {path}); vLLM refuses a longer max_model_len"
+        )
 
 
 def check_reward_model_tokenizer(config: RLConfig, tokenizer) -> None:
