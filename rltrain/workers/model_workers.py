@@ -92,6 +92,7 @@ class PolicyWorker(MegatronRankBase):
             fused=fused,
             moe=config.model.moe,
             router_replay=actor.router_replay.mode,
+            train_mtp=config.model.mtp.enable_train,
         )
         load_hf_into(self.actor, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.ref = None
