@@ -42,23 +42,40 @@ def _main_params(worker: MegatronWorker) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in worker.chunks[0].named_parameters() if not n.startswith("mtp.")}
 
 
-def _one_step(src: str, hf: Any, factor: float | None, batching: MicroBatching) -> dict[str, Any]:
+def _worker(hf: Any, ctx: ParallelContext, batching: MicroBatching, *, train_mtp: bool) -> MegatronWorker:
+    return MegatronWorker(
+        hf,
+        ctx=ctx,
+        role="actor",
+        batching=batching,
+        # no clipping: the clip factor divides by the gradient norm, whose sum the optimizer
+        # groups differently when it also holds the MTP parameters (a rounding difference)
+        optim=replace(optim(), clip_grad=0.0),
+        total_steps=2,
+        train_mtp=train_mtp,
+    )
+
+
+def _restored_mtp(hf: Any, root: str, batching: MicroBatching, *, train_mtp: bool) -> dict[str, torch.Tensor]:
+    """The MTP parameters of an actor (MTP trained or not) that loaded the checkpoint in ``root``."""
+    ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED + 1)
+    try:
+        worker = _worker(hf, ctx, batching, train_mtp=train_mtp)
+        assert worker.load_checkpoint(root, load_optimizer=False) == 1
+        return _mtp_params(worker)
+    finally:
+        ctx.destroy()
+
+
+def _one_step(
+    src: str, hf: Any, factor: float | None, batching: MicroBatching, *, save_to: str
+) -> dict[str, Any]:
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
 
     ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
     try:
-        worker = MegatronWorker(
-            hf,
-            ctx=ctx,
-            role="actor",
-            batching=batching,
-            # no clipping: the clip factor divides by the gradient norm, whose sum the optimizer
-            # groups differently when it also holds the MTP parameters (a rounding difference)
-            optim=replace(optim(), clip_grad=0.0),
-            total_steps=2,
-            train_mtp=factor is not None,
-        )
+        worker = _worker(hf, ctx, batching, train_mtp=factor is not None)
         bridge = bridge_for_chunks(hf, worker.chunks, ctx)
         load_hf_weights(worker.chunks, ctx, bridge, HFCheckpointReader(src))
         batch = make_batch(seed=5)
@@ -84,6 +101,7 @@ def _one_step(src: str, hf: Any, factor: float | None, batching: MicroBatching) 
         }
         mtp_after, main_after = _mtp_params(worker), _main_params(worker)
         exported = dict(export_hf_weights(worker.chunks, ctx, bridge))
+        worker.save_checkpoint(save_to, step=1)
         return {
             "metrics": result.metrics,
             "grad_norm": result.grad_norm,
@@ -97,6 +115,7 @@ def _one_step(src: str, hf: Any, factor: float | None, batching: MicroBatching) 
             "mtp_changed": max((mtp_after[n] - mtp_before[n]).abs().max().item() for n in mtp_before),
             "mtp_unchanged_bitwise": all(torch.equal(mtp_after[n], mtp_before[n]) for n in mtp_before),
             "main_after": main_after,
+            "mtp_after": mtp_after,
             "main_grads": main_grads,
             "main_changed": max((main_after[n] - main_before[n]).abs().max().item() for n in main_before),
             "exported": exported,
@@ -143,7 +162,13 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
     src = mtp_checkpoint(tmp)
     hf = load_hf_config(src)
     batching = MicroBatching(micro_batch_size=2, use_remove_padding=True)
-    runs = {mode: _one_step(src, hf, factor, batching) for mode, factor in MODES.items()}
+    runs = {
+        mode: _one_step(src, hf, factor, batching, save_to=f"{tmp}/checkpoint_{mode}")
+        for mode, factor in MODES.items()
+    }
+    # a checkpoint holds the MTP layers in either mode, and loads into either
+    trained_into_frozen = _restored_mtp(hf, f"{tmp}/checkpoint_train", batching, train_mtp=False)
+    frozen_into_trained = _restored_mtp(hf, f"{tmp}/checkpoint_ignore", batching, train_mtp=True)
     reader = HFCheckpointReader(src)
     mtp_names = [n for n in reader.names() if n.startswith(f"model.layers.{hf.num_hidden_layers}.")]
     ignore, train, zero = runs["ignore"], runs["train"], runs["train_factor_0"]
@@ -158,6 +183,13 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
         "mtp_changed": {mode: run["mtp_changed"] for mode, run in runs.items()},
         "mtp_unchanged_bitwise": ignore["mtp_unchanged_bitwise"],
         "num_mtp_tensors": len(mtp_names),
+        "checkpoint_train_into_frozen_equal": all(
+            torch.equal(trained_into_frozen[n], runs["train"]["mtp_after"][n]) for n in trained_into_frozen
+        ),
+        "checkpoint_frozen_into_trained_equal": all(
+            torch.equal(frozen_into_trained[n], runs["ignore"]["mtp_after"][n]) for n in frozen_into_trained
+        ),
+        "num_mtp_params": len(trained_into_frozen),
         "ignore_exports_mtp_changed": [
             n for n in mtp_names if not torch.equal(ignore["exported"][n], reader.get(n))
         ],

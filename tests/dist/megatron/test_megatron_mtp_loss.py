@@ -50,6 +50,9 @@ def test_mtp_layers_train_only_in_the_loss_mode(case):
     ]
     assert case["ignore_exported_copies_follow_main"]
     assert case["train_exports_mtp_changed"] > 10
+    # checkpoints hold the MTP parameters in either mode and restore them into either
+    assert case["num_mtp_params"] > 10
+    assert case["checkpoint_train_into_frozen_equal"] and case["checkpoint_frozen_into_trained_equal"]
     # the MTP loss's gradient reaches the main model too (no detach_encoder)
     assert case["train_main_differs"] > 1e-7
 
