@@ -174,6 +174,7 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
     ignore, train, zero = runs["ignore"], runs["train"], runs["train_factor_0"]
     batch = train["batch"]
     return {
+        "checkpoint": src,
         "reference_mtp_loss": hf_mtp_cross_entropy(src, batch),
         "misaligned_reference_mtp_loss": hf_mtp_cross_entropy(src, batch, shift=1),
         "metrics": {mode: run["metrics"] for mode, run in runs.items()},
@@ -217,3 +218,39 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
             for n in ignore["main_after"]
         ),
     }
+
+
+LAYOUTS = {
+    "pp2_packed": (ParallelConfig(pipeline_model_parallel_size=2), True),
+    "tp2_sp_padded": (ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), False),
+}
+"""Two-rank layouts of the MTP loss: the MTP layer on the last of two stages (packed rows), and the
+vocabulary split over TP with sequence parallelism (padded rows)."""
+
+
+def mtp_loss_layouts_case(src: str) -> dict[str, float]:
+    """The MTP loss mode's first-step metrics at each of ``LAYOUTS`` (on 2 ranks), from the
+    checkpoint ``src`` of :func:`mtp_checkpoint`."""
+    from megatron_bridge.hf_config import load_hf_config
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, load_hf_weights
+
+    ensure_process_group()
+    hf = load_hf_config(src)
+    out = {}
+    for name, (parallel, packed) in LAYOUTS.items():
+        ctx = ParallelContext.initialize(parallel, seed=SEED)
+        try:
+            batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
+            worker = _worker(hf, ctx, batching, train_mtp=True)
+            load_hf_weights(
+                worker.chunks, ctx, bridge_for_chunks(hf, worker.chunks, ctx), HFCheckpointReader(src)
+            )
+            batch = make_batch(seed=5)
+            batch = replace(batch, old_logprobs=worker.compute_log_prob(batch).logprobs)
+            spec = ActorLoss("vanilla", PolicyLossParams(), "token-mean", None, mtp_loss_scaling_factor=0.5)
+            result = worker.update(batch, actor_loss_fn(spec, GlobalCounts.of(batch.response_mask)))
+            out[name] = result.metrics["actor/mtp_loss"]
+        finally:
+            ctx.destroy()
+    return out

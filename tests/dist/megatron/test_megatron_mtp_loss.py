@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from mtp_cases import mtp_loss_case
+from mtp_cases import LAYOUTS, mtp_loss_case, mtp_loss_layouts_case
 
 pytestmark = pytest.mark.dist
 
@@ -69,3 +69,13 @@ def test_the_policy_part_is_unchanged_by_the_mode_at_scaling_factor_0(case):
     assert case["factor_0_main_params_equal"] and case["factor_0_logprobs_after_equal"]
     norm = case["grad_norm"]["ignore"]
     assert abs(case["grad_norm"]["train_factor_0"] - norm) <= 1e-6 * norm
+
+
+@pytest.mark.supports("deepseek_v3", "mtp-loss", "pp", "tp")
+def test_mtp_loss_at_pp2_and_tp2_with_sequence_parallelism_equals_the_reference(case):
+    results = run_ranks(mtp_loss_layouts_case, 2, case["checkpoint"])
+    assert results[0] == results[1]  # every rank reports the step's metrics
+    print(results[0])
+    assert sorted(results[0]) == sorted(LAYOUTS)
+    for name, value in results[0].items():
+        assert abs(value - case["reference_mtp_loss"]) <= 1e-5, name
