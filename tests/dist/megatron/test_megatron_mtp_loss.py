@@ -18,7 +18,7 @@ def case(tmp_path_factory):
     return result
 
 
-@pytest.mark.supports("deepseek_v3", "mtp-loss")
+@pytest.mark.supports("deepseek_v3", "mtp_loss")
 def test_mtp_loss_equals_the_cross_entropy_of_transformers_mtp_logits(case):
     reference = case["reference_mtp_loss"]
     ours = case["metrics"]["train"]["actor/mtp_loss"]
@@ -71,7 +71,7 @@ def test_the_policy_part_is_unchanged_by_the_mode_at_scaling_factor_0(case):
     assert abs(case["grad_norm"]["train_factor_0"] - norm) <= 1e-6 * norm
 
 
-@pytest.mark.supports("deepseek_v3", "mtp-loss", "pp", "tp")
+@pytest.mark.supports("deepseek_v3", "mtp_loss", "pp", "tp")
 def test_mtp_loss_at_pp2_and_tp2_with_sequence_parallelism_equals_the_reference(case):
     results = run_ranks(mtp_loss_layouts_case, 2, case["checkpoint"])
     assert results[0] == results[1]  # every rank reports the step's metrics
