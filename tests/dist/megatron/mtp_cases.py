@@ -67,6 +67,20 @@ def _restored_mtp(hf: Any, root: str, batching: MicroBatching, *, train_mtp: boo
         ctx.destroy()
 
 
+def _refusal_without_mtp_layers(batching: MicroBatching) -> str:
+    """The error of an actor asked to train MTP layers on a model that has none (a tiny llama)."""
+    from megatron_fixtures import tiny_llama
+
+    ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
+    try:
+        _worker(tiny_llama(), ctx, batching, train_mtp=True)
+    except ValueError as err:
+        return str(err)
+    finally:
+        ctx.destroy()
+    return "no error"
+
+
 def _one_step(
     src: str, hf: Any, factor: float | None, batching: MicroBatching, *, save_to: str
 ) -> dict[str, Any]:
@@ -166,6 +180,7 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
         mode: _one_step(src, hf, factor, batching, save_to=f"{tmp}/checkpoint_{mode}")
         for mode, factor in MODES.items()
     }
+    refusal = _refusal_without_mtp_layers(batching)
     # a checkpoint holds the MTP layers in either mode, and loads into either
     trained_into_frozen = _restored_mtp(hf, f"{tmp}/checkpoint_train", batching, train_mtp=False)
     frozen_into_trained = _restored_mtp(hf, f"{tmp}/checkpoint_ignore", batching, train_mtp=True)
@@ -174,6 +189,7 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
     ignore, train, zero = runs["ignore"], runs["train"], runs["train_factor_0"]
     batch = train["batch"]
     return {
+        "refusal_without_mtp_layers": refusal,
         "checkpoint": src,
         "reference_mtp_loss": hf_mtp_cross_entropy(src, batch),
         "misaligned_reference_mtp_loss": hf_mtp_cross_entropy(src, batch, shift=1),

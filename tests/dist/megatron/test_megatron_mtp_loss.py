@@ -79,3 +79,10 @@ def test_mtp_loss_at_pp2_and_tp2_with_sequence_parallelism_equals_the_reference(
     assert sorted(results[0]) == sorted(LAYOUTS)
     for name, value in results[0].items():
         assert abs(value - case["reference_mtp_loss"]) <= 1e-5, name
+
+
+def test_training_mtp_layers_of_a_model_without_them_is_refused_in_one_line(case):
+    assert case["refusal_without_mtp_layers"] == (
+        "model.mtp.enable_train: the actor of this llama model has no multi-token-prediction layers "
+        "to train (num_nextn_predict_layers: 0)"
+    )
