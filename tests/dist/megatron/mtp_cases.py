@@ -13,6 +13,7 @@ from rltrain.algo.loss_agg import GlobalCounts
 from rltrain.algo.loss_specs import ActorLoss
 from rltrain.algo.losses import PolicyLossParams
 from rltrain.config.parallel import ParallelConfig
+from rltrain.megatron.head_outputs import FusedHead
 from rltrain.megatron.micro_batches import MicroBatching
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
@@ -42,9 +43,12 @@ def _main_params(worker: MegatronWorker) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in worker.chunks[0].named_parameters() if not n.startswith("mtp.")}
 
 
-def _worker(hf: Any, ctx: ParallelContext, batching: MicroBatching, *, train_mtp: bool) -> MegatronWorker:
+def _worker(
+    hf: Any, ctx: ParallelContext, batching: MicroBatching, *, train_mtp: bool, fused: FusedHead | None = None
+) -> MegatronWorker:
     return MegatronWorker(
         hf,
+        fused=fused,
         ctx=ctx,
         role="actor",
         batching=batching,
@@ -237,11 +241,18 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
 
 
 LAYOUTS = {
-    "pp2_packed": (ParallelConfig(pipeline_model_parallel_size=2), True),
-    "tp2_sp_padded": (ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), False),
+    "pp2_packed": (ParallelConfig(pipeline_model_parallel_size=2), True, None),
+    "tp2_sp_padded": (ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), False, None),
+    "tp2_sp_fused_head": (
+        ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+        True,
+        FusedHead(chunk_size=7),
+    ),
 }
-"""Two-rank layouts of the MTP loss: the MTP layer on the last of two stages (packed rows), and the
-vocabulary split over TP with sequence parallelism (padded rows)."""
+"""Two-rank layouts of the MTP loss: the MTP layer on the last of two stages (packed rows), the
+vocabulary split over TP with sequence parallelism (padded rows), and the fused log-prob head
+(hidden states in place of the MTP layer's logits; packed rows). Megatron-Core trains MoE layers at
+TP > 1 only with sequence parallelism."""
 
 
 def mtp_loss_layouts_case(src: str) -> dict[str, float]:
@@ -254,11 +265,11 @@ def mtp_loss_layouts_case(src: str) -> dict[str, float]:
     ensure_process_group()
     hf = load_hf_config(src)
     out = {}
-    for name, (parallel, packed) in LAYOUTS.items():
+    for name, (parallel, packed, fused) in LAYOUTS.items():
         ctx = ParallelContext.initialize(parallel, seed=SEED)
         try:
             batching = MicroBatching(micro_batch_size=2, use_remove_padding=packed)
-            worker = _worker(hf, ctx, batching, train_mtp=True)
+            worker = _worker(hf, ctx, batching, train_mtp=True, fused=fused)
             load_hf_weights(
                 worker.chunks, ctx, bridge_for_chunks(hf, worker.chunks, ctx), HFCheckpointReader(src)
             )

@@ -72,7 +72,7 @@ def test_the_policy_part_is_unchanged_by_the_mode_at_scaling_factor_0(case):
 
 
 @pytest.mark.supports("deepseek_v3", "mtp_loss", "pp", "tp")
-def test_mtp_loss_at_pp2_and_tp2_with_sequence_parallelism_equals_the_reference(case):
+def test_mtp_loss_at_pp2_tp2_and_with_the_fused_head_equals_the_reference(case):
     results = run_ranks(mtp_loss_layouts_case, 2, case["checkpoint"])
     assert results[0] == results[1]  # every rank reports the step's metrics
     print(results[0])
