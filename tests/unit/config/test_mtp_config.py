@@ -7,7 +7,7 @@ import pytest
 
 from rltrain.algo.loss_specs import ActorLoss
 from rltrain.config import ConfigError, load_config
-from rltrain.trainer.algorithms.losses import actor_loss_of
+from rltrain.trainer.algorithms import build_algorithm
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "recipes" / "quickstart_cpu.yaml"
 
@@ -19,8 +19,8 @@ def _problems(overrides: list[str]) -> list[str]:
 
 
 def _actor_loss(overrides: list[str]) -> ActorLoss:
-    config = load_config(QUICKSTART, overrides)
-    return actor_loss_of(config.actor, config.algorithm, mtp=config.model.mtp)
+    """The actor loss the run's algorithm hands the updates."""
+    return build_algorithm(load_config(QUICKSTART, overrides)).actor_loss
 
 
 def test_mtp_is_ignored_by_default():
