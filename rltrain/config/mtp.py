@@ -20,7 +20,7 @@ class MTPConfig:
     ``mtp_loss_scaling_factor`` × the mean over MTP layers of their cross-entropy on the response
     tokens (layer k predicts token t + k + 2 from position t), aggregated like the policy loss
     (``actor.loss_agg_mode``, the mini-batch's global denominators) and logged as
-    ``actor/mtp_loss``. The gradient reaches the whole model (verl without ``detach_encoder``).
+    ``actor/mtp_loss``; its gradient reaches the whole model unless ``detach_encoder``.
     false: the layers are frozen, ignored by the loss and exported unchanged. Needs a model with MTP
     layers and ``actor.parallel.context_parallel_size: 1``."""
 
@@ -28,8 +28,18 @@ class MTPConfig:
     """Weight of the MTP loss in the actor's loss (Megatron-Core's ``mtp_loss_scaling_factor``; verl's
     default 0.1); used with ``enable_train`` only."""
 
+    detach_encoder: bool = False
+    """With ``enable_train``: the MTP loss's gradient stops at the MTP layers' inputs (the main
+    model's final hidden states and the token embeddings), so that it trains the MTP layers and the
+    output layer they share, not the rest of the model (verl's ``detach_encoder``, which verl
+    recommends). false: it reaches the whole model."""
+
     def validate(self, prefix: str, *, context_parallel_size: int) -> list[str]:
         """``context_parallel_size``: the actor's (``actor.parallel``)."""
+        if self.detach_encoder and not self.enable_train:
+            return [
+                f"{prefix}.detach_encoder needs {prefix}.enable_train: true (nothing trains the MTP layers)"
+            ]
         if self.enable_train and context_parallel_size > 1:
             return [
                 f"{prefix}.enable_train with actor.parallel.context_parallel_size={context_parallel_size}: "

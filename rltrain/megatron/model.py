@@ -105,9 +105,11 @@ class MTPHeldGPTModel(GPTModel):
     (``requires_grad=False``: no gradient, outside the optimizer), and the forward returns the main
     head's output only. Megatron's own forward would run them and need ``labels`` for their loss.
     With ``train_mtp`` (``model.mtp.enable_train``) they are trainable and a training pass also
-    returns their outputs (:func:`rltrain.megatron.mtp.postprocess_with_mtp`)."""
+    returns their outputs (:func:`rltrain.megatron.mtp.postprocess_with_mtp`); with
+    ``detach_mtp_inputs`` (``model.mtp.detach_encoder``) their loss's gradient stops at their inputs."""
 
     train_mtp: bool = False
+    detach_mtp_inputs: bool = False
 
     def _postprocess(self, *args: Any, **kwargs: Any) -> Any:
         if self.train_mtp and self.training and self.mtp_process:
@@ -168,13 +170,15 @@ def build_model(
     moe_options: MoEConfig | None = None,
     converters: Sequence[ModelConverter] = (),
     train_mtp: bool = False,
+    detach_mtp_inputs: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for ``hf_config``.
 
     The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by × TP``; the logprob path
     ignores the padded columns when given the real ``vocab_size``. ``converters`` transform each chunk
     as it is built (:mod:`rltrain.megatron.converters`). ``train_mtp``: the multi-token-prediction
-    layers train (``model.mtp.enable_train``) instead of staying frozen.
+    layers train (``model.mtp.enable_train``) instead of staying frozen; ``detach_mtp_inputs``: their
+    loss's gradient stops at their inputs (``model.mtp.detach_encoder``).
     """
     if role not in ("actor", "reference", "critic", "reward"):
         raise ValueError(f"role={role!r}; expected actor, reference, critic or reward")
@@ -230,7 +234,7 @@ def build_model(
         if mtp_spec is not None and not train_mtp:
             model.mtp.requires_grad_(False)
         if config.mtp_num_layers:
-            model.train_mtp = train_mtp
+            model.train_mtp, model.detach_mtp_inputs = train_mtp, detach_mtp_inputs
         model.to(ctx.device)
         apply_converters(model, converters)
         chunks.append(model)

@@ -10,6 +10,9 @@ loss reads them (:func:`~rltrain.megatron.head_outputs.head_outputs`, :mod:`rltr
 Megatron-Core's own MTP loss (``MTPLossAutoScaler``, labels rolled inside the model, the
 micro-batch's own token count as denominator) is not used: the loss is rltrain's, with the
 mini-batch's global denominators, and works with the fused head (Megatron's would run the stand-in).
+With ``detach_mtp_inputs`` (verl's ``detach_encoder``) the MTP block reads the decoder's output and
+the token embeddings cut from the graph, so its loss trains the MTP layers and the shared output
+layer only.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from rltrain.megatron.model import gpt_model
 def postprocess_with_mtp(model: Any, postprocess: Callable[..., torch.Tensor], **kwargs: Any) -> torch.Tensor:
     """``GPTModel._postprocess``'s keyword arguments → the main head's output, then each MTP layer's,
     concatenated along the rows; ``postprocess`` is the main head's (MTP off)."""
+    hidden_states, embedding = kwargs["hidden_states"], model.embedding
+    if model.detach_mtp_inputs:
+        hidden_states, embedding = hidden_states.detach(), _Detached(model.embedding)
     hidden = model.mtp(
         input_ids=kwargs["input_ids"],
         position_ids=kwargs["position_ids"],
-        hidden_states=kwargs["hidden_states"],
+        hidden_states=hidden_states,
         attention_mask=kwargs.get("attention_mask"),
         inference_params=kwargs.get("inference_params"),
         rotary_pos_emb=kwargs.get("rotary_pos_emb"),
@@ -36,14 +42,26 @@ def postprocess_with_mtp(model: Any, postprocess: Callable[..., torch.Tensor], *
         rotary_pos_sin=kwargs.get("rotary_pos_sin"),
         packed_seq_params=kwargs.get("packed_seq_params"),
         sequence_len_offset=kwargs.get("sequence_len_offset"),
-        embedding=model.embedding,
+        embedding=embedding,
         **(kwargs.get("extra_block_kwargs") or {}),
     )
-    main, *layers = hidden.chunk(1 + len(model.mtp.layers), dim=0)
-    logits = postprocess(**{**kwargs, "hidden_states": main})
+    # the block's first part is its input (detached with detach_mtp_inputs): the main head reads the
+    # decoder's output itself
+    layers = hidden.chunk(1 + len(model.mtp.layers), dim=0)[1:]
+    logits = postprocess(**kwargs)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     extra = [model.output_layer(layer, weight=weight)[0].transpose(0, 1) for layer in layers]
     return torch.cat([logits, *extra], dim=0)
+
+
+class _Detached:
+    """The embedding with its output cut from the graph (the MTP loss does not train it)."""
+
+    def __init__(self, embedding: torch.nn.Module) -> None:
+        self.embedding = embedding
+
+    def __call__(self, **kwargs: Any) -> torch.Tensor:
+        return self.embedding(**kwargs).detach()
 
 
 def trained_mtp_layers(chunk: torch.nn.Module) -> int:

@@ -19,8 +19,14 @@ from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.worker import MegatronWorker
 from rltrain.workers.ppo_losses import actor_loss_fn
 
-MODES = {"ignore": None, "train": 0.5, "train_factor_0": 0.0}
-"""Each actor of the case: its ``mtp_loss_scaling_factor`` (None: the default, MTP ignored)."""
+MODES = {
+    "ignore": (None, False),
+    "train": (0.5, False),
+    "train_factor_0": (0.0, False),
+    "train_detached": (0.5, True),
+}
+"""Each actor of the case: its ``mtp_loss_scaling_factor`` (None: the default, MTP ignored) and
+``detach_encoder``."""
 
 
 def mtp_checkpoint(tmp: str) -> str:
@@ -44,10 +50,17 @@ def _main_params(worker: MegatronWorker) -> dict[str, torch.Tensor]:
 
 
 def _worker(
-    hf: Any, ctx: ParallelContext, batching: MicroBatching, *, train_mtp: bool, fused: FusedHead | None = None
+    hf: Any,
+    ctx: ParallelContext,
+    batching: MicroBatching,
+    *,
+    train_mtp: bool,
+    fused: FusedHead | None = None,
+    detach: bool = False,
 ) -> MegatronWorker:
     return MegatronWorker(
         hf,
+        detach_mtp_inputs=detach,
         fused=fused,
         ctx=ctx,
         role="actor",
@@ -86,14 +99,14 @@ def _refusal_without_mtp_layers(batching: MicroBatching) -> str:
 
 
 def _one_step(
-    src: str, hf: Any, factor: float | None, batching: MicroBatching, *, save_to: str
+    src: str, hf: Any, factor: float | None, batching: MicroBatching, *, save_to: str, detach: bool
 ) -> dict[str, Any]:
     from megatron_bridge.hf_io import HFCheckpointReader
     from megatron_bridge.live import bridge_for_chunks, export_hf_weights, load_hf_weights
 
     ctx = ParallelContext.initialize(ParallelConfig(), seed=SEED)
     try:
-        worker = _worker(hf, ctx, batching, train_mtp=factor is not None)
+        worker = _worker(hf, ctx, batching, train_mtp=factor is not None, detach=detach)
         bridge = bridge_for_chunks(hf, worker.chunks, ctx)
         load_hf_weights(worker.chunks, ctx, bridge, HFCheckpointReader(src))
         batch = make_batch(seed=5)
@@ -181,8 +194,8 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
     hf = load_hf_config(src)
     batching = MicroBatching(micro_batch_size=2, use_remove_padding=True)
     runs = {
-        mode: _one_step(src, hf, factor, batching, save_to=f"{tmp}/checkpoint_{mode}")
-        for mode, factor in MODES.items()
+        mode: _one_step(src, hf, factor, batching, save_to=f"{tmp}/checkpoint_{mode}", detach=detach)
+        for mode, (factor, detach) in MODES.items()
     }
     refusal = _refusal_without_mtp_layers(batching)
     # a checkpoint holds the MTP layers in either mode, and loads into either
@@ -232,6 +245,11 @@ def mtp_loss_case(tmp: str) -> dict[str, Any]:
         "factor_0_logprobs_after_equal": torch.equal(zero["logprobs_after"], ignore["logprobs_after"]),
         "factor_0_main_params_equal": all(
             torch.equal(zero["main_after"][n], ignore["main_after"][n]) for n in ignore["main_after"]
+        ),
+        "detached_main_grads_changed": sorted(
+            n
+            for n in ignore["main_grads"]
+            if not torch.equal(runs["train_detached"]["main_grads"][n], ignore["main_grads"][n])
         ),
         "train_main_differs": max(
             (train["main_after"][n] - ignore["main_after"][n]).abs().max().item()

@@ -53,7 +53,11 @@ def test_mtp_layers_train_only_in_the_loss_mode(case):
     # checkpoints hold the MTP parameters in either mode and restore them into either
     assert case["num_mtp_params"] > 10
     assert case["checkpoint_train_into_frozen_equal"] and case["checkpoint_frozen_into_trained_equal"]
-    # the MTP loss's gradient reaches the main model too (no detach_encoder)
+    # detach_encoder: the MTP loss trains the MTP layers and the shared output layer only
+    assert case["mtp_changed"]["train_detached"] > 1e-5
+    assert case["detached_main_grads_changed"] == ["output_layer.weight"]
+    assert abs(case["metrics"]["train_detached"]["actor/mtp_loss"] - case["reference_mtp_loss"]) <= 1e-5
+    # without it, the MTP loss's gradient reaches the main model too
     assert case["train_main_differs"] > 1e-7
 
 

@@ -58,3 +58,12 @@ def test_training_mtp_under_context_parallelism_is_refused_naming_both_keys():
 def test_verls_enable_key_is_unknown_and_the_closest_name_offered():
     (problem,) = _problems(["model.mtp.enable=true"])
     assert "model.mtp.enable" in problem and "enable_train" in problem
+
+
+def test_detach_encoder_without_enable_train_is_refused_naming_both_keys():
+    (problem,) = _problems(["model.mtp.detach_encoder=true"])
+    assert problem.endswith(
+        "model.mtp.detach_encoder needs model.mtp.enable_train: true (nothing trains the MTP layers)"
+    )
+    config = load_config(QUICKSTART, ["model.mtp.enable_train=true", "model.mtp.detach_encoder=true"])
+    assert config.model.mtp.detach_encoder
