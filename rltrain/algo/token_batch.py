@@ -104,6 +104,10 @@ class ModelOutput:
     routed_experts: torch.Tensor | None = None
     """[batch, seq, num_layers, top_k] long: the experts the routers chose for every token (a recording
     pass of routing replay), 0 on padding and in dense layers' slots; None otherwise."""
+    mtp_logprobs: torch.Tensor | None = None
+    """[num_mtp_layers, batch, response_len]: multi-token-prediction layer k's log-prob of each
+    response token, predicted from the position k + 1 before the main head's (the MTP loss,
+    ``model.mtp.enable_train``), zero where that position is padding; None otherwise."""
 
 
 class LossFn(Protocol):

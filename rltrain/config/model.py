@@ -12,6 +12,7 @@ from typing import Literal
 
 from rltrain.config.fields import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from rltrain.config.moe import MoEConfig
+from rltrain.config.mtp import MTPConfig
 
 
 @dataclass
@@ -107,6 +108,10 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Router options of an MoE model (z-loss, score function, aux-loss-free expert bias, per-layer
     metrics) in Megatron-Core's names; the same for the actor, reference and critic."""
+
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    """What the actor's training does with the model's multi-token-prediction layers (verl's
+    ``model.mtp``): ignore them (default) or add their loss (``enable_train``)."""
 
     def validate(self, prefix: str) -> list[str]:
         problems = self.moe.validate(f"{prefix}.moe")

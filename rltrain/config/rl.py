@@ -127,6 +127,8 @@ class RLConfig:
         problems += self._check_dapo()
         problems += tis_alias_problems(self.actor.tis_imp_ratio_cap, self.algorithm.rollout_correction)
         problems += self._check_router_replay()
+        cp = self.actor.parallel.context_parallel_size
+        problems += self.model.mtp.validate("model.mtp", context_parallel_size=cp)
         return problems
 
     def _check_router_replay(self) -> list[str]:

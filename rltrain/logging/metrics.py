@@ -93,6 +93,7 @@ ACTOR_KL = "actor/kl"
 ACTOR_KL_COEF = "actor/kl_coef"
 ACTOR_KL_SEQ_SUM = "actor/kl_seq_sum"
 ACTOR_KL_LOSS = "actor/kl_loss"
+ACTOR_MTP_LOSS = "actor/mtp_loss"
 ACTOR_ENTROPY_BEFORE_UPDATE = "actor/entropy_before_update"
 ACTOR_GRAD_NORM = "actor/" + GRAD_NORM
 ACTOR_LR = "actor/" + LR

@@ -51,6 +51,7 @@ from rltrain.megatron.head_outputs import (
 )
 from rltrain.megatron.micro_batches import MicroBatching, ModelInputs, micro_batches
 from rltrain.megatron.model import gpt_model
+from rltrain.megatron.mtp import trained_mtp_layers
 from rltrain.megatron.parallel import ParallelContext
 from rltrain.megatron.router_replay import (
     Replay,
@@ -221,7 +222,13 @@ def _forward_step(
         if outputs == "scores":
             return output_tensor.new_zeros(()), {"scores": head_scores(output_tensor, inputs, ctx=ctx)}
         out = head_outputs(
-            output_tensor, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size, fused=fused
+            output_tensor,
+            inputs,
+            ctx=ctx,
+            outputs=outputs,
+            vocab_size=vocab_size,
+            fused=fused,
+            mtp_layers=trained_mtp_layers(model),
         )
         if loss_fn is None:
             return output_tensor.new_zeros(()), {name: getattr(out, name) for name in OUTPUT_NAMES[outputs]}

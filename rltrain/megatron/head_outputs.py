@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from rltrain.algo.mtp_loss import mtp_response_mask
 from rltrain.algo.token_batch import ModelOutput
 from rltrain.megatron.logprobs import vocab_parallel_logprobs_entropy
 from rltrain.megatron.micro_batches import ModelInputs
@@ -99,9 +100,17 @@ def head_outputs(
     outputs: Outputs,
     vocab_size: int | None,
     fused: tuple[FusedHead, HiddenStatesOut] | None = None,
+    mtp_layers: int = 0,
 ) -> ModelOutput:
     """output: [rows, tokens, vocab/tp] logits (with ``fused``: [rows, tokens, hidden] final hidden
-    states) or [rows, tokens, 1] values → ``ModelOutput``."""
+    states) or [rows, tokens, 1] values → ``ModelOutput``. ``mtp_layers`` > 0: ``output`` holds
+    [(1 + mtp_layers) × rows, tokens, ...], the main head's then each MTP layer's
+    (:func:`~rltrain.megatron.mtp.postprocess_with_mtp`), and ``mtp_logprobs`` is filled."""
+    if mtp_layers:
+        main, *layers = output.chunk(1 + mtp_layers, dim=0)
+        out = head_outputs(main, inputs, ctx=ctx, outputs=outputs, vocab_size=vocab_size, fused=fused)
+        out.mtp_logprobs = _mtp_logprobs(layers, inputs, ctx=ctx, vocab_size=vocab_size, fused=fused)
+        return out
     batch = inputs.batch
     mask = batch.response_mask.to(output.device)
     if inputs.held is not None:
@@ -115,6 +124,34 @@ def head_outputs(
     targets = batch.input_ids[:, -batch.response_len :].to(output.device).flatten()
     logprobs, entropy = _logprobs_entropy(picked, targets, ctx=ctx, vocab_size=vocab_size, fused=fused)
     return ModelOutput(logprobs=logprobs.view(shape) * mask, entropy=entropy.view(shape) * mask)
+
+
+def _mtp_logprobs(
+    layers: list[torch.Tensor],
+    inputs: ModelInputs,
+    *,
+    ctx: ParallelContext,
+    vocab_size: int | None,
+    fused: tuple[FusedHead, HiddenStatesOut] | None,
+) -> torch.Tensor:
+    """Each MTP layer's output [rows, tokens, ...] → [num_layers, batch, response_len] log-probs of
+    the response tokens: layer k reads the position k + 1 before the main head's predictor (a
+    sequence's tokens are contiguous in padded and packed rows alike), zero where that is padding."""
+    if inputs.held is not None:
+        raise NotImplementedError("the MTP loss under context parallelism")
+    batch = inputs.batch
+    response = batch.input_ids[:, -batch.response_len :].to(layers[0].device)
+    attention = batch.attention_mask.to(layers[0].device)
+    out = []
+    for k, layer in enumerate(layers):
+        mask = mtp_response_mask(attention, batch.response_mask.to(layers[0].device), depth=k)
+        index = (inputs.source_index - (k + 1)).clamp(min=0) * mask.long()
+        picked = layer.reshape(-1, layer.size(-1))[index.flatten()]
+        logprobs, _ = _logprobs_entropy(
+            picked, response.flatten(), ctx=ctx, vocab_size=vocab_size, fused=fused
+        )
+        out.append(logprobs.view(index.shape) * mask)
+    return torch.stack(out)
 
 
 def _logprobs_entropy(

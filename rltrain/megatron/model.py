@@ -103,9 +103,22 @@ class MTPHeldGPTModel(GPTModel):
     """A ``GPTModel`` holding multi-token-prediction layers that training ignores (the default
     ``ignore`` mode): they are built, loaded, checkpointed and exported like every weight, frozen
     (``requires_grad=False``: no gradient, outside the optimizer), and the forward returns the main
-    head's output only. Megatron's own forward would run them and need ``labels`` for their loss."""
+    head's output only. Megatron's own forward would run them and need ``labels`` for their loss.
+    With ``train_mtp`` (``model.mtp.enable_train``) they are trainable and a training pass also
+    returns their outputs (:func:`rltrain.megatron.mtp.postprocess_with_mtp`); with
+    ``detach_mtp_inputs`` (``model.mtp.detach_encoder``) their loss's gradient stops at their inputs."""
+
+    train_mtp: bool = False
+    detach_mtp_inputs: bool = False
 
     def _postprocess(self, *args: Any, **kwargs: Any) -> Any:
+        if self.train_mtp and self.training and self.mtp_process:
+            from rltrain.megatron.mtp import postprocess_with_mtp
+
+            return postprocess_with_mtp(self, self._main_postprocess, **kwargs)
+        return self._main_postprocess(*args, **kwargs)
+
+    def _main_postprocess(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["mtp_in_postprocess"] = False
         # GPTModel._postprocess computes the MTP loss whenever config.mtp_num_layers is set
         num_layers, self.config.mtp_num_layers = self.config.mtp_num_layers, None
@@ -156,12 +169,16 @@ def build_model(
     make_vocab_size_divisible_by: int = 1,
     moe_options: MoEConfig | None = None,
     converters: Sequence[ModelConverter] = (),
+    train_mtp: bool = False,
+    detach_mtp_inputs: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage) for ``hf_config``.
 
     The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by × TP``; the logprob path
     ignores the padded columns when given the real ``vocab_size``. ``converters`` transform each chunk
-    as it is built (:mod:`rltrain.megatron.converters`).
+    as it is built (:mod:`rltrain.megatron.converters`). ``train_mtp``: the multi-token-prediction
+    layers train (``model.mtp.enable_train``) instead of staying frozen; ``detach_mtp_inputs``: their
+    loss's gradient stops at their inputs (``model.mtp.detach_encoder``).
     """
     if role not in ("actor", "reference", "critic", "reward"):
         raise ValueError(f"role={role!r}; expected actor, reference, critic or reward")
@@ -180,6 +197,11 @@ def build_model(
     mla = architecture_facts(hf_config).mla
     if role in SCALAR_HEAD_ROLES:
         config.mtp_num_layers = None  # a value or score head has no next-next-token predictions
+    if train_mtp and (role != "actor" or not config.mtp_num_layers):
+        raise ValueError(
+            f"model.mtp.enable_train: the {role} of this {hf_config.model_type} model has no "
+            "multi-token-prediction layers to train (num_nextn_predict_layers: 0)"
+        )
     num_chunks = ctx.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -209,8 +231,10 @@ def build_model(
             model.output_layer = ValueHead(config)
         if mla and mla.latent_norm_eps != config.layernorm_epsilon:
             set_latent_norm_eps(model, mla.latent_norm_eps)
-        if mtp_spec is not None:
+        if mtp_spec is not None and not train_mtp:
             model.mtp.requires_grad_(False)
+        if config.mtp_num_layers:
+            model.train_mtp, model.detach_mtp_inputs = train_mtp, detach_mtp_inputs
         model.to(ctx.device)
         apply_converters(model, converters)
         chunks.append(model)

@@ -76,11 +76,15 @@ class RouterStats:
     """Per-layer router counters of a train step over this rank's model chunks."""
 
     def __init__(self, chunks: list[torch.nn.Module], *, per_layer: bool = False) -> None:
+        config = chunks[0].config
+        # the decoder's routers (a multi-token-prediction layer's, layer num_layers + 1, has no row)
         self.routers: list[TopKRouter] = [
-            m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)
+            m
+            for chunk in chunks
+            for m in chunk.modules()
+            if isinstance(m, TopKRouter) and m.layer_number <= config.num_layers
         ]
         self.per_layer = per_layer
-        config = chunks[0].config
         self.num_layers: int = config.num_layers
         self.num_experts: int = config.num_moe_experts or 0
         self.score_function: str = config.moe_router_score_function

@@ -76,6 +76,8 @@ class MegatronWorker:
         moe: MoEConfig | None = None,
         router_replay: str = "disabled",
         converters: Sequence[ModelConverter] = (),
+        train_mtp: bool = False,
+        detach_mtp_inputs: bool = False,
     ) -> None:
         if router_replay not in ("disabled", "R2", "R3"):
             raise ValueError(f"router_replay.mode={router_replay!r}; expected disabled, R2 or R3")
@@ -117,6 +119,8 @@ class MegatronWorker:
             recompute_activations=recompute_activations,
             moe_options=moe,
             converters=self.converters,
+            train_mtp=train_mtp,
+            detach_mtp_inputs=detach_mtp_inputs,
         )
         self.router_stats = RouterStats(chunks, per_layer=bool(moe and moe.moe_per_layer_logging))
         """Router statistics of each update (``TrainStepResult.moe_metrics``; none for a dense model)."""

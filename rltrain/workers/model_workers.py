@@ -92,6 +92,8 @@ class PolicyWorker(MegatronRankBase):
             fused=fused,
             moe=config.model.moe,
             router_replay=actor.router_replay.mode,
+            train_mtp=config.model.mtp.enable_train,
+            detach_mtp_inputs=config.model.mtp.detach_encoder,
         )
         load_hf_into(self.actor, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.ref = None

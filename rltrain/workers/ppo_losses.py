@@ -31,6 +31,7 @@ from rltrain.algo import (
 )
 from rltrain.algo.loss_agg import GlobalCounts
 from rltrain.algo.loss_specs import ActorLoss, CriticLoss
+from rltrain.algo.mtp_loss import mtp_loss
 from rltrain.algo.rollout_correction import apply_correction
 from rltrain.algo.token_batch import LossFn, ModelOutput, TokenBatch
 from rltrain.logging import metrics as mk
@@ -38,7 +39,7 @@ from rltrain.logging import metrics as mk
 
 def actor_loss_fn(spec: ActorLoss, counts: GlobalCounts) -> LossFn:
     """``spec``'s policy loss (vanilla: PPO clipped surrogate + dual clip) with rollout correction,
-    minus the entropy bonus, plus the KL loss. With a rejecting correction, ``counts`` must be the
+    minus the entropy bonus, plus the KL loss and the MTP loss (:mod:`rltrain.algo.mtp_loss`). With a rejecting correction, ``counts`` must be the
     kept ones (``GlobalCounts.kept``)."""
     agg = counts.agg(spec.loss_agg_mode, loss_scale_factor=spec.loss_scale_factor)
     params, correction = spec.params, spec.correction
@@ -82,6 +83,14 @@ def actor_loss_fn(spec: ActorLoss, counts: GlobalCounts) -> LossFn:
             )
             loss = loss + spec.kl_loss.coef * kl
             metrics[mk.ACTOR_KL_LOSS] = kl.detach()
+        if spec.mtp_loss_scaling_factor is not None:
+            if output.mtp_logprobs is None:
+                raise ValueError(
+                    "the actor's loss trains the MTP layers, but the model returned no MTP log-probs"
+                )
+            mtp = mtp_loss(output.mtp_logprobs, micro_batch.attention_mask, mask, agg)
+            loss = loss + spec.mtp_loss_scaling_factor * mtp
+            metrics[mk.ACTOR_MTP_LOSS] = mtp.detach()
         return loss, metrics
 
     return loss_fn

@@ -95,8 +95,8 @@ class Algorithm:
         """β of the KL in the reward (fixed or adaptive); checkpointed with the run."""
         self.dynamic_sampling = DynamicSampling(config) if algo.filter_groups.enable else None
         """DAPO's dynamic sampling (``algorithm.filter_groups.enable``), or None."""
-        self.actor_loss = actor_loss_of(config.actor, algo)
-        """The actor's loss (``actor.policy_loss``, entropy bonus, KL loss, rollout correction)."""
+        self.actor_loss = actor_loss_of(config.actor, algo, mtp=config.model.mtp)
+        """The actor's loss (``actor.policy_loss``, entropy bonus, KL loss, rollout correction, MTP loss)."""
         self.critic_loss = critic_loss_of(config.critic, config.actor)
         """The critic's clipped value loss."""
         self.needs = Needs(

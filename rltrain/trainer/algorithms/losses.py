@@ -20,6 +20,7 @@ from rltrain.algo.rollout_correction import RolloutCorrectionSpec
 if TYPE_CHECKING:
     from rltrain.config import ActorConfig, CriticConfig
     from rltrain.config.algorithm import AlgorithmConfig
+    from rltrain.config.mtp import MTPConfig
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,12 @@ def actor_correction(actor: ActorConfig, algorithm: AlgorithmConfig) -> ActorCor
     return ActorCorrection(spec, log_metrics=True)
 
 
-def actor_loss_of(actor: ActorConfig, algorithm: AlgorithmConfig) -> ActorLoss:
+def actor_loss_of(
+    actor: ActorConfig, algorithm: AlgorithmConfig, *, mtp: MTPConfig | None = None
+) -> ActorLoss:
     """The actor's loss: ``actor.policy_loss`` with its clip ranges, ``actor.entropy_coeff``, the KL
-    loss with ``actor.use_kl_loss``, and the rollout correction."""
+    loss with ``actor.use_kl_loss``, the rollout correction, and the MTP loss with
+    ``model.mtp.enable_train`` (``mtp``)."""
     section = actor.policy_loss
     params = PolicyLossParams(
         clip_ratio=actor.clip_ratio,
@@ -79,6 +83,7 @@ def actor_loss_of(actor: ActorConfig, algorithm: AlgorithmConfig) -> ActorLoss:
         kl_loss=KLLoss(actor.kl_loss_coef, actor.kl_loss_type) if actor.use_kl_loss else None,
         correction=None if correction is None else correction.spec,
         log_correction_metrics=correction is not None and correction.log_metrics,
+        mtp_loss_scaling_factor=mtp.mtp_loss_scaling_factor if mtp is not None and mtp.enable_train else None,
     )
 
 
