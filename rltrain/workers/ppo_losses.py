@@ -39,8 +39,8 @@ from rltrain.logging import metrics as mk
 
 def actor_loss_fn(spec: ActorLoss, counts: GlobalCounts) -> LossFn:
     """``spec``'s policy loss (vanilla: PPO clipped surrogate + dual clip) with rollout correction,
-    minus the entropy bonus, plus the KL loss and the MTP loss (:mod:`rltrain.algo.mtp_loss`). With a rejecting correction, ``counts`` must be the
-    kept ones (``GlobalCounts.kept``)."""
+    minus the entropy bonus, plus the KL loss and the MTP loss (:mod:`rltrain.algo.mtp_loss`). With a
+    rejecting correction, ``counts`` must be the kept ones (``GlobalCounts.kept``)."""
     agg = counts.agg(spec.loss_agg_mode, loss_scale_factor=spec.loss_scale_factor)
     params, correction = spec.params, spec.correction
     # Metrics are token means over the mini-batch whatever the loss aggregation mode.
