@@ -9,8 +9,10 @@
   sequence as in Megatron's own THD rotary path (``packed_rope``: the same bits, with the row's
   cos/sin built once a forward instead of per sequence, query and layer). Sliding windows
   (``window_size``, a left window) are applied here on both the packed and the padded path
-  (Megatron's own softmax would drop the padding mask in favour of the window's); softmax offsets
-  (attention sinks) are refused on the packed path.
+  (Megatron's own softmax would drop the padding mask in favour of the window's). Attention sinks
+  (``softmax_type='learnable'``, GPT-OSS) join each head's softmax on the packed path
+  (``packed_attention.sink_attention``) and, on the padded path, through Megatron's own ``SoftmaxOne``;
+  with context parallelism they are refused.
   Under context parallelism (Megatron's ``DotProductAttention`` refuses CP > 1; only TE's attention
   has it) each CP rank holds chunks r and 2·CP−1−r of every sequence (``micro_batches._prepare``): the
   keys/values are all-gathered over the CP group (the backward sums their gradients over the group
@@ -122,6 +124,10 @@ class PackedDotProductAttention(DotProductAttention):
                 f"window_size={tuple(self.window_size)}: the CPU attention has causal left windows only"
             )
         self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+        if isinstance(self.softmax_offset, torch.nn.Parameter):
+            # the learnable sinks: one per local head, split over TP by head (Megatron leaves the
+            # parameter unmarked, so the gradient norm would count it as replicated over TP)
+            tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
     def forward(
         self,
@@ -150,10 +156,10 @@ class PackedDotProductAttention(DotProductAttention):
             raise NotImplementedError(
                 "attention_bias with packed sequences: not supported by the CPU attention"
             )
-        if self.softmax_offset is not None:
+        if self.softmax_offset is not None and cp_size > 1:
             raise NotImplementedError(
-                "softmax_type != 'vanilla' (attention sinks) with packed sequences: "
-                "not supported by the CPU attention"
+                f"softmax_type={self.config.softmax_type!r} (attention sinks) with context_parallel_size="
+                f"{cp_size}: the CPU attention has sinks without context parallelism only"
             )
         if self.window_size is not None and cp_size > 1:
             raise NotImplementedError(
@@ -195,6 +201,7 @@ class PackedDotProductAttention(DotProductAttention):
                     scale=scale,
                     dropout_p=dropout_p,
                     window_left=None if self.window_size is None else self.window_size[0],
+                    sinks=self.softmax_offset,
                 )
         return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
 
