@@ -18,3 +18,16 @@ def test_released_configs_logprobs_match_transformers(tmp_path) -> None:
         assert result[f"{name}_scale"] > 1.0
         for field in ("logprobs", "entropy"):
             assert result[f"{name}_{field}"] < 1e-5, f"{name} {field}: {result[f'{name}_{field}']:.3g}"
+
+
+@pytest.mark.supports("gpt_oss", "hf_parity", "sliding_window", "yarn")
+def test_gpt_oss_logprobs_match_transformers_past_its_window_and_yarn_length(tmp_path) -> None:
+    """GPT-OSS-20B's released config (shrunk: 8-key windows on layer 0, YaRN pre-trained on 16 of 512
+    positions): rows of up to 48 tokens, longer than the window and past the YaRN length, packed, with
+    random sinks, attention/router/expert biases and expert weights large enough that the GLU clamps
+    some gate and up values."""
+    (result,) = run_ranks(released_parity_case, 1, str(tmp_path), ("gpt-oss-20b",), 48, 16)
+    print(result)
+    assert result["gpt-oss-20b_scale"] > 1.0
+    for field in ("logprobs", "entropy"):
+        assert result[f"gpt-oss-20b_{field}"] < 1e-5, f"{field}: {result[f'gpt-oss-20b_{field}']:.3g}"
