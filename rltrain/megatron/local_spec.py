@@ -1,4 +1,4 @@
-"""The layer spec used without CUDA: Megatron's local spec with two modules swapped in.
+"""The layer spec used without CUDA: Megatron's local spec with three modules swapped in.
 
 * ``PackedDotProductAttention``: Megatron's local ``DotProductAttention`` refuses ``packed_seq_params``
   (only TE's attention takes the THD format). This one accepts it and attends within each sequence of
@@ -18,6 +18,8 @@
   keys/values are all-gathered over the CP group (the backward sums their gradients over the group
   and keeps each rank's own share), put back in packed order, and the local queries attend to them
   causally by global position (``packed_attention.context_parallel_causal_attention``).
+* ``ExpertRowParallelLinear``: a routed expert's output projection whose biased output Megatron
+  adds to in place (a copy, so that training works; GPT-OSS).
 * ``RMSNorm``: Megatron's ``WrappedTorchNorm`` asserts "sequence parallel not supported by torch
   LayerNorm"; this torch RMSNorm marks its weight ``sequence_parallel`` so that Megatron all-reduces
   its gradient over TP, which is all sequence parallelism needs from a norm.
@@ -206,6 +208,18 @@ class PackedDotProductAttention(DotProductAttention):
         return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
 
 
+class ExpertRowParallelLinear(tensor_parallel.RowParallelLinear):
+    """A routed expert's ``linear_fc2``: with a bias (GPT-OSS), its output is a copy. Megatron-Core
+    0.16.1's expert MLP adds the routing-weighted bias in place to what this layer returns
+    (``MLP.forward``: ``output += output_bias * per_token_scale``), which is the TP all-reduce's
+    input returned as-is, and autograd refuses that in training: "Output 0 of
+    _ReduceFromModelParallelRegion is a view and is being modified inplace". Unbiased: unchanged."""
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        output, bias = super().forward(input_, *args, **kwargs)
+        return (output if bias is None else output.clone()), bias
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm with Megatron's norm constructor; its weight joins the sequence-parallel grad all-reduce."""
 
@@ -224,6 +238,8 @@ def _local_layer_spec(config: TransformerConfig, *, num_experts: int | None) -> 
     )
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = PackedDotProductAttention
+    if num_experts:
+        layer.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertRowParallelLinear
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:
