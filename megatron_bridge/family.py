@@ -63,6 +63,9 @@ class MoEFacts:
     expert_bias: bool = False
     """A per-expert bias added to the scores for choosing experts only, not for their weights
     (DeepSeek-V3's ``e_score_correction_bias``; aux-loss-free load balancing)."""
+    biased_experts: bool = False
+    """Every expert's linears and the router have biases (GPT-OSS); an expert's output bias is scaled
+    by its routing weight with the rest of its output."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,15 @@ class ArchitectureFacts:
     """Layer numbers (0-based) with sliding-window attention; the others attend to every earlier key."""
     mtp_num_layers: int = 0
     """Multi-token-prediction layers after the decoder (``num_nextn_predict_layers``; DeepSeek-V3)."""
+    linear_bias: bool = False
+    """Every linear layer has a bias: the query/key/value and output projections, the MLPs or experts
+    and the router (GPT-OSS; Megatron's ``add_bias_linear``). The LM head has none."""
+    attention_sinks: bool = False
+    """A learned logit per attention head joins each softmax's denominator and contributes no value
+    (GPT-OSS's ``sinks``; Megatron's ``softmax_type='learnable'``)."""
+    clamped_glu_limit: float | None = None
+    """GPT-OSS's gated unit ``(clamp(up, -c, c) + 1) · g · sigmoid(1.702 · g)``, g = ``clamp(gate,
+    max=c)``, with c this limit (``swiglu_limit``); ``None``: SwiGLU ``silu(gate) · up``."""
 
 
 @dataclass(frozen=True)

@@ -142,5 +142,11 @@ def layout_problems(
         if ep > 1:
             checks.append(("expert_model_parallel_size", ep, "num_experts", 0))
     problems = [f"{lhs}={a} does not divide {rhs}={b}" for lhs, a, rhs, b in checks if b == 0 or b % a]
+    if moe and moe.biased_experts and (etp or tp) != 1:
+        # TransformerConfig.__post_init__: "Bias in Moe is only supported when ETP==1"
+        problems.append(
+            f"expert_tensor_parallel_size={etp or tp} with biased experts: Megatron-Core 0.16.1 needs "
+            "expert_tensor_parallel_size=1 (set it; tensor parallelism stays on attention)"
+        )
     layers = config_value(config, "num_hidden_layers")
     return problems + stage_problems(layers, pp=pp, vpp=vpp, first=first, last=last)

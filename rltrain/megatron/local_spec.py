@@ -1,4 +1,4 @@
-"""The layer spec used without CUDA: Megatron's local spec with two modules swapped in.
+"""The layer spec used without CUDA: Megatron's local spec with three modules swapped in.
 
 * ``PackedDotProductAttention``: Megatron's local ``DotProductAttention`` refuses ``packed_seq_params``
   (only TE's attention takes the THD format). This one accepts it and attends within each sequence of
@@ -9,13 +9,17 @@
   sequence as in Megatron's own THD rotary path (``packed_rope``: the same bits, with the row's
   cos/sin built once a forward instead of per sequence, query and layer). Sliding windows
   (``window_size``, a left window) are applied here on both the packed and the padded path
-  (Megatron's own softmax would drop the padding mask in favour of the window's); softmax offsets
-  (attention sinks) are refused on the packed path.
+  (Megatron's own softmax would drop the padding mask in favour of the window's). Attention sinks
+  (``softmax_type='learnable'``, GPT-OSS) join each head's softmax on the packed path
+  (``packed_attention.sink_attention``) and, on the padded path, through Megatron's own ``SoftmaxOne``;
+  with context parallelism they are refused.
   Under context parallelism (Megatron's ``DotProductAttention`` refuses CP > 1; only TE's attention
   has it) each CP rank holds chunks r and 2·CP−1−r of every sequence (``micro_batches._prepare``): the
   keys/values are all-gathered over the CP group (the backward sums their gradients over the group
   and keeps each rank's own share), put back in packed order, and the local queries attend to them
   causally by global position (``packed_attention.context_parallel_causal_attention``).
+* ``ExpertRowParallelLinear``: a routed expert's output projection whose biased output Megatron
+  adds to in place (a copy, so that training works; GPT-OSS).
 * ``RMSNorm``: Megatron's ``WrappedTorchNorm`` asserts "sequence parallel not supported by torch
   LayerNorm"; this torch RMSNorm marks its weight ``sequence_parallel`` so that Megatron all-reduces
   its gradient over TP, which is all sequence parallelism needs from a norm.
@@ -122,6 +126,10 @@ class PackedDotProductAttention(DotProductAttention):
                 f"window_size={tuple(self.window_size)}: the CPU attention has causal left windows only"
             )
         self.cp_group = getattr(self.pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
+        if isinstance(self.softmax_offset, torch.nn.Parameter):
+            # the learnable sinks: one per local head, split over TP by head (Megatron leaves the
+            # parameter unmarked, so the gradient norm would count it as replicated over TP)
+            tensor_parallel.set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
     def forward(
         self,
@@ -150,10 +158,10 @@ class PackedDotProductAttention(DotProductAttention):
             raise NotImplementedError(
                 "attention_bias with packed sequences: not supported by the CPU attention"
             )
-        if self.softmax_offset is not None:
+        if self.softmax_offset is not None and cp_size > 1:
             raise NotImplementedError(
-                "softmax_type != 'vanilla' (attention sinks) with packed sequences: "
-                "not supported by the CPU attention"
+                f"softmax_type={self.config.softmax_type!r} (attention sinks) with context_parallel_size="
+                f"{cp_size}: the CPU attention has sinks without context parallelism only"
             )
         if self.window_size is not None and cp_size > 1:
             raise NotImplementedError(
@@ -195,8 +203,21 @@ class PackedDotProductAttention(DotProductAttention):
                     scale=scale,
                     dropout_p=dropout_p,
                     window_left=None if self.window_size is None else self.window_size[0],
+                    sinks=self.softmax_offset,
                 )
         return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
+
+
+class ExpertRowParallelLinear(tensor_parallel.RowParallelLinear):
+    """A routed expert's ``linear_fc2``: with a bias (GPT-OSS), its output is a copy. Megatron-Core
+    0.16.1's expert MLP adds the routing-weighted bias in place to what this layer returns
+    (``MLP.forward``: ``output += output_bias * per_token_scale``), which is the TP all-reduce's
+    input returned as-is, and autograd refuses that in training: "Output 0 of
+    _ReduceFromModelParallelRegion is a view and is being modified inplace". Unbiased: unchanged."""
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        output, bias = super().forward(input_, *args, **kwargs)
+        return (output if bias is None else output.clone()), bias
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -217,6 +238,8 @@ def _local_layer_spec(config: TransformerConfig, *, num_experts: int | None) -> 
     )
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = PackedDotProductAttention
+    if num_experts:
+        layer.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertRowParallelLinear
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     if config.qk_layernorm:

@@ -215,6 +215,7 @@ def transformer_config_from_hf(
         batch_p2p_sync=on_gpu,
     )
     kwargs.update(sliding_window_kwargs(facts, num_layers=hf_config.num_hidden_layers))
+    kwargs.update(bias_sink_glu_kwargs(facts))
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if facts.mtp_num_layers:
@@ -279,6 +280,31 @@ def sliding_window_kwargs(facts: ArchitectureFacts, *, num_layers: int) -> dict[
         window_size=(facts.sliding_window - 1, 0),
         window_attn_skip_freq=[int(i in facts.sliding_layers) for i in range(num_layers)],
     )
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Megatron-Core's ``quick_gelu`` (transformers' GPT-OSS gate with alpha 1.702), without the
+    ``torch.compile`` Megatron wraps it in (the unfused GLU calls whatever ``activation_func`` is)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def bias_sink_glu_kwargs(facts: ArchitectureFacts) -> dict[str, Any]:
+    """Megatron's settings for biases on every linear (``add_bias_linear``: the router too), attention
+    sinks (``softmax_type='learnable'``: ``core_attention.softmax_offset``) and GPT-OSS's clamped GLU:
+    Megatron's unfused GLU is ``act(clamp(gate, max=c)) · (clamp(up, -c, c) + glu_linear_offset)``,
+    with ``quick_gelu`` = ``x · sigmoid(1.702 x)``."""
+    kwargs: dict[str, Any] = {}
+    if facts.linear_bias:
+        kwargs["add_bias_linear"] = True
+    if facts.attention_sinks:
+        kwargs["softmax_type"] = "learnable"
+    if facts.clamped_glu_limit is not None:
+        kwargs.update(
+            activation_func=quick_gelu,
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=facts.clamped_glu_limit,
+        )
+    return kwargs
 
 
 def _router_option_kwargs(options: MoEConfig) -> dict[str, Any]:

@@ -86,6 +86,7 @@ def packed_causal_attention(
     scale: float,
     dropout_p: float = 0.0,
     window_left: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query/key [tokens, heads|groups, dim], value [tokens, groups, v_dim] → [tokens, heads, v_dim]
     (``v_dim`` differs from ``dim`` under multi-latent attention).
@@ -93,7 +94,8 @@ def packed_causal_attention(
     ``dropout_p`` drops attention probabilities (scaled by 1/(1-p)) as Megatron's attention dropout
     does, drawing from torch's default generator of the device. ``window_left``: sliding-window
     attention, each query at offset i sees only the keys at i - window_left .. i of its sequence
-    (Megatron's ``window_size[0]``); one [longest, longest] mask per length class.
+    (Megatron's ``window_size[0]``); one [longest, longest] mask per length class. ``sinks`` [heads]:
+    attention sinks (``sink_attention``).
     """
     tokens, heads, _ = query.shape
     if int(cu_seqlens[-1]) != tokens:
@@ -115,7 +117,12 @@ def packed_causal_attention(
         q, k, v = (t[group.gather_index].transpose(1, 2) for t in (query, key, value))
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        if window_left is None:
+        if sinks is not None:
+            allowed = window_keys(
+                q.size(2), q.size(2) if window_left is None else window_left, device=q.device
+            )
+            out = sink_attention(q, k, v, allowed, sinks, scale=scale, dropout_p=dropout_p)
+        elif window_left is None:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
         else:
             allowed = window_keys(q.size(2), window_left, device=q.device)
@@ -124,6 +131,31 @@ def packed_causal_attention(
     if plan.order is None:  # one group whose valid rows are already the packed order
         return outputs[0]
     return torch.cat(outputs).index_select(0, plan.order)
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention with a sink logit per head: q/k/v [batch, heads, seq, dim], ``allowed`` [seq, seq]
+    (True: query may see key), ``sinks`` [heads]. Each head's softmax runs over its allowed scores and
+    its sink; the sink's probability is dropped (it carries no value), so the rows sum to less than
+    one (transformers' GPT-OSS ``eager_attention_forward``, Megatron's ``SoftmaxOne``). Scores and
+    softmax in fp32 at least (SDPA has no sinks: the [seq, seq] scores are materialized per batch)."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(wide).view(1, -1, 1, 1).expand(scores.size(0), -1, scores.size(2), 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 @dataclass

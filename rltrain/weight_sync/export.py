@@ -10,7 +10,7 @@ Contract (torch.distributed only; collective over the trainer's ranks):
   which ranks hold which Megatron parameters. A shard is served by its DP replica 0 (expert-DP
   replica 0 for experts), found by parameter name, so uneven or virtual pipeline stages need no
   special case. A family whose HF tensors are themselves fused (``FusedGatedMLP``,
-  ``GroupedExperts``; none of the shipped families) is refused here, naming the tensor.
+  ``GroupedExperts``: GPT-OSS's stacked experts) is refused here, naming the tensor.
 - ``converters``: the model's converters (``rltrain.megatron.converters``); at every sync each
   one's ``export(chunk, tensors)`` transforms the chunk's mapped tensors (merged adapters under the
   base names, renames) before the plan reads them; none: the parameters themselves.

@@ -226,3 +226,72 @@ def released_bf16_conversions(root: str, names: tuple[str, ...]) -> dict[str, di
         report = rank_main("hf-to-mcore", str(src), str(dst), str(src), 1, 1, 1, True, 1e-4)
         out[name] = dict(report=report, src=str(src), dtypes=dtypes)
     return out
+
+
+def gpt_oss_mutation_checks(hf_dir: str) -> dict[str, tuple[float, float]]:
+    """The conversion's default verification (Megatron's fp32 logits vs transformers' on the probe,
+    ``compare_logits`` at atol 1e-4) of a GPT-OSS checkpoint read by its table as it is and by three
+    wrong tables whose round trip is still bit-exact: gate and up taken from each other's interleaved
+    columns (weight and bias), the experts' ``down_proj`` read without its transpose (same shape when
+    ffn = hidden), and the sinks loaded but dropped from the softmax (an attention that ignores them).
+    ``variant -> (max abs diff, tolerance)`` (one rank)."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig
+
+    from megatron_bridge import registry
+    from megatron_bridge.hf_io import HFCheckpointReader
+    from megatron_bridge.live import bridge_for_chunks, load_hf_weights
+    from megatron_bridge.mappings import GroupedExperts, RowParallel
+    from megatron_bridge.models.gpt_oss import InterleavedGatedMLP, TransposedRowParallel
+    from megatron_bridge.verify import compare_logits, megatron_logits, probe_batch, probe_tokens
+    from rltrain.config.parallel import ParallelConfig
+    from rltrain.convert.model import build_padded_model
+    from rltrain.megatron.parallel import ParallelContext
+
+    class GateUpSwapped(InterleavedGatedMLP):
+        def to_megatron(self, hf, dims):
+            (fc1,) = super().to_megatron(hf, dims)
+            return [torch.cat(fc1.chunk(2, dim=0)[::-1])]
+
+    def swapped(row):
+        if isinstance(row, GroupedExperts) and isinstance(row.inner, InterleavedGatedMLP):
+            return GroupedExperts(GateUpSwapped(row.inner.megatron, row.inner.hf))
+        return row
+
+    def untransposed(row):
+        if isinstance(row, GroupedExperts) and isinstance(row.inner, TransposedRowParallel):
+            return GroupedExperts(RowParallel(row.inner.megatron, row.inner.hf))
+        return row
+
+    family = registry.get_family("gpt_oss")
+    variants = {
+        "as saved": family.mappings,
+        "gate/up swapped": tuple(map(swapped, family.mappings)),
+        "down_proj untransposed": tuple(map(untransposed, family.mappings)),
+        "sinks dropped": family.mappings,
+    }
+    config = AutoConfig.from_pretrained(hf_dir)
+    ids = probe_batch(
+        config.vocab_size, seq=probe_tokens(config), max_positions=config.max_position_embeddings
+    )
+    ctx = ParallelContext.initialize(ParallelConfig())
+    results = {}
+    try:
+        for name, rows in variants.items():
+            registry._FAMILIES["gpt_oss"] = dataclasses.replace(family, mappings=rows)
+            chunks = build_padded_model(config, ctx, dtype=torch.float32)
+            bridge = bridge_for_chunks(config, chunks, ctx)
+            load_hf_weights(chunks, ctx, bridge, HFCheckpointReader(hf_dir))
+            if name == "sinks dropped":  # loaded, then ignored: the attention's plain softmax
+                for module in chunks[0].modules():
+                    if getattr(module, "softmax_offset", None) is not None:
+                        module.softmax_offset = None
+            ours = megatron_logits(chunks, ctx, ids, vocab_size=config.vocab_size)
+            check = compare_logits(ours, hf_dir, ids, dtype=torch.float32, atol=1e-4)
+            results[name] = (check.max_abs_diff, check.tolerance)
+    finally:
+        registry._FAMILIES["gpt_oss"] = family
+        ctx.destroy()
+    return results

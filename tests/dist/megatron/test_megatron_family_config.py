@@ -39,6 +39,7 @@ EXPECTED = {
     "deepseek_v3": (False, True,    128, 4,      32,   2,    False,       0.0,   32,   False, False),
     "deepseek_v2": (False, True,    128, 6,      32,   2,    True,        0.0,   32,   False, False),
     "glm4_moe":  (True,    True,    256, 4,      64,   2,    False,       0.0,   64,   False, False),
+    "gpt_oss":   (True,    False,   128, 4,      128,  2,    False,       0.01,  None, False, False),
 }
 # fmt: on
 
@@ -108,7 +109,7 @@ def test_sliding_window_under_context_parallelism_is_refused() -> None:
         )
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-20b", "gemma-3-1b-it"])
+@pytest.mark.parametrize("name", ["gemma-3-1b-it"])
 def test_refused_families_are_refused_by_the_trainer_in_one_line(name: str) -> None:
     from transformers import CONFIG_MAPPING
 
@@ -127,7 +128,7 @@ def test_unsupported_model_type_lists_the_families() -> None:
 
     with pytest.raises(
         NotImplementedError,
-        match=r"gpt_neox.*supported: deepseek_v2, deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2, qwen2_moe",
+        match=r"gpt_neox.*supported: deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen2_moe",
     ):
         transformer_config_from_hf(GPTNeoXConfig(), parallel=ParallelConfig(), params_dtype=torch.float32)
 
@@ -198,3 +199,38 @@ def test_glm4_moe_and_kimi_k2_translate_to_partial_rope_and_ungrouped_sigmoid_ro
     assert (config.num_moe_experts, config.moe_router_topk) == (16, 8)
     assert (config.moe_router_num_groups, config.moe_router_group_topk) == (None, None)
     assert config.moe_router_topk_scaling_factor == 2.827 and config.moe_router_enable_expert_bias
+
+
+def test_gpt_oss_translates_to_biases_sinks_clamped_glu_windows_and_yarn() -> None:
+    """GPT-OSS-20B's released config (shrunk; its MXFP4 quantization_config refused, then left out as a
+    dequantized copy has it): biases on every linear (router too), learnable sinks, the clamped GLU
+    (quick_gelu, offset 1, clamp 7), layer 0 sliding over 8 keys and layer 1 full, YaRN with
+    truncate false; biased experts need expert_tensor_parallel_size=1."""
+    from transformers import GptOssConfig
+
+    from rltrain.megatron.model_config import quick_gelu
+    from tests.released import shrunk_config
+
+    config = shrunk_config("gpt-oss-20b")
+    with pytest.raises(NotImplementedError, match=r"^gpt_oss: quantization_config.quant_method='mxfp4'"):
+        transformer_config_from_hf(
+            GptOssConfig.from_dict(config), parallel=ParallelConfig(), params_dtype=torch.float32
+        )
+    del config["quantization_config"]
+    hf = GptOssConfig.from_dict(config)
+    built = transformer_config_from_hf(hf, parallel=ParallelConfig(), params_dtype=torch.float32)
+    assert built.add_bias_linear and built.add_qkv_bias and built.softmax_type == "learnable"
+    assert built.activation_func is quick_gelu and built.gated_linear_unit
+    assert (built.glu_linear_offset, built.activation_func_clamp_value) == (1.0, 7.0)
+    assert built.window_size == (7, 0) and built.window_attn_skip_freq == [1, 0]
+    assert (built.num_moe_experts, built.moe_router_topk, built.moe_router_pre_softmax) == (4, 2, False)
+    assert built.moe_router_score_function == "softmax" and built.moe_aux_loss_coeff == 0.9
+    assert (built.yarn_rotary_scaling_factor, built.yarn_original_max_position_embeddings) == (32.0, 16)
+    assert built.yarn_correction_range_round_to_int is False  # truncate: false
+    assert gpt_options(hf, role="actor").position_embedding_type == "yarn"
+    x = torch.linspace(-9, 9, 37)
+    assert torch.equal(quick_gelu(x), x * torch.sigmoid(x * 1.702))  # transformers' gate, alpha 1.702
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size=2 with biased experts"):
+        transformer_config_from_hf(
+            hf, parallel=ParallelConfig(tensor_model_parallel_size=2), params_dtype=torch.float32
+        )

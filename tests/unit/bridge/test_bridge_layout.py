@@ -50,7 +50,7 @@ def test_kv_heads_default_to_the_attention_heads():
 def test_an_unknown_family_lists_the_supported_ones():
     with pytest.raises(
         KeyError,
-        match=r"model_type='gpt2'; supported model types: deepseek_v2, deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2",
+        match=r"model_type='gpt2'; supported model types: deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2",
     ):
         layout_problems({**LLAMA, "model_type": "gpt2"}, tp=1, pp=1)
 

@@ -94,7 +94,7 @@ def test_te_and_grouped_gemm_spellings_round_trip():
 def test_unknown_model_type_lists_supported():
     with pytest.raises(
         KeyError,
-        match=r"gpt_neox.*deepseek_v2, deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe",
+        match=r"gpt_neox.*deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe",
     ):
         get_family("gpt_neox")
     assert "qwen3_moe" in family_types()

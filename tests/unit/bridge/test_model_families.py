@@ -118,6 +118,26 @@ TINY_FACTS = {
         ),
         rotary_fraction=0.5,
     ),
+    # GPT-OSS: biases on every linear and the router, sinks, layer 0 sliding (8 keys), layer 1 full;
+    # top-2 of 4 biased experts, softmax over the top 2, the GLU clamped at 7
+    "gpt_oss": ArchitectureFacts(
+        qkv_bias=True,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        moe=MoEFacts(
+            num_experts=4,
+            top_k=2,
+            ffn_hidden_size=128,
+            renormalize_topk=True,
+            aux_loss_coeff=0.01,
+            biased_experts=True,
+        ),
+        sliding_window=8,
+        sliding_layers=(0,),
+        linear_bias=True,
+        attention_sinks=True,
+        clamped_glu_limit=7.0,
+    ),
 }
 
 
@@ -127,6 +147,7 @@ def test_every_family_file_registers_its_family():
         "deepseek_v2",
         "deepseek_v3",
         "glm4_moe",
+        "gpt_oss",
         "llama",
         "mixtral",
         "qwen2",
@@ -267,7 +288,7 @@ def test_tiny_preset_is_read_only_and_unknown_types_are_named():
         get_family("llama").tiny_preset["hidden_size"] = 1  # type: ignore[index]
     with pytest.raises(
         ValueError,
-        match=r"no tiny preset for model_type='gpt_neox'; known: \['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'llama'",
+        match=r"no tiny preset for model_type='gpt_neox'; known: \['deepseek_v2', 'deepseek_v3', 'glm4_moe', 'gpt_oss', 'llama'",
     ):
         tiny_hf_config("gpt_neox", vocab_size=64)
 

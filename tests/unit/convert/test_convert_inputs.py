@@ -61,7 +61,7 @@ def test_an_unsupported_family_lists_the_supported_ones(capsys, hf, tmp_path):
     (hf / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     assert _refusal(capsys, "hf-to-mcore", str(hf), str(tmp_path / "out")) == (
         f"convert hf-to-mcore failed: {hf / 'config.json'}: no weight bridge for HF model_type='gpt2'; "
-        "supported model types: deepseek_v2, deepseek_v3, glm4_moe, kimi_k2, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+        "supported model types: deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, kimi_k2, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
     )
 
 

@@ -193,3 +193,69 @@ def test_window_keys_are_the_query_and_the_left_keys_before_it():
         [0, 1, 1, 0],
         [0, 0, 1, 1],
     ]
+
+
+def transformers_sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    sinks: torch.Tensor,
+    hf_window: int | None,
+) -> torch.Tensor:
+    """transformers' GPT-OSS ``eager_attention_forward`` run on each sequence of the row on its own,
+    with the causal (and sliding-window) additive mask transformers gives it."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=HEADS // GROUPS, training=False)
+    outputs = []
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        n = end - start
+        position = torch.arange(n)
+        seen = position[None, :] <= position[:, None]
+        if hf_window is not None:
+            seen &= position[None, :] > position[:, None] - hf_window
+        mask = torch.zeros(n, n).masked_fill(~seen, torch.finfo(torch.float32).min)[None, None]
+        one = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]  # [1, heads, n, dim]
+        out, _ = eager_attention_forward(module, *one, mask, scaling=SCALE)
+        outputs.append(out[0])  # [n, heads, dim]
+    return torch.cat(outputs)
+
+
+def test_attention_sinks_equal_transformers_gpt_oss_values_and_gradients() -> None:
+    """The sink logit of each head joins the softmax denominator and adds no value: transformers'
+    GPT-OSS attention, with and without the sliding window; the sinks' own gradient matches too."""
+    for hf_window in (None, 3):
+        for lengths in (LENGTHS, [40]):
+            results = []
+            for attention in ("packed", "transformers"):
+                sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0]).requires_grad_()
+                if attention == "packed":
+                    window = None if hf_window is None else hf_window - 1
+                    fn = functools.partial(
+                        packed_causal_attention, scale=SCALE, window_left=window, sinks=sinks
+                    )
+                else:
+                    fn = functools.partial(transformers_sink_attention, sinks=sinks, hf_window=hf_window)
+                results.append([*values_and_grads(fn, lengths), sinks.grad])
+            new, ref = results
+            for name, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), new, ref):
+                diff = scaled_diff(a, b)
+                assert diff <= 1e-6, f"w={hf_window} {lengths}: {name} differs by {diff:.3g}"
+            # the sinks change the result: without them it is plain (windowed) attention
+            window = None if hf_window is None else hf_window - 1
+            plain = functools.partial(packed_causal_attention, scale=SCALE, window_left=window)
+            assert scaled_diff(new[0], values_and_grads(plain, lengths)[0]) > 1e-2
+            assert float(ref[4].abs().max()) > 1e-2
+
+
+def test_a_sink_takes_its_share_of_a_single_key() -> None:
+    """Hand-derived: a one-token sequence has one key of score s; its output is v · e^s / (e^s + e^sink)."""
+    q, k, v = (torch.randn(1, 1, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    sink = torch.tensor([0.7])
+    out = packed_causal_attention(q, k, v, cu_seqlens_of([1]), scale=SCALE, sinks=sink)
+    score = float((q * k).sum()) * SCALE
+    weight = torch.sigmoid(torch.tensor(score) - sink)  # e^s / (e^s + e^sink)
+    assert torch.allclose(out, v * weight, atol=1e-7, rtol=0)

@@ -30,6 +30,24 @@ WINDOW = {"use_sliding_window": True, "sliding_window": 5}
         ({"model_type": "qwen3_moe", **WINDOW}, False),  # every layer
         ({"model_type": "qwen2", "sliding_window": 131072}, False),  # use_sliding_window's default: off
         ({"model_type": "gpt2", "sliding_window": 5}, False),  # not the bridge's: left to vLLM
+        # GPT-OSS: vLLM windows layers 0, 2, ... (its own rule): the released alternation runs
+        ({"model_type": "gpt_oss", "sliding_window": 5}, False),  # layer_types left out: 0 slides
+        (
+            {
+                "model_type": "gpt_oss",
+                "sliding_window": 5,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            False,
+        ),
+        (
+            {
+                "model_type": "gpt_oss",
+                "sliding_window": 5,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+            True,
+        ),
     ],
 )
 def test_refused_exactly_where_some_layers_only_slide(config: dict, refused: bool) -> None:
