@@ -19,6 +19,11 @@ class MoEConfig:
     """Coefficient of the router z-loss (mean over tokens of logsumexp(router logits)², ST-MoE);
     null: no z-loss (and no ``moe/z_loss`` metric)."""
 
+    moe_aux_loss_coeff: NonNegativeFloat | None = None
+    """Coefficient of Megatron's load-balancing loss; null: the checkpoint's ``router_aux_loss_coef``
+    (gpt-oss-20b releases 0.9, which transformers applies only when asked for router logits); 0
+    turns the loss off."""
+
     moe_router_score_function: Literal["softmax", "sigmoid"] | None = None
     """Scores the router ranks experts by; null: the family's (softmax for Mixtral and Qwen-MoE).
     ``sigmoid`` (DeepSeek-V3) normalizes the top-k sigmoid scores into the experts' weights."""

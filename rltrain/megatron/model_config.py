@@ -316,6 +316,9 @@ def _router_option_kwargs(options: MoEConfig) -> dict[str, Any]:
     )
     if options.moe_router_score_function is not None:
         kwargs["moe_router_score_function"] = options.moe_router_score_function
+    if options.moe_aux_loss_coeff is not None:
+        kwargs["moe_aux_loss_coeff"] = options.moe_aux_loss_coeff
+        kwargs["moe_router_load_balancing_type"] = "aux_loss" if options.moe_aux_loss_coeff else "none"
     return kwargs
 
 
