@@ -20,7 +20,14 @@ from megatron_bridge.verify import ROUNDING_NOISE_FACTOR, hf_logits, probe_batch
 
 pytestmark = pytest.mark.dist
 
-NAMES = ("deepseek-v3", "kimi-k2-instruct", "moonlight-16b-a3b-instruct", "glm-4.5-air", "qwen3-8b-yarn")
+NAMES = (
+    "deepseek-v3",
+    "kimi-k2-instruct",
+    "moonlight-16b-a3b-instruct",
+    "glm-4.5-air",
+    "qwen3-8b-yarn",
+    "gpt-oss-20b",
+)
 FP32_KEPT = {"deepseek-v3", "kimi-k2-instruct", "moonlight-16b-a3b-instruct", "glm-4.5-air"}
 """Configs whose transformers class keeps ``e_score_correction_bias`` in fp32 in a bf16 checkpoint."""
 
@@ -36,6 +43,7 @@ def conversions(tmp_path_factory):
 @pytest.mark.supports("deepseek_v3", "conversion", "mtp", "yarn")
 @pytest.mark.supports("glm4_moe", "conversion", "mtp")
 @pytest.mark.supports("qwen3", "conversion", "yarn")
+@pytest.mark.supports("gpt_oss", "conversion", "yarn", "sliding_window")
 @pytest.mark.parametrize("name", NAMES)
 def test_a_bf16_released_checkpoint_converts_and_verifies_within_the_stated_tolerance(conversions, name):
     case = conversions[name]

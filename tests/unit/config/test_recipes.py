@@ -123,3 +123,42 @@ def test_moonlight_recipe_layout_fits_the_released_checkpoint():
     assert facts.moe.num_experts // layout.expert_model_parallel_size == 8  # whole experts per GPU
     assert world % config.rollout.tensor_model_parallel_size == 0
     assert config.actor.router_replay.mode == "R2"
+
+
+def test_gpt_oss_recipe_layout_fits_the_released_checkpoint():
+    """The gpt-oss-20b recipe against the released config.json: the family takes it, the heads, KV
+    heads and sinks split over TP and the engine's TP, whole experts per GPU, one mini-batch a step."""
+    from megatron_bridge.layout import layout_problems
+    from megatron_bridge.registry import get_family
+    from tests.released import released_config
+
+    config = load_config(RECIPES / "gpu" / "gpt_oss_20b_gsm8k_grpo.yaml")
+    released = released_config("gpt-oss-20b")
+    with pytest.raises(NotImplementedError, match="mxfp4.*dequantize first"):
+        get_family(released["model_type"]).facts(released)
+    released.pop("quantization_config")  # the bf16 export the recipe starts from has none
+    facts = get_family(released["model_type"]).facts(released)
+    assert (facts.moe.num_experts, facts.moe.top_k) == (32, 4)
+    layout = config.actor.parallel
+    assert (
+        layout_problems(
+            released,
+            tp=layout.tensor_model_parallel_size,
+            pp=layout.pipeline_model_parallel_size,
+            ep=layout.expert_model_parallel_size,
+            etp=layout.expert_tensor_parallel_size,
+            moe=facts.moe,
+        )
+        == []
+    )
+    world = config.cluster.nnodes * config.cluster.n_gpus_per_node
+    assert layout.expert_model_parallel_size * layout.expert_tensor_parallel_size == world == 8
+    assert facts.moe.num_experts // layout.expert_model_parallel_size == 4
+    engine_tp = config.rollout.tensor_model_parallel_size
+    assert world % engine_tp == 0
+    assert (
+        released["num_attention_heads"] % engine_tp == 0 and released["num_key_value_heads"] % engine_tp == 0
+    )
+    assert config.actor.router_replay.mode == "R2" and not config.actor.recompute_activations
+    assert config.actor.ppo_mini_batch_size == config.data.train_batch_size
+    assert config.model.moe.moe_aux_loss_coeff == 0.0 and released["router_aux_loss_coef"] == 0.9
