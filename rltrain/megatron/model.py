@@ -159,6 +159,21 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden, self.weight), None
 
 
+def unmark_expert_biases_sequence_parallel(model: torch.nn.Module) -> None:
+    """Take the ``sequence_parallel`` mark off routed experts' parameters (GPT-OSS's expert biases).
+
+    Megatron-Core 0.16.1's ``RowParallelLinear`` marks its bias ``sequence_parallel`` whenever the
+    config has sequence parallelism, experts' too, and ``finalize_model_grads`` then sums every marked
+    gradient over the tensor-parallel group. An expert's bias is no sequence-parallel replica: the
+    dispatcher brings it every token routed to it, so its gradient is whole on its own rank, and at
+    TP=2 over EP=2 the ranks of a TP group hold different experts; the sum added another expert's
+    gradient to each (gpt-oss at TP=2 with sequence parallelism over EP=2: grad norm 14.4105 against
+    the single rank's 14.4083)."""
+    for param in model.parameters():
+        if getattr(param, "allreduce", True) is False and getattr(param, "sequence_parallel", False):
+            param.sequence_parallel = False
+
+
 def build_model(
     hf_config: Any,
     *,
@@ -235,6 +250,7 @@ def build_model(
             model.mtp.requires_grad_(False)
         if config.mtp_num_layers:
             model.train_mtp, model.detach_mtp_inputs = train_mtp, detach_mtp_inputs
+        unmark_expert_biases_sequence_parallel(model)
         model.to(ctx.device)
         apply_converters(model, converters)
         chunks.append(model)

@@ -142,6 +142,32 @@ def etp_case(tmp: str) -> dict[str, dict[str, float]]:
     return {"tp2_ep2_etp1": max_diffs(ref, actor_round(hf, layout, batching, load_from=f"{tmp}/ref"))}
 
 
+def gpt_oss_layouts_case(tmp: str) -> dict[str, dict[str, float]]:
+    """GPT-OSS's tiny preset (sinks, biases on every linear and the router, clamped GLU, a sliding
+    and a full layer) at the layouts its recipe uses, scaled: EP=2, and attention TP=2 (sequence
+    parallel: Megatron-Core trains MoE at TP>1 only with it) over EP=2 whole experts (expert-TP 1,
+    which biased experts need). Each loads the weights an EP=1 run saved and must match it through
+    two train steps. Without the aux loss, as ``etp_case`` (the padding sequence parallelism adds)."""
+    from megatron_fixtures import VOCAB
+
+    from rltrain.models.tiny import tiny_hf_config
+
+    hf = tiny_hf_config("gpt_oss", vocab_size=VOCAB, initializer_range=0.1, router_aux_loss_coef=0.0)
+    batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+    ref = actor_round(hf, ParallelConfig(), batching, save_to=f"{tmp}/ref")
+    ep2 = actor_round(hf, ParallelConfig(expert_model_parallel_size=2), batching, load_from=f"{tmp}/ref")
+    tp2 = ParallelConfig(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    )
+    return {
+        "ep2": max_diffs(ref, ep2),
+        "tp2_ep2_etp1": max_diffs(ref, actor_round(hf, tp2, batching, load_from=f"{tmp}/ref")),
+    }
+
+
 def _actor(hf, parallel: ParallelConfig) -> tuple[ParallelContext, MegatronWorker]:
     ensure_process_group()
     ctx = ParallelContext.initialize(parallel, seed=SEED)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from megatron_cases import ep2_case, ep2_mixed_case, etp_case, pp2_case, uneven_pp2_case
+from megatron_cases import ep2_case, ep2_mixed_case, etp_case, gpt_oss_layouts_case, pp2_case, uneven_pp2_case
 
 pytestmark = pytest.mark.dist
 TOL = 1e-5
@@ -62,3 +62,11 @@ def test_ep2_glm4_moe_matches_single_rank(tmp_path) -> None:
     """GLM-4.5's tiny preset (Q/K/V biases, q/k norms, partial RoPE; layer 0 dense, 1-2 MoE with a
     shared expert, ungrouped sigmoid routing with the expert bias): as DeepSeek-V3 above."""
     _check(run_ranks(ep2_mixed_case, 2, str(tmp_path), "glm4_moe"))
+
+
+@pytest.mark.supports("gpt_oss", "ep", "tp")
+def test_gpt_oss_at_ep2_and_at_tp2_over_ep2_matches_single_rank(tmp_path) -> None:
+    """GPT-OSS's tiny preset at its recipe's layouts, scaled (EP=2; attention TP=2 with sequence
+    parallelism over whole experts on EP=2): outputs, loss, grad norm and the logprobs after the
+    update agree with a single rank to 1e-5 (issue #35: training steps equal a single-rank run)."""
+    _check(run_ranks(gpt_oss_layouts_case, 2, str(tmp_path)))
