@@ -200,6 +200,30 @@ def randomize_expert_bias(hf_dir: str | Path, *, seed: int = 3, scale: float = 0
     save_file(state, path, metadata={"format": "pt"})
 
 
+def randomize_all_weights(
+    hf_dir: str | Path, *, seed: int, matrix_std: float = 0.15, stds: dict[str, float] | None = None
+) -> Path:
+    """Give every tensor of a saved checkpoint random values large enough to matter, in place (the
+    random init leaves biases at zero and GPT-OSS's sinks near it): biases and sinks ~ N(0, 0.5),
+    norms in [0.5, 1.5), other tensors ~ N(0, ``matrix_std``), or ``stds[suffix]`` for a name ending
+    in that suffix. Returns the folder."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(hf_dir) / "model.safetensors"
+    state = load_file(path)
+    generator = torch.Generator().manual_seed(seed)
+    for name, tensor in state.items():
+        if name.endswith(("bias", "sinks")):
+            state[name] = 0.5 * torch.randn(tensor.shape, generator=generator)
+        elif "norm" in name:
+            state[name] = 0.5 + torch.rand(tensor.shape, generator=generator)
+        else:
+            std = next((v for k, v in (stds or {}).items() if name.endswith(k)), matrix_std)
+            state[name] = std * torch.randn(tensor.shape, generator=generator)
+    save_file(state, path, metadata={"format": "pt"})
+    return Path(hf_dir)
+
+
 def add_mtp_layers(hf_dir: str | Path, *, seed: int = 5, std: float = 0.02) -> list[str]:
     """Add the multi-token-prediction layers that ``config.json`` declares (``num_nextn_predict_layers``)
     to a saved checkpoint, in place, as DeepSeek-V3's release stores them and transformers does not

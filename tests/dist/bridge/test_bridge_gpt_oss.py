@@ -11,10 +11,10 @@ import bridge_ranks
 import pytest
 import torch
 from dist_harness import run_ranks
-from safetensors.torch import load_file, save_file
 
 from megatron_bridge.hf_io import HFCheckpointReader
 from rltrain.convert.launch import run_conversion
+from rltrain.models.tiny import randomize_all_weights
 from tests.released import save_released_model
 
 pytestmark = pytest.mark.dist
@@ -26,18 +26,7 @@ def gpt_oss_checkpoint(tmp_path_factory):
     the expert biases to zero and the sinks near it; here biases and sinks ~ N(0, 0.5), norms in
     [0.5, 1.5), matrices ~ N(0, 0.15), ``gate_up_proj`` ~ N(0, 0.3) (some values past the clamp at 7)."""
     src = save_released_model(tmp_path_factory.mktemp("gpt_oss") / "hf", "gpt-oss-20b", seed=1)
-    path = src / "model.safetensors"
-    state = load_file(path)
-    generator = torch.Generator().manual_seed(4)
-    for name, tensor in state.items():
-        if name.endswith(("bias", "sinks")):
-            state[name] = 0.5 * torch.randn(tensor.shape, generator=generator)
-        elif "norm" in name:
-            state[name] = 0.5 + torch.rand(tensor.shape, generator=generator)
-        else:
-            std = 0.3 if name.endswith("gate_up_proj") else 0.15
-            state[name] = std * torch.randn(tensor.shape, generator=generator)
-    save_file(state, path, metadata={"format": "pt"})
+    randomize_all_weights(src, seed=4, stds={"gate_up_proj": 0.3})
     return src
 
 
@@ -66,4 +55,3 @@ def test_the_verification_fails_for_swapped_gate_up_an_untransposed_expert_or_dr
     assert diff <= tolerance
     for variant, (diff, tolerance) in results.items():
         assert diff > 10 * tolerance, (variant, diff, tolerance)
-

