@@ -94,19 +94,12 @@ def test_multi_turn_recipes_name_tool_and_interaction_files_that_load():
 
 
 def _one_node_moe_layout_fits(config, released, moe) -> int:
-    """The actor's layout takes ``released`` (``layout_problems`` has none) with its experts over every
-    GPU of the node (EP × expert-TP = 8); returns the number of GPUs."""
-    from megatron_bridge.layout import layout_problems
+    """The actor's layout takes ``released`` (``validate_layout`` finds no problem) with its experts
+    over every GPU of the node (EP × expert-TP = 8); returns the number of GPUs."""
+    from rltrain.megatron.model_config import validate_layout
 
     layout = config.actor.parallel
-    problems = layout_problems(
-        released,
-        tp=layout.tensor_model_parallel_size,
-        pp=layout.pipeline_model_parallel_size,
-        ep=layout.expert_model_parallel_size,
-        etp=layout.expert_tensor_parallel_size,
-        moe=moe,
-    )
+    problems = validate_layout(released, layout, moe=moe)
     assert problems == []
     world = config.cluster.nnodes * config.cluster.n_gpus_per_node
     assert layout.expert_model_parallel_size * layout.expert_tensor_parallel_size == world == 8

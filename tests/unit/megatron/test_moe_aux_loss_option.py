@@ -31,5 +31,5 @@ def test_null_keeps_the_checkpoints_coefficient_and_a_value_replaces_it():
 
 
 def test_a_negative_coefficient_is_refused_naming_the_key():
-    with pytest.raises(Exception, match=r"model\.moe\.moe_aux_loss_coeff"):
+    with pytest.raises(Exception, match=r"model\.moe\.moe_aux_loss_coeff must be >= 0, got -0\.1"):
         load_config("recipes/quickstart_cpu.yaml", ["model.moe.moe_aux_loss_coeff=-0.1"])
