@@ -72,6 +72,11 @@ class Mapping:
     def to_hf(self, megatron: Sequence[Tensor], dims: ModelDims) -> list[Tensor]:
         return [megatron[0]]
 
+    def hf_split_dim(self, ndim: int) -> int | None:
+        """The dim of the HF tensor (``ndim`` dims) along which TP ranks hold contiguous blocks
+        (``tp_dim`` unless the HF tensor is Megatron's transposed)."""
+        return self.tp_dim
+
     def shard(self, full: Tensor, *, rank: int, size: int) -> Tensor:
         """The slice of canonical tensor ``full`` that TP rank ``rank`` of ``size`` holds."""
         if self.tp_dim is None or size == 1:

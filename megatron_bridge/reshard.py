@@ -16,6 +16,11 @@ Layouts:
   (rank r takes head ``r // (tp / num_kv_heads)``); vocab padded to ``vocab_pad_multiple`` then split
   evenly; experts either TP-split like dense weights (``ep == 1``) or whole, spread over the ranks
   (``ep == tp``, vLLM's ``enable_expert_parallel``).
+- stacked experts (GPT-OSS's ``mlp.experts.gate_up_proj`` [experts, hidden, 2 × ffn] and its
+  companions, ``TensorLayout.stacked``): dim 0 indexes every expert of the layer; the trainer holds
+  its EP rank's block of rows, each split over expert-TP along ``TensorLayout.dim``; the engine reads
+  all experts split over its TP along that dim, or (expert parallel) its block of whole experts,
+  as vLLM's GPT-OSS loader narrows them.
 Per-tensor split knowledge comes in ``TensorLayout`` (the minimal description the bridge's mapping
 types carry: split kind, split dim, head size for KV heads, layer and expert index).
 Contract: for every engine rank, the ``dst`` regions of its copies tile exactly the region it needs,
@@ -58,6 +63,14 @@ class TensorLayout:
     engine_replicated: bool = False
     """vLLM keeps the whole tensor on every engine rank although the trainer splits it
     (``megatron_bridge.vllm_names.vllm_replicates``: DeepSeek's MLA down projections)."""
+    stacked: bool = False
+    """Dim 0 stacks all the layer's experts (one HF tensor for every expert; ``expert`` is None)."""
+    dim: int | None = None
+    """The split dim when it is not the split kind's own (stacked experts: the expert's split dim + 1)."""
+
+    @property
+    def split_dim(self) -> int:
+        return self.dim if self.dim is not None else _SPLIT_DIM[self.split]
 
 
 @dataclass(frozen=True)
@@ -122,17 +135,15 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _check(t: TensorLayout, size: int, parts: int, side: str) -> None:
     if t.split != "vocab" and size % parts:
-        raise ValueError(
-            f"{t.hf_name}: dim {_SPLIT_DIM[t.split]} of size {size} does not split over {side}={parts}"
-        )
+        raise ValueError(f"{t.hf_name}: dim {t.split_dim} of size {size} does not split over {side}={parts}")
 
 
 def trainer_range(t: TensorLayout, trainer: TrainerLayout, tp_rank: int) -> Range | None:
     """Range along the split dim held by trainer (expert-)TP rank ``tp_rank``; None: not split."""
     if t.split == "replicated":
         return None
-    parts = (trainer.etp or trainer.tp) if t.expert is not None else trainer.tp
-    size = t.shape[_SPLIT_DIM[t.split]]
+    parts = (trainer.etp or trainer.tp) if _is_expert(t) else trainer.tp
+    size = t.shape[t.split_dim]
     _check(t, size, parts, "trainer tp")
     padded = _round_up(size, trainer.vocab_pad_multiple * parts) if t.split == "vocab" else None
     return _even(size, parts, tp_rank, padded)
@@ -140,9 +151,9 @@ def trainer_range(t: TensorLayout, trainer: TrainerLayout, tp_rank: int) -> Rang
 
 def engine_range(t: TensorLayout, engine: EngineLayout, rank: int) -> Range | None:
     """Range along the split dim that engine rank ``rank`` needs; None: the whole tensor."""
-    if t.split == "replicated" or t.engine_replicated or (t.expert is not None and engine.ep > 1):
+    if t.split == "replicated" or t.engine_replicated or (_is_expert(t) and engine.ep > 1):
         return None
-    size = t.shape[_SPLIT_DIM[t.split]]
+    size = t.shape[t.split_dim]
     if t.split == "kv_heads" and engine.tp > size // t.head_dim:
         heads = size // t.head_dim
         if engine.tp % heads:
@@ -154,6 +165,19 @@ def engine_range(t: TensorLayout, engine: EngineLayout, rank: int) -> Range | No
     if padded is not None and padded % engine.tp:
         raise ValueError(f"{t.hf_name}: padded vocab {padded} does not split over engine tp={engine.tp}")
     return _even(size, engine.tp, rank, padded)
+
+
+def _is_expert(t: TensorLayout) -> bool:
+    return t.expert is not None or t.stacked
+
+
+def _block(num_experts: int, parts: int, index: int, side: str) -> Range:
+    """Experts ``[lo, hi)`` of EP rank ``index`` of ``parts`` (contiguous blocks, Megatron's and vLLM's
+    default placement)."""
+    if num_experts % parts:
+        raise ValueError(f"num_experts={num_experts} does not split over {side} ep={parts}")
+    per = num_experts // parts
+    return index * per, (index + 1) * per
 
 
 def _stage(t: TensorLayout, trainer: TrainerLayout) -> int:
@@ -179,6 +203,8 @@ def _along(shape: tuple[int, ...], dim: int, lo: int, hi: int) -> tuple[slice, .
 
 def plan_tensor(t: TensorLayout, trainer: TrainerLayout, engine: EngineLayout, rank: int) -> list[SliceCopy]:
     """The copies that give engine rank ``rank`` its region of tensor ``t``."""
+    if t.stacked:
+        return _plan_stacked(t, trainer, engine, rank)
     stage = _stage(t, trainer)
     ep_rank = 0
     if t.expert is not None:
@@ -201,7 +227,7 @@ def plan_tensor(t: TensorLayout, trainer: TrainerLayout, engine: EngineLayout, r
         lo, hi = have if need is None else (max(have[0], need[0]), min(have[1], need[1]))
         if lo >= hi:
             continue
-        dim = _SPLIT_DIM[t.split]
+        dim = t.split_dim
         copies.append(
             SliceCopy(
                 t.hf_name,
@@ -215,6 +241,56 @@ def plan_tensor(t: TensorLayout, trainer: TrainerLayout, engine: EngineLayout, r
 
 def _local_shape(shape: tuple[int, ...], dim: int, have: Range) -> tuple[int, ...]:
     return tuple(have[1] - have[0] if d == dim else s for d, s in enumerate(shape))
+
+
+def _box(shape: tuple[int, ...], ranges: dict[int, Range]) -> tuple[slice, ...]:
+    return tuple(slice(*ranges[d]) if d in ranges else slice(0, s) for d, s in enumerate(shape))
+
+
+def _plan_stacked(
+    t: TensorLayout, trainer: TrainerLayout, engine: EngineLayout, rank: int
+) -> list[SliceCopy]:
+    """Copies of a stacked-experts tensor for engine rank ``rank``: the trainer's EP rank ``k`` holds
+    experts ``_block(E, ep, k)`` (its local piece: those rows, each (expert-)TP rank its range along
+    ``split_dim``); the engine reads every expert along its TP range, or its block of whole experts."""
+    num_experts = t.shape[0]
+    if num_experts != trainer.num_experts:
+        raise ValueError(f"{t.hf_name}: {num_experts} stacked experts, the trainer has {trainer.num_experts}")
+    stage = _stage(t, trainer)
+    need_experts = _block(num_experts, engine.ep, rank, "engine") if engine.ep > 1 else (0, num_experts)
+    need = engine_range(t, engine, rank)
+    parts = 1 if t.split == "replicated" else (trainer.etp or trainer.tp)
+    copies = []
+    for ep_rank in range(trainer.ep):
+        have_experts = _block(num_experts, trainer.ep, ep_rank, "trainer")
+        lo, hi = max(have_experts[0], need_experts[0]), min(have_experts[1], need_experts[1])
+        if lo >= hi:
+            continue
+        rows = {0: (lo, hi)}
+        local_rows = {0: (lo - have_experts[0], hi - have_experts[0])}
+        local_shape = (have_experts[1] - have_experts[0], *t.shape[1:])
+        for tp_rank in range(parts):
+            have = trainer_range(t, trainer, tp_rank)
+            if have is None:  # replicated within the expert: spread the reads over expert-TP ranks
+                source = ShardId(stage, rank % (trainer.etp or trainer.tp), ep_rank)
+                copies.append(
+                    SliceCopy(t.hf_name, source, _box(local_shape, local_rows), _box(t.shape, rows))
+                )
+                break
+            a, b = have if need is None else (max(have[0], need[0]), min(have[1], need[1]))
+            if a >= b:
+                continue
+            dim = t.split_dim
+            piece_shape = _local_shape(local_shape, dim, have)
+            copies.append(
+                SliceCopy(
+                    t.hf_name,
+                    ShardId(stage, tp_rank, ep_rank),
+                    src=_box(piece_shape, {**local_rows, dim: (a - have[0], b - have[0])}),
+                    dst=_box(t.shape, {**rows, dim: (a, b)}),
+                )
+            )
+    return copies
 
 
 def plan_weight_sync(
@@ -294,16 +370,19 @@ def decoder_layouts(
 # | ``QKV``                       | q: column, k/v: kv_heads (``head_dim`` rows a head) |
 # | ``GatedMLP``                  | gate, up: column                                    |
 # | ``PerExpert(inner)``          | ``inner``'s kinds, with the expert index            |
+# | ``GroupedExperts(inner)``     | stacked: ``inner``'s kind, split along the HF dim of ``inner.hf_split_dim`` + 1 |
 #
 # Layer and expert indices come from matching each HF name against the mapping's own HF pattern.
-# Mappings whose HF tensor is itself fused or stacked (``FusedGatedMLP``, ``GroupedExperts``: vLLM
-# splits each half / each expert on its side) raise ``NotImplementedError`` naming the tensor.
+# ``FusedGatedMLP`` (an HF tensor holding ``[gate; up]``: each TP rank's piece is two blocks, which
+# vLLM narrows half by half) raises ``NotImplementedError`` naming the tensor.
 
 
 def _kinds(mapping: Any, head_dim: int) -> list[tuple[SplitKind, int]]:
     """(split kind, head_dim) for each HF tensor of ``mapping``, in ``hf_patterns()`` order."""
-    inner = mapping.inner if isinstance(mapping, m.PerExpert) else mapping
-    if isinstance(inner, m.FusedGatedMLP | m.GroupedExperts):
+    inner = mapping.inner if isinstance(mapping, m.PerExpert | m.GroupedExperts) else mapping
+    if isinstance(mapping, m.GroupedExperts):
+        return [("replicated" if inner.tp_dim is None else "column", 1)]
+    if isinstance(inner, m.FusedGatedMLP):
         raise NotImplementedError(
             f"{type(inner).__name__} ({inner.hf_patterns()[0]}): an HF tensor that is itself fused; "
             "the reshard planner splits unfused HF tensors only, so live weight sync cannot serve this family"
@@ -336,20 +415,27 @@ def layouts_from_bridge(bridge: Any, shapes: dict[str, tuple[int, ...]]) -> list
             continue
         patterns = unit.mapping.hf_patterns()
         kinds = _kinds(unit.mapping, bridge.dims.head_dim)
+        stacked = isinstance(unit.mapping, m.GroupedExperts)
         for hf_name, pattern, (kind, head_dim) in zip(unit.hf_names, patterns, kinds):
             if hf_name not in shapes:
                 raise KeyError(f"no shape given for HF tensor {hf_name!r}")
+            shape = tuple(shapes[hf_name])
             values = match(pattern, hf_name) or ()
+            dim = None
+            if stacked and kind != "replicated":
+                dim = 1 + unit.mapping.inner.hf_split_dim(len(shape) - 1)
             layouts.append(
                 TensorLayout(
                     hf_name,
-                    tuple(shapes[hf_name]),
+                    shape,
                     kind,
                     layer=values[0] if values else None,
                     last_stage=not values and not unit.mapping.megatron.startswith("embedding."),
-                    expert=values[1] if unit.is_expert else None,
+                    expert=values[1] if unit.is_expert and not stacked else None,
                     head_dim=head_dim,
                     engine_replicated=kind != "replicated" and vllm_replicates(hf_name),
+                    stacked=stacked,
+                    dim=dim,
                 )
             )
     return layouts

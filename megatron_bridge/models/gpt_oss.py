@@ -71,6 +71,10 @@ class InterleavedGatedMLP(GatedMLP):
     def hf_patterns(self) -> tuple[str, ...]:
         return (self.hf,)
 
+    def hf_split_dim(self, ndim: int) -> int | None:
+        """The last dim: a TP rank's ``[gate_r; up_r]`` is one contiguous block of interleaved columns."""
+        return ndim - 1
+
     def to_megatron(self, hf: Sequence[Tensor], dims: ModelDims) -> list[Tensor]:
         rows = hf[0].t() if hf[0].dim() == 2 else hf[0]  # [2 × ffn, (hidden)]
         return [torch.cat([rows[0::2], rows[1::2]], dim=0).contiguous()]
@@ -85,6 +89,9 @@ class InterleavedGatedMLP(GatedMLP):
 class TransposedRowParallel(RowParallel):
     """One expert's ``down_proj`` [ffn, hidden] (a Linear weight's transpose) ↔ Megatron's row-parallel
     ``linear_fc2`` [hidden, ffn]."""
+
+    def hf_split_dim(self, ndim: int) -> int | None:
+        return 0  # Megatron's input features (dim 1) are the HF rows
 
     def to_megatron(self, hf: Sequence[Tensor], dims: ModelDims) -> list[Tensor]:
         return [hf[0].t().contiguous()]

@@ -9,8 +9,9 @@ Contract (torch.distributed only; collective over the trainer's ranks):
   every exported HF tensor's shape, dtype and planner layout (``reshard.layouts_from_bridge``), and
   which ranks hold which Megatron parameters. A shard is served by its DP replica 0 (expert-DP
   replica 0 for experts), found by parameter name, so uneven or virtual pipeline stages need no
-  special case. A family whose HF tensors are themselves fused (``FusedGatedMLP``,
-  ``GroupedExperts``: GPT-OSS's stacked experts) is refused here, naming the tensor.
+  special case. Stacked experts (``GroupedExperts``: GPT-OSS) are served by each EP rank for its
+  block of experts (its local piece stacks its own experts). A family whose HF tensor fuses gate
+  and up (``FusedGatedMLP``) is refused here, naming the tensor.
 - ``converters``: the model's converters (``rltrain.megatron.converters``); at every sync each
   one's ``export(chunk, tensors)`` transforms the chunk's mapped tensors (merged adapters under the
   base names, renames) before the plan reads them; none: the parameters themselves.
@@ -200,24 +201,35 @@ class PlannedExport:
     def _owner(self, copy: SliceCopy) -> int:
         """Global rank serving ``copy.source``'s piece: replica 0 with that (expert-)TP rank and the
         tensor's Megatron parameters."""
-        key = (copy.hf_name, copy.source.tp)
+        key = (copy.hf_name, copy.source.tp, copy.source.ep)
         if key not in self._owners:
             unit = self.bridge.unit_of_hf(copy.hf_name)
             replica = "expert_replica" if unit.is_expert else "replica"
+            names = self._source_names(copy.hf_name, copy.source.ep)
             found = [
                 r["rank"]
                 for r in self._ranks
                 if r[replica] == 0
                 and r["etp" if unit.is_expert else "tp"] == copy.source.tp
-                and set(unit.megatron_names) <= r["names"]
+                and set(names) <= r["names"]
             ]
             if len(found) != 1:
                 raise KeyError(
-                    f"{copy.hf_name}: {len(found)} ranks hold Megatron {list(unit.megatron_names)} at "
+                    f"{copy.hf_name}: {len(found)} ranks hold Megatron {names} at "
                     f"tp rank {copy.source.tp} (replica 0), expected one: {found}"
                 )
             self._owners[key] = found[0]
         return self._owners[key]
+
+    def _source_names(self, hf_name: str, ep_rank: int) -> list[str]:
+        """The Megatron parameters behind the piece of ``hf_name`` that EP rank ``ep_rank`` serves:
+        the unit's, or for stacked experts those of that rank's block of experts (expert order)."""
+        unit = self.bridge.unit_of_hf(hf_name)
+        names = list(unit.megatron_names)
+        if self.layouts[hf_name].stacked:
+            per = len(names) // self.trainer.ep
+            names = names[ep_rank * per : (ep_rank + 1) * per]
+        return names
 
     @torch.no_grad()
     def _piece(self, hf_name: str) -> torch.Tensor:
@@ -225,7 +237,10 @@ class PlannedExport:
         unit = self.bridge.unit_of_hf(hf_name)
         if unit is not self._cached_unit:
             self._cached_unit, self._pieces = None, {}
-            local = [self.params[name].detach() for name in unit.megatron_names]
+            names = unit.megatron_names
+            if self.layouts[hf_name].stacked:  # this rank's block of experts, stacked in expert order
+                names = [n for n in names if n in self.params]
+            local = [self.params[name].detach() for name in names]
             pieces = unit.mapping.to_hf(local, self._local_dims(hf_name))
             self._pieces = dict(zip(unit.hf_names, pieces))
             self._cached_unit = unit

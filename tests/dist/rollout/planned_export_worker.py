@@ -1,11 +1,11 @@
 """One rank of the planner-driven export test (no vLLM: the reference is the bridge's full export).
 
 Usage: RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set;
-python planned_export_worker.py MODEL_DIR OUT LAYOUT   (LAYOUT: tp2 | pp2 | pp2_1+2 | ep2 | cp2).
+python planned_export_worker.py MODEL_DIR OUT LAYOUT   (LAYOUT: tp2 | tp2_ep2 | pp2 | pp2_1+2 | ep2 | cp2).
 The trainer model loads MODEL_DIR's HF weights at LAYOUT. For every destination rank, the planned
 stream of an engine at TP=1 must equal ``export_hf_weights`` (names, order, bits). For an engine at
-TP=2 (and EP=2 for MoE) every region each engine rank receives must equal that region of the full
-tensors, and the bytes it receives are counted against the full export's; the full export is compared
+TP=2 (for MoE: with EP=2, "tp2", and with TP-split experts, "tp2_ep1") every region each engine
+rank receives must equal that region of the full tensors, and the bytes it receives are counted against the full export's; the full export is compared
 with MODEL_DIR's tensors bit for bit. Rank 0 writes the numbers.
 """
 
@@ -26,6 +26,12 @@ LAYOUTS = {
         "num_layers_in_last_pipeline_stage": 2,
     },
     "ep2": {"expert_model_parallel_size": 2},
+    # GPT-OSS: TP=2 for the dense layers over EP=2 with expert-TP 1 (its biased experts need it)
+    "tp2_ep2": {
+        "tensor_model_parallel_size": 2,
+        "expert_model_parallel_size": 2,
+        "expert_tensor_parallel_size": 1,
+    },
     "cp2": {"context_parallel_size": 2},
 }
 
@@ -76,18 +82,19 @@ def main(model_dir: str, out_path: str, layout: str) -> None:
             torch.equal(full[n], reader.get(n)) for n in reader.names() if n in full
         )
         result["not_sent"] = sorted(set(reader.names()) - set(full))
-    engine = EngineLayout(tp=2, ep=2 if bridge.dims.num_experts else 1)
-    plan = planned.plan(engine)
-    for engine_rank in range(engine.tp):
-        got = dict(planned.stream(engine, engine_rank, dst=0))
-        if ctx.rank != 0:
-            continue
-        for c in plan[engine_rank]:
-            assert torch.equal(got[c.hf_name][c.dst], full[c.hf_name][c.dst]), (engine_rank, c)
-        result["tp2"][engine_rank] = {
-            "num_tensors": len(got),
-            "bytes": region_bytes(plan[engine_rank]),
-        }
+    engines = {"tp2": EngineLayout(tp=2, ep=2 if bridge.dims.num_experts else 1)}
+    if bridge.dims.num_experts:
+        engines["tp2_ep1"] = EngineLayout(tp=2)
+    for key, engine in engines.items():
+        plan = planned.plan(engine)
+        result.setdefault(key, {})
+        for engine_rank in range(engine.tp):
+            got = dict(planned.stream(engine, engine_rank, dst=0))
+            if ctx.rank != 0:
+                continue
+            for c in plan[engine_rank]:
+                assert torch.equal(got[c.hf_name][c.dst], full[c.hf_name][c.dst]), (engine_rank, c)
+            result[key][engine_rank] = {"num_tensors": len(got), "bytes": region_bytes(plan[engine_rank])}
     if ctx.rank == 0:
         result["full_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
         with open(out_path, "w") as f:

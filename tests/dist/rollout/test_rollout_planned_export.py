@@ -1,5 +1,6 @@
 """The planner-driven weight stream (``rltrain.rollout.planned_export``) against the bridge's full
-export, on 2 gloo ranks: trainer TP=2, PP=2, CP=2 (llama) and EP=2 (mixtral). See ``planned_export_worker.py``."""
+export, on 2 gloo ranks: trainer TP=2, PP=2, CP=2 (llama), EP=2 (mixtral) and GPT-OSS's stacked
+experts at EP=2 and at TP=2 over EP=2 (expert-TP 1). See ``planned_export_worker.py``."""
 
 from __future__ import annotations
 
@@ -62,3 +63,20 @@ def test_planned_stream_of_a_pp2_model_with_an_mtp_layer(tmp_path):
     result = run_ranks(tmp_path, model_dir, "pp2")
     assert result["not_sent"] == sorted(mtp) and len(mtp) == 32
     assert result["num_tensors"] == 79 == result["bit_exact_vs_checkpoint"]
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2_ep2"])
+def test_planned_stream_of_gpt_oss_stacked_experts(tmp_path, layout):
+    """GPT-OSS stores a layer's experts as one stacked tensor: each EP rank serves its block of experts,
+    the engine rank gets every expert's TP slice (interleaved gate/up columns) or its block of whole
+    experts, bit for bit with the full export (random biases, so a misplaced block shows)."""
+    from rltrain.models.tiny import randomize_all_weights, save_tiny_model
+
+    model_dir = randomize_all_weights(save_tiny_model(tmp_path / "model", "gpt_oss"), seed=3)
+    result = run_ranks(tmp_path, model_dir, layout)
+    assert result["num_tensors"] == result["bit_exact_vs_checkpoint"] and not result["not_sent"]
+    # engine EP=2: each rank its half of the experts whole; engine TP=2: half of each expert
+    for key in ("tp2", "tp2_ep1"):
+        assert set(result[key]) == {"0", "1"}
+        total = sum(r["bytes"] for r in result[key].values())
+        assert result["full_bytes"] * 0.9 < total <= result["full_bytes"] * 1.1, (key, total)

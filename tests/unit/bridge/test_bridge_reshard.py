@@ -54,6 +54,11 @@ def reference_piece(t: TensorLayout, trainer: TrainerLayout, shard: ShardId) -> 
         stage_of += [trainer.pp - 1] * last
     stage = (trainer.pp - 1 if t.last_stage else 0) if t.layer is None else stage_of[t.layer]
     assert shard.pp == stage, f"{t.hf_name} read from stage {shard.pp}, it lives on {stage}"
+    if t.stacked:  # EP rank k holds its block of experts, each split over expert-TP
+        block = full.chunk(trainer.ep, dim=0)[shard.ep]
+        if t.split == "replicated":
+            return block
+        return block.chunk(trainer.etp or trainer.tp, dim=t.dim)[shard.tp]
     if t.expert is not None:
         assert shard.ep == t.expert // (trainer.num_experts // trainer.ep), f"{t.hf_name} wrong EP rank"
     if t.split == "replicated":
@@ -72,6 +77,16 @@ def reference_piece(t: TensorLayout, trainer: TrainerLayout, shard: ShardId) -> 
 def reference_need(t: TensorLayout, engine: EngineLayout, rank: int, num_experts: int) -> torch.Tensor:
     """Bool mask of the full tensor that engine rank ``rank``'s loader reads (vLLM's sharding rules)."""
     mask = torch.zeros(t.shape, dtype=torch.bool)
+    if t.stacked:  # vLLM's GPT-OSS loader: its block of whole experts, or every expert's TP slice
+        if engine.ep > 1:
+            per = num_experts // engine.ep
+            mask[rank * per : (rank + 1) * per] = True
+        elif t.split == "replicated":
+            mask[...] = True
+        else:
+            index = torch.arange(t.shape[t.dim]).chunk(engine.tp)[rank]
+            mask.narrow(t.dim, int(index[0]), len(index)).fill_(True)
+        return mask
     if t.expert is not None and engine.ep > 1:
         if t.expert // (num_experts // engine.ep) == rank:
             mask[...] = True
@@ -233,3 +248,91 @@ def test_bridge_layouts_of_deepseek_v3_give_vllm_its_whole_mla_down_projections(
     assert not any(t.engine_replicated for t in layouts if t not in down)
     trainer = TrainerLayout(tp=tp, ep=ep, num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts)
     check_plan(layouts, trainer, EngineLayout(tp=engine_tp))
+
+
+def stacked_experts_layer(num_experts: int = 8, hidden: int = 16, ffn: int = 32) -> list[TensorLayout]:
+    """GPT-OSS's stacked expert tensors of one layer, as vLLM's loader reads them (hand-written)."""
+    p = "model.layers.0.mlp.experts."
+    return [
+        TensorLayout(
+            p + "gate_up_proj", (num_experts, hidden, 2 * ffn), "column", layer=0, stacked=True, dim=2
+        ),
+        TensorLayout(p + "gate_up_proj_bias", (num_experts, 2 * ffn), "column", layer=0, stacked=True, dim=1),
+        TensorLayout(p + "down_proj", (num_experts, ffn, hidden), "column", layer=0, stacked=True, dim=1),
+        TensorLayout(p + "down_proj_bias", (num_experts, hidden), "replicated", layer=0, stacked=True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep", "etp", "engine_tp", "engine_ep"),
+    [
+        (1, 1, None, 1, 1),
+        (1, 2, None, 1, 1),  # EP=2 trainer → one engine rank reads both blocks
+        (2, 2, 1, 2, 1),  # EP=2, expert-TP=1 → every expert TP-split in the engine
+        (1, 4, None, 2, 2),  # EP=4 → expert-parallel engine: two trainer blocks per engine rank
+        (2, 2, 2, 4, 1),  # expert-TP=2 pieces → engine TP=4 slices
+        (4, 1, 4, 2, 2),
+        (2, 4, 1, 4, 4),
+        (1, 8, None, 8, 1),
+    ],
+)
+def test_stacked_experts_plan_exactly_once(tp, ep, etp, engine_tp, engine_ep):
+    """GPT-OSS's one-tensor-per-layer experts: every engine rank's experts and TP slice, each element
+    from the one trainer rank holding it, and nothing else."""
+    trainer = TrainerLayout(tp=tp, ep=ep, etp=etp, num_layers=1, num_experts=8)
+    check_plan(stacked_experts_layer(), trainer, EngineLayout(tp=engine_tp, ep=engine_ep))
+
+
+def test_stacked_experts_read_only_the_trainer_blocks_they_need():
+    """An expert-parallel engine rank reads its own block only: with trainer EP=2 and engine EP=2 the
+    copies of rank r all come from trainer EP rank r, whole experts in one copy per tensor."""
+    trainer = TrainerLayout(ep=2, num_layers=1, num_experts=8)
+    plan = plan_weight_sync(stacked_experts_layer(), trainer, EngineLayout(tp=2, ep=2))
+    for rank, copies in plan.items():
+        assert len(copies) == 4 and {c.source.ep for c in copies} == {rank}
+        assert all(c.dst[0] == slice(4 * rank, 4 * rank + 4) for c in copies)
+
+
+def test_stacked_experts_errors_name_the_tensor():
+    trainer = TrainerLayout(ep=2, num_layers=1, num_experts=4)
+    with pytest.raises(ValueError, match=r"experts.gate_up_proj: 8 stacked experts, the trainer has 4"):
+        plan_weight_sync(stacked_experts_layer(), trainer, EngineLayout())
+    with pytest.raises(
+        ValueError, match=r"experts.gate_up_proj: dim 2 of size 64 does not split over engine tp=3"
+    ):
+        plan_weight_sync(
+            stacked_experts_layer(), TrainerLayout(num_layers=1, num_experts=8), EngineLayout(tp=3)
+        )
+
+
+@pytest.mark.parametrize(
+    ("tp", "ep", "engine_tp", "engine_ep"), [(1, 2, 1, 1), (2, 2, 2, 1), (1, 4, 2, 2), (2, 1, 4, 4)]
+)
+def test_bridge_layouts_of_gpt_oss_stack_the_experts(tp, ep, engine_tp, engine_ep, tmp_path):
+    """The GPT-OSS table's stacked tensors get the splits vLLM's loader narrows: gate_up_proj and its
+    bias along the interleaved columns, down_proj along its rows, down_proj_bias whole."""
+    layouts, cfg = _bridge_layouts("gpt_oss", tmp_path)
+    stacked = {t.hf_name.rsplit(".", 1)[-1]: (t.split, t.dim) for t in layouts if t.stacked}
+    assert stacked == {
+        "gate_up_proj": ("column", 2),
+        "gate_up_proj_bias": ("column", 1),
+        "down_proj": ("column", 1),
+        "down_proj_bias": ("replicated", None),
+    }
+    assert all(t.expert is None for t in layouts)
+    trainer = TrainerLayout(
+        tp=tp, ep=ep, etp=1, num_layers=cfg.num_hidden_layers, num_experts=cfg.num_local_experts
+    )
+    check_plan(layouts, trainer, EngineLayout(tp=engine_tp, ep=engine_ep))
+
+
+def test_a_fused_gate_up_hf_tensor_is_refused_naming_it():
+    """No family ships one, but an HF ``gate_up_proj = [gate; up]`` would give each TP rank two blocks
+    that vLLM narrows half by half: the planner refuses it in one line."""
+    from megatron_bridge.mappings import FusedGatedMLP
+    from megatron_bridge.reshard import _kinds
+
+    with pytest.raises(NotImplementedError) as err:
+        _kinds(FusedGatedMLP("decoder.layers.*.mlp.linear_fc1.weight", "model.layers.*.mlp.gate_up_proj"), 1)
+    (line,) = err.value.args
+    assert line.startswith("FusedGatedMLP (model.layers.*.mlp.gate_up_proj): ") and "\n" not in line

@@ -58,15 +58,3 @@ def test_sinks_split_by_head_and_a_table_without_them_is_refused() -> None:
     state = {name: torch.zeros(1) for unit in bridge.units for name in unit.hf_names}
     with pytest.raises(KeyError, match=r"unexpected tensors \['model.layers.0.self_attn.sinks'"):
         without.hf_to_megatron(state)
-
-
-def test_live_weight_sync_refuses_the_stacked_experts_naming_them() -> None:
-    """The trainer's reshard planner splits unfused HF tensors only: a GPT-OSS export is refused in
-    one line naming the stacked expert tensor, before anything is sent."""
-    from megatron_bridge.reshard import layouts_from_bridge
-
-    bridge = Bridge.from_hf_config(tiny_hf_config("gpt_oss", vocab_size=448))
-    with pytest.raises(NotImplementedError) as err:
-        layouts_from_bridge(bridge, {name: (1,) for unit in bridge.units for name in unit.hf_names})
-    (line,) = err.value.args
-    assert line.startswith("GroupedExperts (model.layers.*.mlp.experts.gate_up_proj): ") and "\n" not in line
