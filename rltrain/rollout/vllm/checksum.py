@@ -15,7 +15,12 @@ What is compared, and why it is real:
 The readback runs where the model lives (in-process, or inside each worker via ``collective_rpc``)
 and covers the worker's own shard; the trainer side (``rltrain.weight_sync.sender``) digests the
 same shard of the tensors it sent.
-Dense decoders are covered; a fused-MoE module raises, naming it.
+Dense decoders are covered, and the stacked experts of the models in ``STACKED_EXPERTS`` (GPT-OSS):
+on CPU their prepacked ``w13_weight``/``w2_weight`` are read back in model format by inverting the
+prepack, which is a permutation of the elements (found by prepacking the element indices; checked to
+be one), then laid out as the HF tensors are. ``HF_RENAMES`` undoes the renames of such a model's
+``hf_to_vllm_mapper`` (GPT-OSS's ``self_attn``/``attn``, ``embed_tokens``/``embedding``). Any other
+fused-MoE module raises, naming it.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ def _linear_weight(module: torch.nn.Module) -> torch.Tensor:
     cpu_linear = getattr(module, "cpu_linear", None)
     if cpu_linear is None:
         raise RuntimeError(f"{type(module).__name__}: empty weight and no cpu_linear kernel to read back")
-    eye = torch.eye(module.input_size_per_partition, dtype=weight.dtype, device=weight.device)
+    # a replicated layer (a MoE router's GateLinear) has no per-partition size: its input is whole
+    size = getattr(module, "input_size_per_partition", None) or module.input_size
+    eye = torch.eye(size, dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
         return cpu_linear(eye, None, None).t().contiguous()
 
@@ -56,23 +63,86 @@ def _vocab_weight(module: torch.nn.Module) -> torch.Tensor:
         return cpu_linear(eye, weight, None).t().contiguous()
 
 
+STACKED_EXPERTS: dict[str, dict[str, tuple[str, bool]]] = {
+    "GptOssForCausalLM": {
+        "w13_weight": ("gate_up_proj", True),  # HF [experts, hidden, 2 * intermediate], interleaved
+        "w2_weight": ("down_proj", True),  # HF [experts, intermediate, hidden]
+        "w13_bias": ("gate_up_proj_bias", False),
+        "w2_bias": ("down_proj_bias", False),
+    },
+}
+"""vLLM model class → fused-MoE parameter → (HF tensor beside ``experts``, transposed in the last two
+dimensions): the models whose HF checkpoint stacks all experts of a layer in one tensor."""
+
+HF_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "GptOssForCausalLM": ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens.")),
+}
+"""vLLM model class → (vLLM name part, HF name part) for the module names its mapper renames."""
+
+
+def _model_format(weight: torch.Tensor, fused_experts: object) -> torch.Tensor:
+    """A CPU-prepacked expert weight in model format: the prepack moves elements only, so prepacking
+    the element indices (in base-256 digits, exact in any float dtype) gives where each one went."""
+    from vllm import _custom_ops as ops
+
+    numel = weight.numel()
+    index = torch.zeros(numel, dtype=torch.int64)
+    scale = 1
+    while scale < numel:
+        digit = (torch.arange(numel) // scale % 256).to(weight.dtype).reshape(weight.shape)
+        index += ops.cpu_prepack_moe_weight(digit, fused_experts.isa).flatten().to(torch.int64) * scale
+        scale *= 256
+    if not torch.equal(torch.sort(index).values, torch.arange(numel)):
+        raise RuntimeError(f"the CPU experts prepack ({fused_experts.isa}) is not a permutation here")
+    out = torch.empty(numel, dtype=weight.dtype, device=weight.device)
+    out[index] = weight.detach().flatten()
+    return out.reshape(weight.shape)
+
+
+def _stacked_experts(model_class: str, module_name: str, module: torch.nn.Module) -> Iterator[NamedTensor]:
+    """The HF stacked expert tensors of one fused-MoE ``module`` of a ``STACKED_EXPERTS`` model."""
+    from vllm.platforms import current_platform
+
+    if model_class not in STACKED_EXPERTS or not current_platform.is_cpu():
+        raise NotImplementedError(
+            f"weight readback of fused-MoE module {module_name!r} is not supported; "
+            "verify MoE syncs by logprobs instead"
+        )
+    fused_experts = module.quant_method.moe_kernel.fused_experts
+    prefix = module_name.rsplit(".", 1)[0]  # vLLM's routed_experts sits under the HF ``experts``
+    for param_name, (hf_leaf, transposed) in STACKED_EXPERTS[model_class].items():
+        tensor = getattr(module, param_name, None)
+        if tensor is None:
+            continue
+        tensor = tensor.detach()
+        if param_name in ("w13_weight", "w2_weight"):
+            tensor = _model_format(tensor, fused_experts)
+        yield f"{prefix}.{hf_leaf}", tensor.transpose(1, 2) if transposed else tensor
+
+
 def _unpacked_names(model: torch.nn.Module) -> dict[str, list[str]]:
     return dict(getattr(model, "packed_modules_mapping", {}) or {})
 
 
 def engine_hf_weights(model: torch.nn.Module) -> Iterator[NamedTensor]:
     """Yield ``(hf_name, tensor)`` for every weight of a vLLM model, as its kernels see them."""
+    renames = HF_RENAMES.get(type(model).__name__, ())
+    for name, tensor in _engine_weights(model):
+        for vllm_part, hf_part in renames:
+            name = name.replace(vllm_part, hf_part, 1)
+        yield name, tensor
+
+
+def _engine_weights(model: torch.nn.Module) -> Iterator[NamedTensor]:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     packed = _unpacked_names(model)
     yielded_lm_head = False
     for module_name, module in model.named_modules():
-        if hasattr(module, "w13_weight"):  # fused experts: [E, 2I, H] / [E, H, I], kernel-specific layout
-            raise NotImplementedError(
-                f"weight readback of fused-MoE module {module_name!r} is not supported; "
-                "verify MoE syncs by logprobs instead"
-            )
+        if "w13_weight" in module._parameters:  # fused experts: [E, 2I, H] / [E, H, I], kernel layout
+            yield from _stacked_experts(type(model).__name__, module_name, module)
+            continue
         if isinstance(module, VocabParallelEmbedding):
             rows = module.shard_indices.num_org_elements
             yield f"{module_name}.weight", _vocab_weight(module)[:rows]

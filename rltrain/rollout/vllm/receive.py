@@ -29,6 +29,7 @@ from megatron_bridge.vllm_names import fused_group
 from rltrain.rollout.vllm import checksum, worker_fns
 from rltrain.rollout.vllm.core import EngineCalls, EngineCore
 from rltrain.rollout.vllm.direct_load import DirectLoader, direct_loader_for
+from rltrain.rollout.vllm.reload import reload_in_place
 from rltrain.weight_sync.buckets import iter_buckets
 from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
@@ -76,10 +77,7 @@ class WeightReceiver:
             direct.load(stream)
             path = "direct"
         elif self.core.in_process:
-            self.calls.collective_rpc(
-                "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
-            )
-            worker_fns.finish_reload(self.local_model(), counter.names)
+            reload_in_place(self.local_model(), stream, reload=self._reload_in_process)
             path = "reload"
         else:
             path, num_calls = "reload", 0
@@ -90,6 +88,11 @@ class WeightReceiver:
         counter.check_complete_groups()
         self.calls.reset_prefix_cache()
         return SyncStats(counter.num_tensors, counter.num_bytes, num_calls, time.perf_counter() - start, path)
+
+    def _reload_in_process(self, weights: Iterable[NamedTensor]) -> None:
+        self.calls.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
+        )
 
     def direct_loader(self) -> DirectLoader | None:
         """The in-process engine's ``DirectLoader`` when ``VllmOptions.weight_load`` selects it

