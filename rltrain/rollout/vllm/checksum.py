@@ -115,9 +115,19 @@ def _stacked_experts(model_class: str, module_name: str, module: torch.nn.Module
         if tensor is None:
             continue
         tensor = tensor.detach()
+        if param_name == "w2_bias" and _zeroed_down_bias(fused_experts.moe_config, tensor):
+            continue
         if param_name in ("w13_weight", "w2_weight"):
             tensor = _model_format(tensor, fused_experts)
         yield f"{prefix}.{hf_leaf}", tensor.transpose(1, 2) if transposed else tensor
+
+
+def _zeroed_down_bias(moe_config: object, bias: torch.Tensor) -> bool:
+    """Whether ``bias`` is a down-projection bias that vLLM's GPT-OSS loader zeroed by its own rule:
+    with experts split over TP (not expert-parallel) the output is all-reduced, so only TP rank 0
+    keeps the bias. Such a worker holds nothing of the trainer's to compare; a nonzero one there is
+    reported (and then differs)."""
+    return not moe_config.use_ep and moe_config.tp_rank != 0 and not bool(bias.any())
 
 
 def _unpacked_names(model: torch.nn.Module) -> dict[str, list[str]]:

