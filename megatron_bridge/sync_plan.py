@@ -188,6 +188,8 @@ class SyncPlan:
     phases: list[Phase]
     need: dict[int, int]
     """Bytes each engine GPU must end up with (its regions of every tensor)."""
+    position: dict[int, tuple[int, int]]
+    """Each engine GPU's (pipeline stage, TP rank) in its replica: equal positions need equal bytes."""
 
 
 def _messages(nbytes: int, largest_slice: int, bucket: int) -> int:
@@ -231,10 +233,12 @@ def shard_to_shard(
         need_by_position[(stage, rank)] = total
     phase = Phase(f"shard-to-shard ({fanout})")
     need: dict[int, int] = {}
+    position: dict[int, tuple[int, int]] = {}
     bucket = place.bucket_bytes
     for replica in range(place.engine_replicas):
         for (stage, rank), total in need_by_position.items():
             need[place.engine_gpu(replica, stage, rank)] = total
+            position[place.engine_gpu(replica, stage, rank)] = (stage, rank)
         if fanout == "direct" or replica == 0:
             for (owner, stage, rank), (nbytes, largest) in flows.items():
                 dst = place.engine_gpu(replica, stage, rank)
@@ -255,7 +259,7 @@ def shard_to_shard(
     if fanout == "relay" and place.engine_replicas > 1:
         phase.pipeline_fill_bytes = (place.engine_replicas - 1) * min(bucket, max(need.values()))
         phase.pipeline_fill_link = place.link(place.engine_gpu(0, 0, 0), place.engine_gpu(1, 0, 0))
-    return SyncPlan(phase.name, [phase], need)
+    return SyncPlan(phase.name, [phase], need, position)
 
 
 def bucket_sizes(sizes: Iterable[int], bucket_bytes: int) -> list[int]:
@@ -310,6 +314,7 @@ def rank0(
     for gpu in receivers:
         broadcast.gpus[gpu].extra = largest
     need: dict[int, int] = {}
+    position: dict[int, tuple[int, int]] = {}
     handoff = Phase("hand-off to engine workers")
     plan = plan if plan is not None else replica_plan(tensors, place)
     for replica, receiver in enumerate(receivers):
@@ -317,11 +322,12 @@ def rank0(
             gpu = place.engine_gpu(replica, stage, rank)
             nbytes = sum(copy_bytes(c, place.dtype_bytes) for c in copies)
             need[gpu] = nbytes
+            position[gpu] = (stage, rank)
             handoff.gpus[receiver].packed += nbytes  # the receiver unpacks each worker's regions
             handoff.gpus[gpu].extra = max(handoff.gpus[gpu].extra, -(-largest * nbytes // total))
             if gpu != receiver:
                 handoff.move(receiver, gpu, nbytes, place.link(receiver, gpu), messages=len(buckets))
-    return SyncPlan("rank-0 broadcast", [gather, pack, broadcast, handoff], need)
+    return SyncPlan("rank-0 broadcast", [gather, pack, broadcast, handoff], need, position)
 
 
 @dataclass(frozen=True)
@@ -359,6 +365,25 @@ def lower_bound_seconds(plan: SyncPlan, place: Placement, bw: Bandwidths) -> flo
     an engine GPU needs crosses the network (into that GPU, or into a GPU of its node)."""
     del place
     return max(plan.need.values()) / bw.net
+
+
+def node_floor_seconds(plan: SyncPlan, place: Placement, bw: Bandwidths) -> float:
+    """A floor for any plan: the distinct bytes an engine node needs (replicas on one node need one
+    copy), brought in over all its GPUs' network links at once, and what a GPU needs beyond its
+    network share, spread inside the node over NVLink (the two overlap)."""
+    needs: dict[int, dict[tuple[int, int], int]] = defaultdict(dict)
+    gpus: dict[int, int] = defaultdict(int)
+    largest: dict[int, int] = defaultdict(int)
+    for gpu, nbytes in plan.need.items():
+        node = place.node(gpu)
+        needs[node][plan.position[gpu]] = nbytes
+        gpus[node] += 1
+        largest[node] = max(largest[node], nbytes)
+    floor = 0.0
+    for node, distinct in needs.items():
+        share = sum(distinct.values()) / gpus[node]
+        floor = max(floor, share / bw.net, max(0.0, largest[node] - share) / bw.nvlink)
+    return floor
 
 
 @dataclass(frozen=True)

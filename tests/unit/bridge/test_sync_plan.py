@@ -54,6 +54,9 @@ def test_direct_fanout_sends_each_replica_its_copy_from_the_owner():
     # owner: 2 × 5456 B at 100 B/s, 2 calls, packs 2 × 5456 B at 10,000 B/s
     assert sp.predicted_seconds(plan, BW) == pytest.approx(109.12 + 1.0 + 1.0912)
     assert sp.lower_bound_seconds(plan, placement(), BW) == pytest.approx(54.56)
+    # node 1 holds both replicas: it needs the two positions' 2 × 5456 B once, over its 4 GPUs'
+    # links (2728 B each, 27.28 s); each GPU gets its other 2728 B over NVLink (2.728 s)
+    assert sp.node_floor_seconds(plan, placement(), BW) == pytest.approx(27.28)
 
 
 def test_relay_fanout_forwards_within_the_engine_node():
