@@ -31,7 +31,7 @@ one node and ``"net"`` between nodes.
 Counts: bytes of every planned element at ``dtype_bytes`` each; ``messages``: point-to-point or
 collective calls a GPU takes part in (each counts on both ends), slices sent to one destination
 packed into messages of at most ``bucket_bytes`` (a slice larger than that is its own message);
-``extra_bytes``: the largest buffer a GPU holds beyond its weights, as stated per plan in
+``extra``: the largest buffer a GPU holds beyond its weights, as stated per plan in
 ``rank0`` and ``shard_to_shard``.
 """
 
