@@ -33,7 +33,7 @@ RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "moe_qwen3_grpo_cpu.y
 STEPS = 20
 
 
-def grpo_run(tmp_path: Path, name: str, *overrides: str) -> dict[int, dict]:
+def grpo_run(tmp_path: Path, name: str, *overrides: str, steps: int = STEPS) -> dict[int, dict]:
     from rltrain.orchestrator.entry import train
 
     config_file = tmp_path / f"{name}.json"
@@ -47,14 +47,14 @@ def grpo_run(tmp_path: Path, name: str, *overrides: str) -> dict[int, dict]:
             f"model.cache_dir={tmp_path / 'models'}",
             f"model.tiny.model_type={config['model_type']}",
             f"model.tiny.config_path={config_file}",
-            f"trainer.total_training_steps={STEPS}",
+            f"trainer.total_training_steps={steps}",
             "trainer.save_freq=0",
             "trainer.test_freq=0",
             "trainer.logger=[jsonl]",
             *overrides,
         ],
     )
-    assert train(config) == STEPS
+    assert train(config) == steps
     return {r["step"]: r for r in read_metrics(config.run_dir())}
 
 
@@ -91,7 +91,17 @@ def test_gpt_oss_20b_learns_at_ep2_and_the_engine_agrees(local_ray, tmp_path):
     """GPT-OSS-20B (sinks, alternating 8-key windows and full layers, YaRN past 16 positions, 4 biased
     experts top-2 with the clamped GLU, stacked in one HF tensor a layer), its experts on EP=2 ranks
     (expert-TP 1) with routing replay R2; each EP rank syncs its block of the stacked experts."""
-    records = grpo_run(tmp_path, "gpt-oss-20b", "model.moe.moe_aux_loss_coeff=0.0")
+    records = grpo_run(
+        tmp_path,
+        "gpt-oss-20b",
+        "model.moe.moe_aux_loss_coeff=0.0",  # as the GPU recipe: the release's 0.9 is transformers' own
+        # It learns slower than GLM-4.5-Air: 300 warm-up steps (150 leave it at a reward of 0.1), the
+        # actor at 1e-3 (the recipe's 3e-4 barely moves it in 20 steps; 2e-3 and 3e-3 fall back), 30
+        # steps. Measured: the last 10 steps' mean reward above the first 10's by 0.06-0.09.
+        "model.tiny.sft_warmup_steps=300",
+        "actor.optim.lr=1e-3",
+        steps=30,
+    )
     assert_learns_and_agrees(records)
 
 
@@ -107,10 +117,12 @@ def test_an_mla_config_is_refused_by_the_cpu_engine_in_one_line(local_ray, tmp_p
 
 
 def assert_learns_and_agrees(records: dict[int, dict]) -> None:
-    rewards = [records[s]["reward/score/mean"] for s in range(1, STEPS + 1)]
-    first, second = sum(rewards[:10]) / 10, sum(rewards[10:]) / 10
+    """The mean reward of the last 10 steps beats the first 10's by 0.03; the gap is below 1e-3 at every step."""
+    steps = len(records) - (0 in records)
+    rewards = [records[s]["reward/score/mean"] for s in range(1, steps + 1)]
+    first, second = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert second > first + 0.03, (first, second, rewards)
-    for s in range(1, STEPS + 1):
+    for s in range(1, steps + 1):
         assert records[s]["rollout/logprob_abs_diff_max"] < 1e-3, (
             s,
             records[s]["rollout/logprob_abs_diff_max"],
