@@ -44,7 +44,9 @@ speed times that ratio): what an encoder as slow, relative to a copy, as this sc
 would cost. ``rank-0 x`` applies the wire ratio to today's rank-0 broadcast prediction (all its
 phases' bytes scale; calls do not shrink, so this slightly flatters it) plus the same encoding cost.
 ``nvlink`` is the same delta against a full send over NVLink (450 GB/s), the colocated or same-node
-case. Left out: the memory for the sender's previous copy (``B`` per GPU), a delta's larger call
+case. The break-even fractions are where the delta's time equals the full send's over the network:
+bytes only (``6 f = 2``; ``1/8 + 2 f = 2``), and with the packing cost above (``r = net / packing``:
+``6 f + (6 + 12 f) r = 2``; ``1/8 + 2 f + (6.25 + 4 f) r = 2``). Left out: the memory for the sender's previous copy (``B`` per GPU), a delta's larger call
 count, and that the trainer's fp32 master weights change more often than their bf16 casts.
 """
 
@@ -248,12 +250,13 @@ def prediction_lines(fraction: float, cpu_ratio: float) -> list[str]:
     from megatron_bridge import sync_plan as sp
 
     bw = sp.Bandwidths()
+    r = bw.net / bw.memcpy  # the packing cost of a byte, in network-byte times
     lines = [
         f"Prediction at f = {fraction:.4%} changed (sync_plan time model: net {bw.net / GB:.0f} GB/s, "
         f"NVLink {bw.nvlink / GB:.0f} GB/s, packing {bw.memcpy / 1e12:.1f} TB/s); the largest engine GPU's bytes B:",
-        f"  break-even fractions on the wire: positions {1 / 3:.1%}, bitmap {15 / 16:.1%}; "
-        f"with the packing cost at net speed: bitmap below "
-        f"{(1 - 1 / 16 - 3 * bw.net / bw.memcpy) / (2 + 4 * bw.net / bw.memcpy):.1%}",
+        f"  break-even fractions, bytes only: positions {1 / 3:.1%}, bitmap {15 / 16:.1%}; with the packing "
+        f"cost, over the network: positions {(2 - 6 * r) / (6 + 12 * r):.1%}, bitmap "
+        f"{(2 - 1 / 8 - 6.25 * r) / (2 + 4 * r):.1%}",
         "  case                                        B GB   full s  s2s relay s  rank-0 s | enc  wire GB  "
         "delta s  / full  cpu-ratio s | rank-0 x s | nvlink full s delta s",
     ]
