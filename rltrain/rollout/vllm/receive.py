@@ -31,6 +31,7 @@ from rltrain.rollout.vllm.core import EngineCalls, EngineCore
 from rltrain.rollout.vllm.direct_load import DirectLoader, direct_loader_for
 from rltrain.rollout.vllm.reload import reload_in_place
 from rltrain.weight_sync.buckets import iter_buckets
+from rltrain.weight_sync.sampling import DigestRequest
 from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
 
@@ -129,9 +130,10 @@ class WeightReceiver:
         """``{hf_name: sha256}`` of the effective weights of worker rank 0's shard."""
         return self.all_weights_digests()[0]
 
-    def all_weights_digests(self) -> list[dict[str, str]]:
-        """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard."""
-        return self.calls.collective_rpc(worker_fns.worker_digests)
+    def all_weights_digests(self, request: DigestRequest | None = None) -> list[dict[str, str]]:
+        """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard
+        (with a ``request``: of the tensors it names, on their sampled columns)."""
+        return self.calls.collective_rpc(worker_fns.worker_digests, args=(request,))
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The effective weights of an in-process engine by HF name (copies; for tests and debugging)."""

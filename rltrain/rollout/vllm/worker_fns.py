@@ -102,11 +102,12 @@ def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) ->
     return "reload"
 
 
-def worker_digests(worker: Any) -> dict[str, str]:
-    """``{hf_name: sha256}`` of this worker's effective weights."""
+def worker_digests(worker: Any, request: Any = None) -> dict[str, str]:
+    """``{hf_name: sha256}`` of this worker's effective weights (those a
+    ``rltrain.weight_sync.sampling.DigestRequest`` names, on its columns; None: all, whole)."""
     from rltrain.rollout.vllm.checksum import engine_digests
 
-    return engine_digests(worker.model_runner.get_model())
+    return engine_digests(worker.model_runner.get_model(), request)
 
 
 def _one_parcel_per_tensor_set(
