@@ -68,8 +68,9 @@ def build_model_dir(root: Path, name: str) -> Path:
 def run_model(name: str, repeats: int) -> None:
     """One model's rounds (this process: one Megatron context)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from megatron_bridge.reshard import EngineLayout
     from rollout_weight_sync import megatron_actor
+
+    from megatron_bridge.reshard import EngineLayout
     from rltrain.logging import metrics as m
     from rltrain.rollout.protocol import EngineSettings
     from rltrain.rollout.vllm.engine import VllmEngine
@@ -81,14 +82,17 @@ def run_model(name: str, repeats: int) -> None:
     model_dir = build_model_dir(root, name)
     planned = megatron_actor(model_dir)
     engine = VllmEngine(
-        str(model_dir), settings=EngineSettings(max_model_len=256, options=VllmOptions(kv_cache_space_gb=0.25))
+        str(model_dir),
+        settings=EngineSettings(max_model_len=256, options=VllmOptions(kv_cache_space_gb=0.25)),
     )
     transport = ColocatedTransport(
         rank=0, host_ranks=[0], engine=engine, layout=EngineLayout(tp=1), bucket_bytes=1 << 30
     )
     modes = ("off", "sampled", "full")
     senders = {
-        mode: WeightSender(planned, transport, rank=0, host_ranks=[0], engine=engine, engine_tp=1, verify=mode)
+        mode: WeightSender(
+            planned, transport, rank=0, host_ranks=[0], engine=engine, engine_tp=1, verify=mode
+        )
         for mode in modes
     }
     for sender in senders.values():
@@ -102,7 +106,9 @@ def run_model(name: str, repeats: int) -> None:
             times[mode].append(time.perf_counter() - start)
             verify_s[mode].append(metrics.get(m.WEIGHT_SYNC_VERIFY_SECONDS, 0.0))
     num_params = sum(int(torch.Size(s).numel()) for s in planned.shapes.values())
-    print(f"model {name}: {num_params / 1e6:.2f} M params, {len(planned.shapes)} HF tensors, {repeats} rounds")
+    print(
+        f"model {name}: {num_params / 1e6:.2f} M params, {len(planned.shapes)} HF tensors, {repeats} rounds"
+    )
     for mode in modes:
         print(
             f"  {mode:8s} best {min(times[mode]) * 1e3:8.1f} ms  median {statistics.median(times[mode]) * 1e3:8.1f} ms"

@@ -21,6 +21,12 @@ prepack, which is a permutation of the elements (found by prepacking the element
 be one), then laid out as the HF tensors are. ``HF_RENAMES`` undoes the renames of such a model's
 ``hf_to_vllm_mapper`` (GPT-OSS's ``self_attn``/``attn``, ``embed_tokens``/``embedding``). Any other
 fused-MoE module raises, naming it.
+A ``DigestRequest`` (``rltrain.weight_sync.sampling``; the default, sampled verification) limits the
+readback to the tensors it names and, for sampled ones, to a few columns of the last dimension: a
+prepacked linear layer then multiplies only the selected rows of the identity (``I[cols] @ Wᵀ`` is
+``W[:, cols]ᵀ``, exactly), once per fused module (its parts share the columns); other tensors are
+indexed. With ``skip_unsupported`` a fused-MoE module that cannot be read back is skipped (said
+once in this process's log) instead of raising.
 """
 
 from __future__ import annotations
