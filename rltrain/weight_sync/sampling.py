@@ -63,6 +63,10 @@ class DigestRequest:
         """The columns of ``name`` (last dimension ``width`` wide) to digest; None: all of them."""
         return sample_columns(name, self.sync_index, width) if self.tensors.get(name) else None
 
+    def columns_of(self, name: str, tensor: torch.Tensor) -> list[int] | None:
+        """``columns`` for ``tensor``, one worker's shard of ``name``."""
+        return self.columns(name, last_width(tensor))
+
 
 def sample_columns(name: str, sync_index: int, width: int, count: int = COLUMNS_PER_TENSOR) -> list[int]:
     """``count`` sorted column indices in ``range(width)`` (all when ``width <= count``), the same for
@@ -95,8 +99,13 @@ def digest_request(names: Sequence[str], *, sync_index: int, every: int, mode: s
     return DigestRequest(sync_index, tensors, skip_unsupported=mode == "sampled")
 
 
+def last_width(tensor: torch.Tensor) -> int:
+    """The size of ``tensor``'s last dimension (1 for a scalar)."""
+    return tensor.shape[-1] if tensor.dim() else 1
+
+
 def take_columns(tensor: torch.Tensor, columns: list[int] | None) -> torch.Tensor:
-    """``tensor[..., columns]`` (the tensor itself for None)."""
-    if columns is None:
+    """``tensor[..., columns]`` (the tensor itself for None, or a scalar)."""
+    if columns is None or tensor.dim() == 0:
         return tensor
     return tensor[..., torch.tensor(columns, dtype=torch.long, device=tensor.device)]

@@ -30,7 +30,14 @@ from megatron_bridge.reshard import EngineLayout
 from rltrain.errors import WeightSyncMismatchError
 from rltrain.logging import metrics as m
 from rltrain.weight_sync.checksum import tensor_digest
-from rltrain.weight_sync.sampling import DigestRequest, checked, sample_columns, take_columns, verify_mode
+from rltrain.weight_sync.sampling import (
+    DigestRequest,
+    checked,
+    last_width,
+    sample_columns,
+    take_columns,
+    verify_mode,
+)
 from rltrain.weight_sync.transport import WeightTransport, make_transport
 from rltrain.weight_sync.types import EngineReceiver, TensorRegions, WeightSource, drain
 
@@ -168,7 +175,7 @@ class _Digester:
     def _digest(self, update: TensorRegions, worker: int, sampled: bool) -> str:
         regions = update.regions[worker]
         shard = regions[0][1] if len(regions) == 1 else update.shard(worker)
-        columns = sample_columns(update.name, self.sync_index, shard.shape[-1]) if sampled else None
+        columns = sample_columns(update.name, self.sync_index, last_width(shard)) if sampled else None
         return tensor_digest(take_columns(shard, columns), self.dtype)
 
     def request(self) -> DigestRequest:

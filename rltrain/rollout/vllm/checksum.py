@@ -177,6 +177,9 @@ class _Selection:
     def columns(self, name: str, width: int) -> list[int] | None:
         return None if self.request is None else self.request.columns(self.hf_name(name), width)
 
+    def columns_of(self, name: str, tensor: torch.Tensor) -> list[int] | None:
+        return None if self.request is None else self.request.columns_of(self.hf_name(name), tensor)
+
 
 def engine_hf_weights(model: torch.nn.Module, request: DigestRequest | None = None) -> Iterator[NamedTensor]:
     """Yield ``(hf_name, tensor)`` for every weight of a vLLM model, as its kernels see them; with a
@@ -210,7 +213,7 @@ def _engine_weights(model: torch.nn.Module, select: _Selection) -> Iterator[Name
         for param_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}"
             if select.wants(name):
-                yield name, take_columns(param.detach(), select.columns(name, param.shape[-1]))
+                yield name, take_columns(param.detach(), select.columns_of(name, param))
     config = getattr(model, "config", None)
     if (
         getattr(config, "tie_word_embeddings", False)
@@ -245,7 +248,7 @@ def _linear_parts(
     for sub, part in zip(subs, parts):
         name = f"{prefix}{sub}.bias"
         if select.wants(name):
-            yield name, take_columns(part, select.columns(name, part.shape[-1]))
+            yield name, take_columns(part, select.columns_of(name, part))
 
 
 def _selected_experts(
@@ -268,7 +271,7 @@ def _selected_experts(
         return
     for name, tensor in _stacked_experts(model_class, module_name, module):
         if select.wants(name):
-            yield name, take_columns(tensor, select.columns(name, tensor.shape[-1]))
+            yield name, take_columns(tensor, select.columns_of(name, tensor))
 
 
 _logged_skip = False

@@ -72,6 +72,8 @@ def test_sampled_columns_are_the_same_for_a_fused_module_and_change_with_the_syn
     assert request.columns("b", 576) is None and request.columns("c", 576) is None
     t = torch.arange(12.0).reshape(3, 4)
     assert torch.equal(take_columns(t, [1, 3]), torch.tensor([[1.0, 3.0], [5.0, 7.0], [9.0, 11.0]]))
+    scalar = torch.tensor(2.5)  # a 0-d parameter: one column, itself
+    assert request.columns_of("a", scalar) == [0] and take_columns(scalar, [0]) is scalar
 
 
 class _Engine:
