@@ -46,8 +46,11 @@ log = logging.getLogger(__name__)
 def _identity_rows(size: int, columns: list[int] | None, like: torch.Tensor) -> torch.Tensor:
     """The rows ``columns`` of the ``size``-square identity (all of it for None): a GEMM ``x @ Wᵀ``
     with them gives exactly those columns of ``W``, transposed."""
-    eye = torch.eye(size, dtype=like.dtype, device=like.device)
-    return eye if columns is None else eye[columns]
+    if columns is None:
+        return torch.eye(size, dtype=like.dtype, device=like.device)
+    rows = torch.zeros(len(columns), size, dtype=like.dtype, device=like.device)
+    rows[torch.arange(len(columns)), torch.tensor(columns)] = 1.0
+    return rows
 
 
 def _linear_weight(module: torch.nn.Module, columns: list[int] | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ serialized blob on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -133,7 +134,9 @@ class WeightReceiver:
     def all_weights_digests(self, request: DigestRequest | None = None) -> list[dict[str, str]]:
         """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard
         (with a ``request``: of the tensors it names, on their sampled columns)."""
-        return self.calls.collective_rpc(worker_fns.worker_digests, args=(request,))
+        # plain data: vLLM's engine-core messages turn a dataclass into a dict on the way
+        plain = None if request is None else dataclasses.asdict(request)
+        return self.calls.collective_rpc(worker_fns.worker_digests, args=(plain,))
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The effective weights of an in-process engine by HF name (copies; for tests and debugging)."""
