@@ -65,12 +65,22 @@ def build_model_dir(root: Path, name: str) -> Path:
     return out
 
 
-def run_model(name: str, repeats: int) -> None:
+def _top(stats, n: int) -> list[str]:
+    """The ``n`` functions with the most cumulative time, one line each."""
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:n]
+    return [
+        f"{v[3] * 1e3:9.2f} ms cum {v[2] * 1e3:9.2f} ms own {v[1]:6d} calls  {k[2]} ({Path(k[0]).name}:{k[1]})"
+        for k, v in rows
+    ]
+
+
+def run_model(name: str, repeats: int, profile: bool = False) -> None:
     """One model's rounds (this process: one Megatron context)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rollout_weight_sync import megatron_actor
 
     from megatron_bridge.reshard import EngineLayout
+    from rltrain.config.rollout import WeightSyncConfig
     from rltrain.logging import metrics as m
     from rltrain.rollout.protocol import EngineSettings
     from rltrain.rollout.vllm.engine import VllmEngine
@@ -88,12 +98,23 @@ def run_model(name: str, repeats: int) -> None:
     transport = ColocatedTransport(
         rank=0, host_ranks=[0], engine=engine, layout=EngineLayout(tp=1), bucket_bytes=1 << 30
     )
-    modes = ("off", "sampled", "full")
+    default_every = WeightSyncConfig().verify_every
+    variants = {"off": ("off", 1), f"sampled N={default_every}": ("sampled", default_every)}
+    variants.update({f"sampled N={n}": ("sampled", n) for n in (8, 32) if n != default_every})
+    variants["full"] = ("full", 1)
+    modes = tuple(variants)
     senders = {
-        mode: WeightSender(
-            planned, transport, rank=0, host_ranks=[0], engine=engine, engine_tp=1, verify=mode
+        label: WeightSender(
+            planned,
+            transport,
+            rank=0,
+            host_ranks=[0],
+            engine=engine,
+            engine_tp=1,
+            verify=mode,
+            verify_every=n,
         )
-        for mode in modes
+        for label, (mode, n) in variants.items()
     }
     for sender in senders.values():
         sender.sync()  # warm-up; sampled: its sync 0, every tensor whole
@@ -111,14 +132,27 @@ def run_model(name: str, repeats: int) -> None:
     )
     for mode in modes:
         print(
-            f"  {mode:8s} best {min(times[mode]) * 1e3:8.1f} ms  median {statistics.median(times[mode]) * 1e3:8.1f} ms"
+            f"  {mode:12s} best {min(times[mode]) * 1e3:8.1f} ms  median {statistics.median(times[mode]) * 1e3:8.1f} ms"
             f"  verify_seconds mean {statistics.mean(verify_s[mode]) * 1e3:7.2f} ms"
         )
-    for mode in ("sampled", "full"):
+    for mode in modes[1:]:
         paired = statistics.median(a / b for a, b in zip(times[mode], times["off"]))
         summed = sum(times[mode]) / sum(times["off"])
-        print(f"  {mode} / off: {paired:.3f} (median of paired rounds), {summed:.3f} (summed)")
+        print(f"  {mode:12s} / off: {paired:.3f} (median of paired rounds), {summed:.3f} (summed)")
     print(f"  load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if profile:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            for _ in range(8):
+                senders[modes[1]].sync()
+        for line in _top(pstats.Stats(prof), 80):
+            if not any(
+                part in line for part in ("checksum.py", "sender.py", "sampling.py", "worker_fns", "rpc")
+            ):
+                continue
+            print("  " + line)
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's and gloo's teardown
 
@@ -127,16 +161,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=16)
     parser.add_argument("--models", default="quickstart,smollm2")
+    parser.add_argument("--profile", action="store_true", help="profile 8 sampled syncs of each model")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one model in this process
     args = parser.parse_args()
     if args.one:
-        run_model(args.one, args.repeats)
+        run_model(args.one, args.repeats, args.profile)
         return
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} CPUs")
     for name in args.models.split(","):
         if name not in MODELS:
             raise SystemExit(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
         cmd = [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats)]
+        cmd += ["--profile"] if args.profile else []
         done = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("model ", "  "))]
         print("\n".join(lines) if done.returncode == 0 else done.stdout[-2000:] + done.stderr[-3000:])

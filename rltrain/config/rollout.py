@@ -40,12 +40,15 @@ class WeightSyncConfig:
     the trainer sent (``rltrain.weight_sync.sender``; a mismatch stops the run naming the tensor,
     the engine rank and the trainer rank that sent it): ``sampled`` checks every tensor whole at the
     first sync, then a rotating 1/``verify_every`` of the tensors on a few columns each (every
-    tensor within ``verify_every`` syncs; about 1% of the sync's time, ``bench/README.md``);
+    tensor within ``verify_every`` syncs; its cost, ``bench/README.md``: a CPU engine's readback
+    streams the whole packed weight of each checked module, so it costs about 1/``verify_every`` of
+    a full check);
     ``full`` (or true) every tensor whole after every sync (slow; debugging); ``off`` (or false)
     none. Engines on other devices (``mode: separate``) are not verified."""
 
-    verify_every: PositiveInt = 8
-    """With ``verify_checksums: sampled``: every tensor is checked within this many syncs."""
+    verify_every: PositiveInt = 32
+    """With ``verify_checksums: sampled``: every tensor is checked within this many syncs (32: the
+    check stays within ~3% of a SmolLM2-135M sync on CPU; 8 costs ~4x that)."""
 
     engine_load: Literal["auto", "direct", "reload"] = "auto"
     """How a CPU engine takes the weights in: ``direct`` runs the model's loaders into a reused

@@ -73,10 +73,12 @@ def sample_columns(name: str, sync_index: int, width: int, count: int = COLUMNS_
     every tensor of one vLLM module at one sync."""
     if width <= count:
         return list(range(width))
-    key = f"{fused_group(name)}:{sync_index}".encode()
-    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-    generator = torch.Generator().manual_seed(seed)
-    return sorted(torch.randperm(width, generator=generator)[:count].tolist())
+    group, chosen, draw = fused_group(name), set(), 0
+    while len(chosen) < count:  # SHA-256 as the generator: the same in every process, and cheap
+        digest = hashlib.sha256(f"{group}:{sync_index}:{draw}".encode()).digest()
+        chosen.add(int.from_bytes(digest[:8], "little") % width)
+        draw += 1
+    return sorted(chosen)
 
 
 def checked(position: int, *, sync_index: int, every: int, mode: str) -> bool | None:

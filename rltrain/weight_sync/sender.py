@@ -60,7 +60,7 @@ class WeightSender:
         engine: EngineReceiver | None,
         engine_tp: int,
         verify: str | bool,
-        verify_every: int = 8,
+        verify_every: int = 32,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.source, self.transport = source, transport

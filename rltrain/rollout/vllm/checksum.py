@@ -32,6 +32,7 @@ once in this process's log) instead of raising.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -198,7 +199,7 @@ def _engine_weights(model: torch.nn.Module, select: _Selection) -> Iterator[Name
 
     packed = _unpacked_names(model)
     yielded_lm_head = False
-    for module_name, module in model.named_modules():
+    for module_name, module in _weight_modules(model):
         if "w13_weight" in module._parameters:  # fused experts: [E, 2I, H] / [E, H, I], kernel layout
             yield from _selected_experts(model, module_name, module, select)
             continue
@@ -226,6 +227,25 @@ def _engine_weights(model: torch.nn.Module, select: _Selection) -> Iterator[Name
         embed = model.get_submodule("model.embed_tokens")
         weight = embed.weight.detach()[: embed.shard_indices.num_org_elements]
         yield "lm_head.weight", take_columns(weight, select.columns("lm_head.weight", weight.shape[1]))
+
+
+_WEIGHT_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weight_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of ``model`` that hold weights (linear and vocab layers, and those with parameters
+    of their own), in ``named_modules`` order; found once per model (a sampled check walks them at
+    every sync)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if model not in _WEIGHT_MODULES:
+        _WEIGHT_MODULES[model] = [
+            (name, module)
+            for name, module in model.named_modules()
+            if isinstance(module, LinearBase | VocabParallelEmbedding) or module._parameters
+        ]
+    return _WEIGHT_MODULES[model]
 
 
 def _linear_parts(

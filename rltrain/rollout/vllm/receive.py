@@ -134,6 +134,8 @@ class WeightReceiver:
     def all_weights_digests(self, request: DigestRequest | None = None) -> list[dict[str, str]]:
         """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard
         (with a ``request``: of the tensors it names, on their sampled columns)."""
+        if self.core.in_process and self.num_workers == 1:  # the model is here: no engine round trip
+            return [checksum.engine_digests(self.local_model(), request)]
         # plain data: vLLM's engine-core messages turn a dataclass into a dict on the way
         plain = None if request is None else dataclasses.asdict(request)
         return self.calls.collective_rpc(worker_fns.worker_digests, args=(plain,))

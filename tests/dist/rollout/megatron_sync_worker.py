@@ -104,7 +104,13 @@ def syncs_until_planted(sender, engine, name: str, *, worker: int) -> dict:
     finally:
         if engine is not None and sender.rank == 0:
             del engine.receive  # the class's own again
-    return {"verified": verified, "target_sync": target, "planted_column": planted_at, "stopped": stopped}
+    return {
+        "every": every,
+        "verified": verified,
+        "target_sync": target,
+        "planted_column": planted_at,
+        "stopped": stopped,
+    }
 
 
 def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: str = "short") -> None:

@@ -31,13 +31,14 @@ def run_sync_ranks(tmp_path: Path, engine_dir: Path, actor_dir: Path, layout: st
 
 def check_planted(result: dict, *, num_workers: int, engine_rank: int, senders: str) -> None:
     """The default (sampled) verification after real syncs: sync 0 checks all 21 tensors of every
-    engine worker, sync k the tensors at export positions p = k (mod 8), without a mismatch; then a
+    engine worker, sync k the tensors at export positions p = k (mod 32), without a mismatch; then a
     wrong value planted at a sampled column of ``model.layers.0.mlp.down_proj.weight`` in one worker's
     load stops the sync that samples it, in one line naming the tensor, engine rank and sender."""
     planted = result["planted"]
     target = planted["target_sync"]
+    assert planted["every"] == 32  # rollout.weight_sync.verify_every's default
     expected = [(0.0, 21.0 * num_workers)]
-    expected += [(0.0, float(num_workers * sum(p % 8 == k % 8 for p in range(21)))) for k in range(1, target)]
+    expected += [(0.0, float(num_workers * (k < 21))) for k in range(1, target)]  # position k, if any
     assert [tuple(v) for v in planted["verified"]] == expected
     assert planted["planted_column"] is not None
     assert planted["stopped"] == (
