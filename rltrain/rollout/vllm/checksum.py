@@ -265,7 +265,7 @@ def _linear_parts(
         parts = torch.split(weight, sizes, dim=0) if len(subs) > 1 else [weight]
         yield from ((n, part) for n, part in zip(names, parts) if select.wants(n))
     bias = getattr(module, "bias", None)
-    if bias is None:
+    if bias is None or not any(select.wants(f"{prefix}{sub}.bias") for sub in subs):
         return
     parts = torch.split(bias.detach(), sizes, dim=0) if len(subs) > 1 else [bias.detach()]
     for sub, part in zip(subs, parts):
