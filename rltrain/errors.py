@@ -21,3 +21,9 @@ class DivergenceError(RunStopped):
 
 class NonFiniteWeightsError(RunStopped):
     """The weight sync refused weights holding NaN or infinite values (the engines keep theirs)."""
+
+
+class WeightSyncMismatchError(RunStopped):
+    """After a weight sync an engine worker's weights differ from what the trainer sent
+    (``rollout.weight_sync.verify_checksums``): the message names the HF tensor, the engine rank
+    and the trainer rank that sent it."""

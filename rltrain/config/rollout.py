@@ -35,8 +35,20 @@ class WeightSyncConfig:
     """Buckets of about this many MiB: what the broadcast sends at once, and what an engine whose
     workers run in other processes hands them in one call (a bucket never splits a fused module)."""
 
-    verify_checksums: bool = False
-    """After each sync compare checksums of the engine's weights with the trainer's (slow; debugging)."""
+    verify_checksums: str | bool = "sampled"
+    """After each sync compare SHA-256 digests of the colocated engines' effective weights with what
+    the trainer sent (``rltrain.weight_sync.sender``; a mismatch stops the run naming the tensor,
+    the engine rank and the trainer rank that sent it): ``sampled`` checks every tensor whole at the
+    first sync, then a rotating 1/``verify_every`` of the tensors on a few columns each (every
+    tensor within ``verify_every`` syncs; its cost, ``bench/README.md``: a CPU engine's readback
+    streams the whole packed weight of each checked module, so it costs about 1/``verify_every`` of
+    a full check);
+    ``full`` (or true) every tensor whole after every sync (slow; debugging); ``off`` (or false)
+    none. Engines on other devices (``mode: separate``) are not verified."""
+
+    verify_every: PositiveInt = 32
+    """With ``verify_checksums: sampled``: every tensor is checked within this many syncs (32: the
+    check stays within ~3% of a SmolLM2-135M sync on CPU; 8 costs ~4x that)."""
 
     engine_load: Literal["auto", "direct", "reload"] = "auto"
     """How a CPU engine takes the weights in: ``direct`` runs the model's loaders into a reused
@@ -180,6 +192,12 @@ class RolloutConfig:
                 f"engine; set {prefix}.engine to async"
             )
         problems += self.multi_turn.validate(f"{prefix}.multi_turn")
+        verify = self.weight_sync.verify_checksums
+        if not isinstance(verify, bool) and verify not in ("sampled", "full", "off"):
+            problems.append(
+                f"{prefix}.weight_sync.verify_checksums={verify!r} is not one of sampled, full, off "
+                "(true means full, false off)"
+            )
         return problems + self._check_mode(prefix)
 
     def _check_mode(self, prefix: str) -> list[str]:

@@ -44,7 +44,8 @@ group               keys (all per training step)
                     ``rollout_rs_masked_fraction`` (tokens the rejection dropped),
                     ``rollout_rs_seq_masked_fraction`` (sequences with a dropped token)
                     (:meth:`rltrain.algo.rollout_correction.CorrectionStats.metrics`)
-``weight_sync/``    ``seconds``, ``gbytes``, ``num_tensors``, ``checksum_mismatches`` (trainer side);
+``weight_sync/``    ``seconds``, ``gbytes``, ``num_tensors``, ``checksum_mismatches``, ``verify_seconds`` (the
+                    engine's readback and the comparison), ``verified_tensors`` (trainer side);
                     ``receive_seconds``, ``buckets`` (engines on other devices)
 ``val/``            ``accuracy``, ``score/mean`` on the held-out prompts (when evaluated)
 ``timing_s/``       seconds per stage, one key per name in :data:`STAGES`, plus ``step``
@@ -144,6 +145,8 @@ WEIGHT_SYNC_SECONDS = "weight_sync/seconds"
 WEIGHT_SYNC_GBYTES = "weight_sync/gbytes"
 WEIGHT_SYNC_NUM_TENSORS = "weight_sync/num_tensors"
 WEIGHT_SYNC_CHECKSUM_MISMATCHES = "weight_sync/checksum_mismatches"
+WEIGHT_SYNC_VERIFY_SECONDS = "weight_sync/verify_seconds"
+WEIGHT_SYNC_VERIFIED_TENSORS = "weight_sync/verified_tensors"
 WEIGHT_SYNC_RECEIVE_SECONDS = "weight_sync/receive_seconds"
 WEIGHT_SYNC_BUCKETS = "weight_sync/buckets"
 AGENT_TURNS = "agent/turns"

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from rltrain.rollout.partial import RolloutBatch, VersionedSample
+    from rltrain.weight_sync.sampling import DigestRequest
     from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
 T = TypeVar("T")
@@ -135,8 +136,10 @@ class RolloutEngine(Protocol):
         """``{hf_name: sha256}`` of the effective weights of worker 0's shard."""
         ...
 
-    def all_weights_digests(self) -> list[dict[str, str]]:
-        """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard."""
+    def all_weights_digests(self, request: DigestRequest | None = None) -> list[dict[str, str]]:
+        """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard;
+        with a ``request`` (``rltrain.weight_sync.sampling``), only the tensors it names, each on
+        its requested columns."""
         ...
 
     @property

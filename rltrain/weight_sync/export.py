@@ -161,6 +161,9 @@ class PlannedExport:
                 for engine_rank, copy in by_name[name]:
                     if me == dst:
                         update.regions.setdefault(engine_rank, []).append((copy.dst, self._fetch(copy)))
+                        senders = update.senders.setdefault(engine_rank, [])
+                        if self._owner(copy) not in senders:
+                            senders.append(self._owner(copy))
                     elif self._owner(copy) == me:
                         dist.send(self._piece(name)[copy.src].contiguous().to(self.device), dst)
                 if me == dst:

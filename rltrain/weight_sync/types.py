@@ -11,7 +11,7 @@ Pure torch; no process groups, no vLLM, no Megatron.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +33,8 @@ class TensorRegions:
     """Full (unpadded) HF shape."""
     regions: dict[int, list[Region]]
     """``{worker: [(slices in full coordinates, values)]}``: the planned regions of each worker."""
+    senders: dict[int, list[int]] = field(default_factory=dict)
+    """``{worker: [trainer rank]}``: who sent each worker's regions (empty: the receiving rank)."""
 
     @classmethod
     def whole(cls, name: str, tensor: torch.Tensor, num_workers: int = 1) -> TensorRegions:
@@ -117,7 +119,10 @@ class EngineReceiver(Protocol):
         """Load ``updates`` (each module complete in one call), then reset the prefix cache."""
         ...
 
-    def all_weights_digests(self) -> list[dict[str, str]]: ...
+    def all_weights_digests(self, request: Any = None) -> list[dict[str, str]]:
+        """Per worker: ``{hf_name: sha256}`` of what ``request`` (a ``sampling.DigestRequest``;
+        None: everything, whole) names of its effective weights."""
+        ...
 
 
 class TensorSource:

@@ -13,6 +13,7 @@ from typing import Any
 from rltrain.rollout.protocol import EngineSettings
 from rltrain.rollout.vllm.core import EngineCalls, EngineCore
 from rltrain.rollout.vllm.receive import WeightReceiver
+from rltrain.weight_sync.sampling import DigestRequest
 from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
 
@@ -74,8 +75,8 @@ class EngineFront:
     def weights_digests(self) -> dict[str, str]:
         return self.weights.weights_digests()
 
-    def all_weights_digests(self) -> list[dict[str, str]]:
-        return self.weights.all_weights_digests()
+    def all_weights_digests(self, request: DigestRequest | None = None) -> list[dict[str, str]]:
+        return self.weights.all_weights_digests(request)
 
     def reset_prefix_cache(self) -> None:
         self.calls.reset_prefix_cache()

@@ -20,6 +20,7 @@ serialized blob on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -31,6 +32,7 @@ from rltrain.rollout.vllm.core import EngineCalls, EngineCore
 from rltrain.rollout.vllm.direct_load import DirectLoader, direct_loader_for
 from rltrain.rollout.vllm.reload import reload_in_place
 from rltrain.weight_sync.buckets import iter_buckets
+from rltrain.weight_sync.sampling import DigestRequest
 from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions
 
 
@@ -129,9 +131,14 @@ class WeightReceiver:
         """``{hf_name: sha256}`` of the effective weights of worker rank 0's shard."""
         return self.all_weights_digests()[0]
 
-    def all_weights_digests(self) -> list[dict[str, str]]:
-        """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard."""
-        return self.calls.collective_rpc(worker_fns.worker_digests)
+    def all_weights_digests(self, request: DigestRequest | None = None) -> list[dict[str, str]]:
+        """Per worker (TP rank order): ``{hf_name: sha256}`` of the effective weights of its shard
+        (with a ``request``: of the tensors it names, on their sampled columns)."""
+        if self.core.in_process and self.num_workers == 1:  # the model is here: no engine round trip
+            return [checksum.engine_digests(self.local_model(), request)]
+        # plain data: vLLM's engine-core messages turn a dataclass into a dict on the way
+        plain = None if request is None else dataclasses.asdict(request)
+        return self.calls.collective_rpc(worker_fns.worker_digests, args=(plain,))
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The effective weights of an in-process engine by HF name (copies; for tests and debugging)."""

@@ -102,11 +102,15 @@ def load_in_worker(worker: Any, tensors: list[NamedTensor], weight_load: str) ->
     return "reload"
 
 
-def worker_digests(worker: Any) -> dict[str, str]:
-    """``{hf_name: sha256}`` of this worker's effective weights."""
+def worker_digests(worker: Any, request: dict[str, Any] | None = None) -> dict[str, str]:
+    """``{hf_name: sha256}`` of this worker's effective weights (those a
+    ``rltrain.weight_sync.sampling.DigestRequest``, sent as its fields, names, on its columns;
+    None: all, whole)."""
     from rltrain.rollout.vllm.checksum import engine_digests
+    from rltrain.weight_sync.sampling import DigestRequest
 
-    return engine_digests(worker.model_runner.get_model())
+    selection = None if request is None else DigestRequest(**request)
+    return engine_digests(worker.model_runner.get_model(), selection)
 
 
 def _one_parcel_per_tensor_set(

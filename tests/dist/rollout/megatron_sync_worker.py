@@ -60,6 +60,59 @@ LAYOUTS = {
 }
 
 
+def syncs_until_planted(sender, engine, name: str, *, worker: int) -> dict:
+    """The product's default verification (sampled) over real syncs: they pass, until a wrong value is
+    planted in engine worker ``worker``'s regions of ``name`` (on trainer rank 0's engine), at one of
+    the columns the first sync that samples ``name`` after sync 0 checks; that sync must stop."""
+    from rltrain.errors import WeightSyncMismatchError
+    from rltrain.logging import metrics as m
+    from rltrain.weight_sync.sampling import sample_columns
+
+    every = sender.verify_every
+    position = list(sender.source.shapes).index(name)
+    target = next(k for k in range(1, every + 1) if k % every == position % every)
+    sender.num_syncs = 0  # the earlier syncs of this test went around the sender
+    verified = []
+    for _ in range(target):
+        metrics = sender.sync()
+        verified.append((metrics.get(m.WEIGHT_SYNC_CHECKSUM_MISMATCHES), metrics.get(m.WEIGHT_SYNC_VERIFIED_TENSORS)))
+    planted_at = None
+    if engine is not None and sender.rank == 0:
+        real_receive = engine.receive
+
+        def plant(update):
+            nonlocal planted_at
+            if update.name != name:
+                return update
+            regions = update.regions[worker]
+            lo = min(s[-1].start for s, _ in regions)
+            width = max(s[-1].stop for s, _ in regions) - lo
+            slices, values = regions[0]
+            column = next(c for c in sample_columns(name, target, width) if slices[-1].start <= c + lo < slices[-1].stop)
+            wrong = values.clone()
+            wrong[0, column + lo - slices[-1].start] += 1.0
+            update.regions = {**update.regions, worker: [(slices, wrong), *regions[1:]]}
+            planted_at = column
+            return update
+
+        engine.receive = lambda updates, **kw: real_receive((plant(u) for u in updates), **kw)
+    try:
+        sender.sync()
+        stopped = None
+    except WeightSyncMismatchError as e:
+        stopped = str(e)
+    finally:
+        if engine is not None and sender.rank == 0:
+            del engine.receive  # the class's own again
+    return {
+        "every": every,
+        "verified": verified,
+        "target_sync": target,
+        "planted_column": planted_at,
+        "stopped": stopped,
+    }
+
+
 def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: str = "short") -> None:
     from transformers import AutoTokenizer
 
@@ -183,6 +236,9 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
     copies = {copy: main for copy, main in copies.items() if copy in mtp_exported}
     moved = actor.compute_log_prob(first["batch"]).logprobs
     second = {**sync(), **rollout_and_compare("after_step_and_sync")}
+    planted = None
+    if layout in ("tp2", "tp2_engine_tp2"):
+        planted = syncs_until_planted(sender, engine, "model.layers.0.mlp.down_proj.weight", worker=engine_tp - 1)
     if ctx.rank == 0:
         mask = first["batch"].response_mask.bool()
         itemsize = 4  # fp32
@@ -197,6 +253,7 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
                 {k: v for k, v in r.items() if k not in ("batch", "trainer")} for r in (before, first, second)
             ],
             "checksum_problems": problems,
+            "planted": planted,
             "step_skipped": bool(step.skipped),
             "step_logprob_change": float((moved - first["trainer"])[mask].abs().max()),
             "mtp": {} if not bridge.num_mtp_layers else {

@@ -29,6 +29,25 @@ def run_sync_ranks(tmp_path: Path, engine_dir: Path, actor_dir: Path, layout: st
     return run_two_ranks("megatron_sync_worker.py", args, out, timeout=420)
 
 
+def check_planted(result: dict, *, num_workers: int, engine_rank: int, senders: str) -> None:
+    """The default (sampled) verification after real syncs: sync 0 checks all 21 tensors of every
+    engine worker, sync k the tensors at export positions p = k (mod 32), without a mismatch; then a
+    wrong value planted at a sampled column of ``model.layers.0.mlp.down_proj.weight`` in one worker's
+    load stops the sync that samples it, in one line naming the tensor, engine rank and sender."""
+    planted = result["planted"]
+    target = planted["target_sync"]
+    assert planted["every"] == 32  # rollout.weight_sync.verify_every's default
+    expected = [(0.0, 21.0 * num_workers)]
+    expected += [(0.0, float(num_workers * (k < 21))) for k in range(1, target)]  # position k, if any
+    assert [tuple(v) for v in planted["verified"]] == expected
+    assert planted["planted_column"] is not None
+    assert planted["stopped"] == (
+        f"weight sync verification failed: model.layers.0.mlp.down_proj.weight on engine rank {engine_rank} "
+        f"(the engine of trainer rank 0) differs from what trainer rank {senders} sent (sha256 of its "
+        f"sampled columns, sync {target})"
+    )
+
+
 def check_sync(result: dict, num_tensors: int) -> None:
     before, first, second = result["runs"]
     assert before["logprob_abs_diff_max"] > 0.05  # engine and actor started from different weights
@@ -46,6 +65,8 @@ def test_megatron_tp2_sync_logprobs_match_vllm(tmp_path):
     result = run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2")
     check_sync(result, num_tensors=21)
     assert result["checksum_problems"] == []
+    # a TP=1 engine reads down_proj whole: its halves come from trainer ranks 0 and 1
+    check_planted(result, num_workers=1, engine_rank=0, senders="0, 1")
 
 
 def test_megatron_tp2_sync_into_a_tp2_engine(tmp_path):
@@ -57,6 +78,8 @@ def test_megatron_tp2_sync_into_a_tp2_engine(tmp_path):
     result = run_sync_ranks(tmp_path, engine_dir, actor_dir, "tp2_engine_tp2")
     check_sync(result, num_tensors=21)
     assert result["checksum_problems"] == []
+    # down_proj is split on its input dimension at TP=2 on both sides: worker 1's half is rank 1's
+    check_planted(result, num_workers=2, engine_rank=1, senders="1")
     # Each worker received its own planned regions, about half the model (whole tensors to both
     # workers would be twice the model).
     planned, full = result["planned_bytes"], result["full_bytes"]

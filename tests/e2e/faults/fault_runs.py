@@ -18,7 +18,7 @@ RECIPE = ROOT / "recipes" / "quickstart_cpu.yaml"
 STEPS = 3
 # Wall-clock and throughput differ between runs by nature, and the restart metrics exist only in the
 # recovered run; everything else must repeat.
-NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "trainer/")
+NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/verify_seconds", "trainer/")
 
 
 def fault_overrides(run_root: Path, cache: Path, *extra: str) -> list[str]:

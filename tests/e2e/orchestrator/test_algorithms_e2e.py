@@ -23,7 +23,13 @@ ROOT = Path(__file__).resolve().parents[3]
 DAPO = ROOT / "recipes" / "dapo_quickstart_cpu.yaml"
 QUICKSTART = ROOT / "recipes" / "quickstart_cpu.yaml"
 STEPS = 4
-NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/receive_seconds")
+NONDETERMINISTIC = (
+    "timing_s/",
+    "perf/",
+    "weight_sync/seconds",
+    "weight_sync/verify_seconds",
+    "weight_sync/receive_seconds",
+)
 
 
 @pytest.fixture(scope="module")

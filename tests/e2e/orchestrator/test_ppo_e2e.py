@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "quickstart_cpu.yaml"
 # Wall-clock and throughput differ between runs by nature; everything else must repeat.
-NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds")
+NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/verify_seconds")
 
 
 @pytest.fixture(scope="module")

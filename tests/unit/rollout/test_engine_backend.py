@@ -19,6 +19,7 @@ from rltrain.rollout.protocol import EngineSettings, Prompt, RolloutEngine
 from rltrain.rollout.registry import EngineBackend, backend_names, register_backend, unregister_backend
 from rltrain.rollout.types import RolloutOutput, Sample, SamplingConfig
 from rltrain.weight_sync.checksum import tensor_digest
+from rltrain.weight_sync.sampling import DigestRequest, take_columns
 from rltrain.weight_sync.sender import WeightSender
 from rltrain.weight_sync.transport import ColocatedTransport
 from rltrain.weight_sync.types import NamedTensor, SyncStats, TensorRegions, TensorSource
@@ -83,8 +84,17 @@ class ScriptedEngineDouble:
     def weights_digests(self) -> dict[str, str]:
         return self.all_weights_digests()[0]
 
-    def all_weights_digests(self) -> list[dict[str, str]]:
-        return [{name: tensor_digest(t) for name, t in self.weights.items()}]
+    def all_weights_digests(self, request: DigestRequest | None = None) -> list[dict[str, str]]:
+        if request is None:
+            return [{name: tensor_digest(t) for name, t in self.weights.items()}]
+        return [
+            {
+                name: tensor_digest(
+                    take_columns(self.weights[name], request.columns(name, self.weights[name].shape[-1]))
+                )
+                for name in request.tensors
+            }
+        ]
 
     def sleep(self, level: int = 1) -> None:
         self.calls.append(f"sleep({level})")
@@ -183,7 +193,7 @@ def test_checksums_of_a_registered_backend_verify_through_the_protocol(scripted_
     assert metrics[mk.WEIGHT_SYNC_NUM_TENSORS] == 2.0 and metrics[mk.WEIGHT_SYNC_CHECKSUM_MISMATCHES] == 0.0
     engine.weights["w.b"] = torch.tensor([[5.0]])  # the engine holds something else than was sent
     (problem,) = sender.verify()
-    assert problem.startswith("engine worker 0: ") and "w.b" in problem
+    assert problem.startswith("weight sync verification failed: w.b on engine rank 0 ")
 
 
 def test_the_registry_knows_a_backend_only_while_registered(scripted_backend):
