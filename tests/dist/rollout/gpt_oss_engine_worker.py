@@ -62,7 +62,7 @@ def guard_message(engine, weights: list[tuple[str, torch.Tensor]]) -> str:
 def copy_loaded_shard_problems(engine, weights: list[tuple[str, torch.Tensor]], tp: int) -> list[str]:
     """Each worker's read-back digests of its shard of the copy-loaded tensors against the shard vLLM's
     GPT-OSS loader takes (experts narrowed on their intermediate channels, sinks on heads, the down
-    bias whole on rank 0 and zero elsewhere)."""
+    bias whole on rank 0; the other ranks, where vLLM zeroes it, do not report it)."""
     from rltrain.weight_sync import checksum
 
     problems = []
@@ -76,7 +76,10 @@ def copy_loaded_shard_problems(engine, weights: list[tuple[str, torch.Tensor]], 
                 part = tensor.shape[1] // tp
                 expected[name] = tensor[:, rank * part : (rank + 1) * part]
             elif name.endswith("down_proj_bias"):
-                expected[name] = tensor if rank == 0 else torch.zeros_like(tensor)
+                if rank == 0:
+                    expected[name] = tensor
+                elif name in actual:
+                    problems.append(f"rank {rank}: {name} reported although vLLM zeroes it there")
             elif name.endswith("sinks"):
                 part = tensor.shape[0] // tp
                 expected[name] = tensor[rank * part : (rank + 1) * part]
