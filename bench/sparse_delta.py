@@ -53,9 +53,7 @@ count, and that the trainer's fp32 master weights change more often than their b
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import os
 import re
 import subprocess
 import sys
@@ -71,6 +69,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.delta_codec import ENCODERS, bf16_bits, decode  # noqa: E402
+from bench.run_header import run_header, write_results  # noqa: E402
 
 GB = 1e9
 RLTRAIN = [str(Path(sys.executable).parent / "rltrain")]
@@ -289,17 +288,6 @@ def prediction_lines(fraction: float, cpu_ratio: float) -> list[str]:
     return lines
 
 
-def header() -> list[str]:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
-    ).stdout.strip()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return [
-        f"sparse_delta: {datetime.datetime.now().isoformat(timespec='seconds')}, commit {commit}, "
-        f"{os.cpu_count()} cores, load average {load} (1, 5, 15 min) at start",
-    ]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", type=Path, default=ROOT / "recipes/smollm2_135m_arith_cpu.yaml")
@@ -311,7 +299,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    lines = header()
+    lines = run_header("sparse_delta")
     run_dir = args.run_dir or train(args.recipe, args.work / "runs", args.steps, args.set)
     settings = run_settings(run_dir)
     lines.append(
@@ -331,12 +319,7 @@ def main() -> None:
         best = min(ENCODERS, key=lambda e: worst.bytes[e] if e != "xor_zlib" else float("inf"))
         ratio = (worst.encode_s[best] + worst.decode_s[best]) / worst.memcpy_s
         lines += ["", *prediction_lines(fraction, ratio)]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    lines += ["", f"load average at the end {load}; the script ran {time.perf_counter() - started:.0f} s"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_results(lines, started=started, out=args.out)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,8 @@ no GPU was lent to this task.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -73,6 +70,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.run_header import run_header, write_results  # noqa: E402
 from megatron_bridge import sync_plan as sp  # noqa: E402
 from megatron_bridge.reshard import EngineLayout, TrainerLayout  # noqa: E402
 
@@ -439,24 +437,13 @@ def calibrate() -> list[str]:
     return lines
 
 
-def header() -> list[str]:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
-    ).stdout.strip()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return [
-        f"sync_plan_sim: {datetime.datetime.now().isoformat(timespec='seconds')}, commit {commit}, "
-        f"{os.cpu_count()} cores, load average {load} (1, 5, 15 min) at start",
-    ]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--skip-calibration", action="store_true")
     args = parser.parse_args()
     started = time.perf_counter()
-    lines = header()
+    lines = run_header("sync_plan_sim")
     bw = sp.Bandwidths()
     lines.append(
         f"Time model: NVLink {bw.nvlink / GB:.0f} GB/s, network {bw.net / GB:.0f} GB/s per GPU and direction; "
@@ -481,12 +468,7 @@ def main() -> None:
         )
     if not args.skip_calibration:
         lines += ["", *calibrate()]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    lines += ["", f"load average at the end {load}; the script ran {time.perf_counter() - started:.0f} s"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_results(lines, started=started, out=args.out)
 
 
 if __name__ == "__main__":

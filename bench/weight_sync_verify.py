@@ -31,18 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rollout_weight_sync import SMOLLM2_135M
+
 MODELS = {
     "quickstart": {},  # recipes/quickstart_cpu.yaml: the llama tiny preset, the tiny tokenizer's vocab
-    "smollm2": dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-    ),
+    "smollm2": SMOLLM2_135M,
 }
 
 
