@@ -261,13 +261,7 @@ def prediction_lines(fraction: float, cpu_ratio: float) -> list[str]:
     ]
     for case in sim.cases():
         layouts = sim.layouts_of(case.config)
-        place = sp.Placement(
-            trainer=case.trainer,
-            trainer_dp=case.trainer_dp,
-            engine=case.engine,
-            engine_pp=case.engine_pp,
-            engine_replicas=case.engine_replicas,
-        )
+        place = case.placement()
         plan = sp.replica_plan(layouts, place)
         relay = sp.shard_to_shard(layouts, place, fanout="relay", plan=plan)
         rank0 = sp.predicted_seconds(sp.rank0(layouts, place, plan=plan), bw)

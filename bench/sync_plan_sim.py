@@ -89,6 +89,16 @@ class Case:
     engine_replicas: int
     peers: str
 
+    def placement(self) -> sp.Placement:
+        """The case's trainer and engine GPUs as the sync-plan model places them."""
+        return sp.Placement(
+            trainer=self.trainer,
+            trainer_dp=self.trainer_dp,
+            engine=self.engine,
+            engine_pp=self.engine_pp,
+            engine_replicas=self.engine_replicas,
+        )
+
 
 def _trainer(config: dict, **kw) -> TrainerLayout:
     experts = config.get("n_routed_experts") or config.get("num_experts") or 0
@@ -185,13 +195,7 @@ def simulate(case: Case, bw: sp.Bandwidths) -> tuple[list[str], dict]:
     started = time.perf_counter()
     layouts = layouts_of(case.config)
     params = sum(math.prod(t.shape) for t in layouts)
-    place = sp.Placement(
-        trainer=case.trainer,
-        trainer_dp=case.trainer_dp,
-        engine=case.engine,
-        engine_pp=case.engine_pp,
-        engine_replicas=case.engine_replicas,
-    )
+    place = case.placement()
     plan = sp.replica_plan(layouts, place)
     plans = {
         "rank-0": sp.rank0(layouts, place, plan=plan),
