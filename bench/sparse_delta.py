@@ -247,8 +247,9 @@ def prediction_lines(fraction: float, cpu_ratio: float) -> list[str]:
     import sync_plan_sim as sim
 
     from megatron_bridge import sync_plan as sp
+    from megatron_bridge import sync_time as st
 
-    bw = sp.Bandwidths()
+    bw = st.Bandwidths()
     r = bw.net / bw.memcpy  # the packing cost of a byte, in network-byte times
     lines = [
         f"Prediction at f = {fraction:.4%} changed (sync_plan time model: net {bw.net / GB:.0f} GB/s, "
@@ -264,7 +265,7 @@ def prediction_lines(fraction: float, cpu_ratio: float) -> list[str]:
         place = case.placement()
         plan = sp.replica_plan(layouts, place)
         relay = sp.shard_to_shard(layouts, place, fanout="relay", plan=plan)
-        rank0 = sp.predicted_seconds(sp.rank0(layouts, place, plan=plan), bw)
+        rank0 = st.predicted_seconds(sp.rank0(layouts, place, plan=plan), bw)
         need = max(relay.need.values())
         full = need / bw.net
         encoding, wire = delta_bytes(fraction, need // 2)
@@ -275,7 +276,7 @@ def prediction_lines(fraction: float, cpu_ratio: float) -> list[str]:
         nvl_full = need / bw.nvlink
         nvl_delta = wire / bw.nvlink + pack
         lines.append(
-            f"  {case.name:<42} {need / GB:>6.2f} {full:>7.3f} {sp.predicted_seconds(relay, bw):>11.3f} "
+            f"  {case.name:<42} {need / GB:>6.2f} {full:>7.3f} {st.predicted_seconds(relay, bw):>11.3f} "
             f"{rank0:>9.2f} | {encoding[:3]} {wire / GB:>7.3f} {delta:>8.4f} {delta / full:>6.3f} "
             f"{cpu:>12.3f} | {rank0_delta:>10.3f} | {nvl_full:>13.4f} {nvl_delta:>7.4f}"
         )

@@ -8,7 +8,7 @@ calibration of the time model on this machine.
 DeepSeek-V3, ``bench/configs/`` for the Qwen models, sources in ``bench/configs/README.md``): the
 transformers model is built on the meta device (no weights allocated) and its state dict taken back
 to checkpoint names (``revert_weight_conversion``: one tensor per expert), then
-``reshard.layouts_from_bridge`` gives the planner's layouts from the bridge's mapping table, as
+``reshard_layouts.layouts_from_bridge`` gives the planner's layouts from the bridge's mapping table, as
 ``PlannedExport`` does. DeepSeek-V3's multi-token-prediction layer stays with the trainer (the
 engine serves the main model). Every element is bf16 (2 bytes): the released FP8 checkpoint's
 scales are not synced.
@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.run_header import run_header, write_results  # noqa: E402
 from megatron_bridge import sync_plan as sp  # noqa: E402
+from megatron_bridge import sync_time as st  # noqa: E402
 from megatron_bridge.reshard import EngineLayout, TrainerLayout  # noqa: E402
 
 GB = 1e9
@@ -161,7 +162,7 @@ def hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 def layouts_of(config_path: str) -> list:
     from megatron_bridge.bridge import Bridge
-    from megatron_bridge.reshard import layouts_from_bridge
+    from megatron_bridge.reshard_layouts import layouts_from_bridge
 
     config = json.loads((ROOT / config_path).read_text())
     bridge = Bridge.from_hf_config(config).main_model()
@@ -191,7 +192,7 @@ def describe(case: Case) -> str:
     )
 
 
-def simulate(case: Case, bw: sp.Bandwidths) -> tuple[list[str], dict]:
+def simulate(case: Case, bw: st.Bandwidths) -> tuple[list[str], dict]:
     started = time.perf_counter()
     layouts = layouts_of(case.config)
     params = sum(math.prod(t.shape) for t in layouts)
@@ -202,8 +203,8 @@ def simulate(case: Case, bw: sp.Bandwidths) -> tuple[list[str], dict]:
         "s2s direct": sp.shard_to_shard(layouts, place, fanout="direct", plan=plan),
         "s2s relay": sp.shard_to_shard(layouts, place, fanout="relay", plan=plan),
     }
-    bound = sp.lower_bound_seconds(plans["s2s relay"], place, bw)
-    floor = sp.node_floor_seconds(plans["s2s relay"], place, bw)
+    bound = st.lower_bound_seconds(plans["s2s relay"], bw)
+    floor = st.node_floor_seconds(plans["s2s relay"], place, bw)
     lines = [
         f"{case.name}: {params / 1e9:.2f} B parameters in {len(layouts)} HF tensors "
         f"({params * 2 / GB:.1f} GB bf16); peers: {case.peers}",
@@ -216,8 +217,8 @@ def simulate(case: Case, bw: sp.Bandwidths) -> tuple[list[str], dict]:
     ]
     row = {"case": case.name, "bound": bound, "floor": floor, "peers": case.peers}
     for name, p in plans.items():
-        s = sp.summarize(p)
-        seconds = sp.predicted_seconds(p, bw)
+        s = st.summarize(p)
+        seconds = st.predicted_seconds(p, bw)
         row[name] = seconds
         lines.append(
             f"  {name:<11} {seconds:>11.3f} {seconds / bound:>7.2f}x | "
@@ -226,7 +227,7 @@ def simulate(case: Case, bw: sp.Bandwidths) -> tuple[list[str], dict]:
             f"{s.total_sent['net'] / 1e12:>8.2f} {s.total_sent['nvlink'] / 1e12:>5.2f} | "
             f"{s.calls:>8} {s.max_messages:>8} | {s.max_extra / 2**30:>6.2f} ({s.max_extra_gpu})"
         )
-    phases = ", ".join(f"{ph.name} {sp.phase_seconds(ph, bw):.2f} s" for ph in plans["rank-0"].phases)
+    phases = ", ".join(f"{ph.name} {st.phase_seconds(ph, bw):.2f} s" for ph in plans["rank-0"].phases)
     lines.append(f"  rank-0 phases: {phases}")
     return lines, row
 
@@ -277,7 +278,7 @@ CAL_BUCKET = 16 << 20
 
 
 def _calibration_case():
-    from megatron_bridge.reshard import decoder_layouts
+    from megatron_bridge.reshard_layouts import decoder_layouts
 
     layouts = decoder_layouts(
         num_layers=4, hidden_size=1024, num_heads=16, num_kv_heads=4, head_dim=64,
@@ -380,17 +381,17 @@ def memcpy_bytes_per_s() -> float:
 def predict_calibration(gloo: float, call: float, memcpy: float) -> dict[str, float]:
     """The time model's prediction of the two planned CPU syncs, with this machine's constants."""
     _, _, copies = _calibration_case()
-    bw = sp.Bandwidths(nvlink=gloo, net=gloo, memcpy=memcpy, latency=call)
+    bw = st.Bandwidths(nvlink=gloo, net=gloo, memcpy=memcpy, latency=call)
     sizes = [sp.copy_bytes(c, 4) for c in copies]
     total = sum(sizes)
     # one message a slice; each slice is a whole trainer shard here (TP 4 -> 2), sent without a copy
     sender = sp.GpuTraffic(sent={"nvlink": 0, "net": total}, messages=len(copies))
     receiver = sp.GpuTraffic(received={"nvlink": 0, "net": total}, messages=len(copies))
-    slices = max(sp.gpu_seconds(sender, bw), sp.gpu_seconds(receiver, bw))
+    slices = max(st.gpu_seconds(sender, bw), st.gpu_seconds(receiver, bw))
     messages = len(sp.bucket_sizes(sizes, CAL_BUCKET))
     sender = sp.GpuTraffic(sent={"nvlink": 0, "net": total}, messages=messages, packed=total)
     receiver = sp.GpuTraffic(received={"nvlink": 0, "net": total}, messages=messages, packed=total)
-    packed = max(sp.gpu_seconds(sender, bw), sp.gpu_seconds(receiver, bw))
+    packed = max(st.gpu_seconds(sender, bw), st.gpu_seconds(receiver, bw))
     return {
         "slices": slices,
         "packed": packed,
@@ -448,7 +449,7 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     lines = run_header("sync_plan_sim")
-    bw = sp.Bandwidths()
+    bw = st.Bandwidths()
     lines.append(
         f"Time model: NVLink {bw.nvlink / GB:.0f} GB/s, network {bw.net / GB:.0f} GB/s per GPU and direction; "
         f"{bw.latency * 1e6:.0f} us a call; packing {bw.memcpy / 1e12:.1f} TB/s; bf16; 8 GPUs a node"

@@ -6,7 +6,7 @@ Contract (torch.distributed only; collective over the trainer's ranks):
 - ``PlannedExport(chunks, ctx, bridge, converters=...)`` (collective; build once per model, reuse
   every sync) reads the trainer layout off ``ctx`` and ``bridge`` (TP, PP, EP, expert-TP, Megatron's
   padded vocab),
-  every exported HF tensor's shape, dtype and planner layout (``reshard.layouts_from_bridge``), and
+  every exported HF tensor's shape, dtype and planner layout (``reshard_layouts.layouts_from_bridge``), and
   which ranks hold which Megatron parameters. A shard is served by its DP replica 0 (expert-DP
   replica 0 for experts), found by parameter name, so uneven or virtual pipeline stages need no
   special case. Stacked experts (``GroupedExperts``: GPT-OSS) are served by each EP rank for its
@@ -46,10 +46,10 @@ from megatron_bridge.reshard import (
     EngineLayout,
     SliceCopy,
     TrainerLayout,
-    layouts_from_bridge,
     plan_weight_sync,
     trainer_range,
 )
+from megatron_bridge.reshard_layouts import layouts_from_bridge
 from megatron_bridge.vllm_names import grouped_order
 from rltrain.errors import NonFiniteWeightsError
 from rltrain.tensor_checks import first_non_finite, global_max_abs

@@ -16,9 +16,9 @@ from megatron_bridge.reshard import (
     SliceCopy,
     TensorLayout,
     TrainerLayout,
-    decoder_layouts,
     plan_weight_sync,
 )
+from megatron_bridge.reshard_layouts import decoder_layouts
 from rltrain.weight_sync.types import TensorRegions
 
 DIM = {"column": 0, "kv_heads": 0, "vocab": 0, "row": 1}
@@ -205,7 +205,7 @@ def _bridge_layouts(model_type: str, tmp_path):
     from transformers import AutoConfig
 
     from megatron_bridge.bridge import Bridge
-    from megatron_bridge.reshard import layouts_from_bridge
+    from megatron_bridge.reshard_layouts import layouts_from_bridge
     from rltrain.models.tiny import save_tiny_model
 
     path = save_tiny_model(tmp_path / model_type, model_type)
@@ -330,7 +330,7 @@ def test_a_fused_gate_up_hf_tensor_is_refused_naming_it():
     """No family ships one, but an HF ``gate_up_proj = [gate; up]`` would give each TP rank two blocks
     that vLLM narrows half by half: the planner refuses it in one line."""
     from megatron_bridge.mappings import FusedGatedMLP
-    from megatron_bridge.reshard import _kinds
+    from megatron_bridge.reshard_layouts import _kinds
 
     with pytest.raises(NotImplementedError) as err:
         _kinds(FusedGatedMLP("decoder.layers.*.mlp.linear_fc1.weight", "model.layers.*.mlp.gate_up_proj"), 1)

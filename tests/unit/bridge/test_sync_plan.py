@@ -15,11 +15,13 @@ from __future__ import annotations
 import pytest
 
 from megatron_bridge import sync_plan as sp
-from megatron_bridge.reshard import EngineLayout, ShardId, SliceCopy, TrainerLayout, decoder_layouts
+from megatron_bridge import sync_time as st
+from megatron_bridge.reshard import EngineLayout, ShardId, SliceCopy, TrainerLayout
+from megatron_bridge.reshard_layouts import decoder_layouts
 
 NEED = 5456
 ALL = 5416 * 2
-BW = sp.Bandwidths(nvlink=1000.0, net=100.0, memcpy=10_000.0, latency=0.5)
+BW = st.Bandwidths(nvlink=1000.0, net=100.0, memcpy=10_000.0, latency=0.5)
 
 
 def tiny() -> list:
@@ -52,11 +54,11 @@ def test_direct_fanout_sends_each_replica_its_copy_from_the_owner():
             assert phase.gpus[dst].messages == 1
     assert phase.calls == 4
     # owner: 2 × 5456 B at 100 B/s, 2 calls, packs 2 × 5456 B at 10,000 B/s
-    assert sp.predicted_seconds(plan, BW) == pytest.approx(109.12 + 1.0 + 1.0912)
-    assert sp.lower_bound_seconds(plan, placement(), BW) == pytest.approx(54.56)
+    assert st.predicted_seconds(plan, BW) == pytest.approx(109.12 + 1.0 + 1.0912)
+    assert st.lower_bound_seconds(plan, BW) == pytest.approx(54.56)
     # node 1 holds both replicas: it needs the two positions' 2 × 5456 B once, over its 4 GPUs'
     # links (2728 B each, 27.28 s); each GPU gets its other 2728 B over NVLink (2.728 s)
-    assert sp.node_floor_seconds(plan, placement(), BW) == pytest.approx(27.28)
+    assert st.node_floor_seconds(plan, placement(), BW) == pytest.approx(27.28)
 
 
 def test_relay_fanout_forwards_within_the_engine_node():
@@ -69,8 +71,8 @@ def test_relay_fanout_forwards_within_the_engine_node():
     assert phase.calls == 4
     # GPU 4: receives 54.56 s on the network (its NVLink send, 5.456 s, overlaps), 2 calls, unpacks
     # 5456 B; then the chain's fill: one message of 5456 B over NVLink
-    assert sp.predicted_seconds(plan, BW) == pytest.approx(54.56 + 1.0 + 0.5456 + 5.456)
-    summary = sp.summarize(plan)
+    assert st.predicted_seconds(plan, BW) == pytest.approx(54.56 + 1.0 + 0.5456 + 5.456)
+    summary = st.summarize(plan)
     assert summary.max_sent == {"nvlink": NEED, "net": NEED}
     assert summary.total_sent == {"nvlink": 2 * NEED, "net": 2 * NEED}
     assert summary.max_extra == NEED  # one message, smaller than a bucket
@@ -82,7 +84,7 @@ def test_rank0_plan_phase_by_phase():
     # trainer rank 1 sends its halves of the 16 split tensors (2688 elements) to rank 0 over NVLink
     assert gather.gpus[1].sent == {"nvlink": 5376, "net": 0}
     assert gather.calls == 16
-    assert sp.phase_seconds(gather, BW) == pytest.approx(5.376 + 16 * 0.5)
+    assert st.phase_seconds(gather, BW) == pytest.approx(5.376 + 16 * 0.5)
     assert pack.gpus[0].packed == ALL
     assert pack.gpus[0].extra == 2 * ALL  # one bucket holds everything: gathered + packed
     # chain 0 -> 4 (network) -> 6 (NVLink); 3 calls for the one bucket and the end marker
@@ -90,13 +92,13 @@ def test_rank0_plan_phase_by_phase():
     assert broadcast.gpus[4].received == {"nvlink": 0, "net": ALL}
     assert broadcast.gpus[4].sent == {"nvlink": ALL, "net": 0}
     assert broadcast.calls == 4
-    assert sp.phase_seconds(broadcast, BW) == pytest.approx(108.32 + 4 * 0.5)
+    assert st.phase_seconds(broadcast, BW) == pytest.approx(108.32 + 4 * 0.5)
     # each receiver hands its TP peer 5456 B and unpacks both workers' regions
     assert handoff.gpus[4].sent == {"nvlink": NEED, "net": 0}
     assert handoff.gpus[4].packed == 2 * NEED
-    assert sp.phase_seconds(handoff, BW) == pytest.approx(5.456 + 0.5 + 1.0912)
-    assert sp.predicted_seconds(plan, BW) == pytest.approx(13.376 + 1.0832 + 110.32 + 7.0472)
-    summary = sp.summarize(plan)
+    assert st.phase_seconds(handoff, BW) == pytest.approx(5.456 + 0.5 + 1.0912)
+    assert st.predicted_seconds(plan, BW) == pytest.approx(13.376 + 1.0832 + 110.32 + 7.0472)
+    summary = st.summarize(plan)
     assert summary.calls == 16 + 4 + 2
     assert (summary.max_extra, summary.max_extra_gpu) == (2 * ALL, 0)
 
