@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.wall_clock import WALL_CLOCK
+
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "quickstart_cpu.yaml"
 STEPS = 3
 # Wall-clock and throughput differ between runs by nature, and the restart metrics exist only in the
 # recovered run; everything else must repeat.
-NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/verify_seconds", "trainer/")
+NONDETERMINISTIC = (*WALL_CLOCK, "trainer/")
 
 
 def fault_overrides(run_root: Path, cache: Path, *extra: str) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 from rltrain.config import load_config
 from rltrain.logging.plot import read_metrics
 from rltrain.trainer import dynamic_sampling as ds
+from tests.e2e.wall_clock import WALL_CLOCK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -23,13 +24,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DAPO = ROOT / "recipes" / "dapo_quickstart_cpu.yaml"
 QUICKSTART = ROOT / "recipes" / "quickstart_cpu.yaml"
 STEPS = 4
-NONDETERMINISTIC = (
-    "timing_s/",
-    "perf/",
-    "weight_sync/seconds",
-    "weight_sync/verify_seconds",
-    "weight_sync/receive_seconds",
-)
+NONDETERMINISTIC = WALL_CLOCK
 
 
 @pytest.fixture(scope="module")

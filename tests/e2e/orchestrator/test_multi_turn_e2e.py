@@ -15,19 +15,13 @@ import pytest
 
 from rltrain.config import load_config
 from rltrain.logging.plot import read_metrics
+from tests.e2e.wall_clock import WALL_CLOCK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "calculator_multiturn_cpu.yaml"
-NONDETERMINISTIC = (
-    "timing_s/",
-    "perf/",
-    "weight_sync/seconds",
-    "weight_sync/verify_seconds",
-    "agent/tool_seconds",
-    "agent/tool_latency_s",
-)
+NONDETERMINISTIC = (*WALL_CLOCK, "agent/tool_seconds", "agent/tool_latency_s")
 
 
 def _config(run_root: Path, cache: Path, interaction: Path, steps: int, *extra: str):

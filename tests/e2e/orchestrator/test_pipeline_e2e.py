@@ -21,20 +21,14 @@ import pytest
 
 from rltrain.config import load_config
 from rltrain.logging.plot import read_metrics
+from tests.e2e.wall_clock import WALL_CLOCK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "quickstart_cpu.yaml"
 STEPS = 4
 # wall-clock differs between runs by nature, and the schedule's own report only exists in a pipeline
-NONDETERMINISTIC = (
-    "timing_s/",
-    "perf/",
-    "weight_sync/seconds",
-    "weight_sync/verify_seconds",
-    "weight_sync/receive_seconds",
-    "async/",
-)
+NONDETERMINISTIC = (*WALL_CLOCK, "async/")
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,14 @@ import pytest
 
 from rltrain.config import load_config
 from rltrain.logging.plot import plot_run, read_metrics
+from tests.e2e.wall_clock import WALL_CLOCK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]
 RECIPE = ROOT / "recipes" / "quickstart_cpu.yaml"
 # Wall-clock and throughput differ between runs by nature; everything else must repeat.
-NONDETERMINISTIC = ("timing_s/", "perf/", "weight_sync/seconds", "weight_sync/verify_seconds")
+NONDETERMINISTIC = WALL_CLOCK
 
 
 @pytest.fixture(scope="module")
