@@ -7,6 +7,7 @@ only the answer tokens and the end-of-text token that follows them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -73,6 +74,24 @@ def sft_warmup(
     )
 
 
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    """torch's deterministic algorithms for the block, then the caller's setting back. The MoE families
+    whose transformers experts gather their tokens by index (GPT-OSS) otherwise add the gradient rows
+    of that gather in a racing order on more than one CPU thread, and the warm-up, hence a whole run,
+    differed from one run to the next (measured: two 300-step warm-ups, two threads, two models)."""
+    enabled, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    # an op without a deterministic CPU kernel warns rather than stops the warm-up
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def fit_sequences(
     model: torch.nn.Module,
     sequences: list[tuple[list[int], list[int]]],
@@ -96,19 +115,20 @@ def fit_sequences(
     pad = pad_token_id
     model.train()
     losses = []
-    for _ in range(steps):
-        batch = [sequences[order.randrange(len(sequences))] for _ in range(batch_size)]
-        input_ids, labels = _collate(batch, pad)
-        loss = _answer_loss(model, input_ids, labels, pad=pad, label_smoothing=label_smoothing)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if steps >= 200 and len(losses) % (steps // 4) == 0 and len(losses) < steps:
-            recent = losses[-10:]
-            log.info("sft warm-up: step %d/%d, loss %.3f", len(losses), steps, sum(recent) / len(recent))
+    with _deterministic_algorithms():
+        for _ in range(steps):
+            batch = [sequences[order.randrange(len(sequences))] for _ in range(batch_size)]
+            input_ids, labels = _collate(batch, pad)
+            loss = _answer_loss(model, input_ids, labels, pad=pad, label_smoothing=label_smoothing)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            if steps >= 200 and len(losses) % (steps // 4) == 0 and len(losses) < steps:
+                recent = losses[-10:]
+                log.info("sft warm-up: step %d/%d, loss %.3f", len(losses), steps, sum(recent) / len(recent))
     model.eval()
     vocab = model.get_output_embeddings().weight.size(0)
     result = WarmupResult(

@@ -134,3 +134,32 @@ def test_a_tiny_model_from_a_config_file_is_that_config_with_the_tiny_vocabulary
     assert "auto_map" not in built and resolve_model_dir(model, data=DataConfig()).name.startswith(
         "tiny-deepseek_v3-"
     )
+
+
+def test_the_warm_up_of_a_stacked_expert_moe_repeats_bit_for_bit_on_two_threads():
+    """GPT-OSS's transformers experts gather each expert's tokens by index; on more than one CPU thread
+    the gradient of that gather adds rows in a racing order unless deterministic algorithms are on,
+    and the warm-up (hence the whole run) came out different run to run (a CI run's GRPO test
+    started from a model that no longer learned). Two warm-ups from one initialisation are equal."""
+    from rltrain.data.tasks import generate_arithmetic
+    from rltrain.models.tiny import tiny_model_from_config
+    from tests.released import shrunk_config
+
+    tokenizer = build_tiny_tokenizer()
+    config = shrunk_config("gpt-oss-20b")
+    config.pop("quantization_config", None)
+    rows = generate_arithmetic(80, seed=1234, max_operand=9, ops=["+"])
+    pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in rows]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fitted = []
+        for _ in range(4):
+            model = tiny_model_from_config(config, tokenizer=tokenizer, seed=0)
+            sft_warmup(model, tokenizer, pairs, steps=30, batch_size=32, lr=3e-3, seed=0)
+            fitted.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.are_deterministic_algorithms_enabled(), "the warm-up restores the global setting"
+    for other in fitted[1:]:
+        assert torch.equal(fitted[0], other), float((fitted[0] - other).abs().max())
