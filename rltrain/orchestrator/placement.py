@@ -23,7 +23,7 @@ engine bundles above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from rltrain.config import RLConfig
@@ -136,6 +136,9 @@ class RunPlacement:
     """``global_pool`` first, then the named pools of trainer roles (not the engines')."""
     extra_bundles: tuple[Bundle, ...]
     """The named trainer pools' bundles, after the rollout layout's."""
+    node_groups: tuple[tuple[int, int], ...] = ()
+    """The bundles that must share a node, ``(first bundle, count)`` each in bundle order (one Ray
+    placement group each, :func:`node_groups`); empty: one group of every bundle."""
 
     @property
     def bundles(self) -> tuple[Bundle, ...]:
@@ -168,4 +171,45 @@ def run_placement(config: RLConfig, *, gpu: bool) -> RunPlacement:
         pools.append(PoolPlacement(name, trainer_roles, first, size))
         extra += [Bundle(num_cpus=1, num_gpus=1 if devices else 0, device_resource=resource)] * size
         first += size
-    return RunPlacement(rollout=rollout, pools=tuple(pools), extra_bundles=tuple(extra))
+    placed = RunPlacement(rollout=rollout, pools=tuple(pools), extra_bundles=tuple(extra))
+    return replace(placed, node_groups=node_groups(placed, config))
+
+
+def node_groups(placed: RunPlacement, config: RLConfig) -> tuple[tuple[int, int], ...]:
+    """The run's bundles cut into the groups that must each sit on one node, ``(first bundle,
+    count)``: every pool's bundles in runs of one node's devices (``n_gpus_per_node`` of the cluster,
+    or of the named pool; a separate engine's bundle holds its TP devices, and an engine never
+    straddles two nodes). So rank r of a trainer role is on the pool's node r // n_gpus_per_node
+    (its tensor-parallel peers beside it, as verl places them), and a node holds whole engines."""
+    cluster = config.cluster
+    per_node = {
+        pool.name: (
+            cluster.resource_pools[pool.name].n_gpus_per_node
+            if pool.name != GLOBAL_POOL
+            else cluster.n_gpus_per_node
+        )
+        for pool in placed.pools
+    }
+    rollout = placed.rollout
+    engine_pool = cluster.role_pool.rollout
+    engine_node = (
+        cluster.resource_pools[engine_pool].n_gpus_per_node if engine_pool else cluster.n_gpus_per_node
+    )
+    runs = [(0, len(rollout.trainer_bundles), per_node[GLOBAL_POOL])]
+    if rollout.engine_bundles:
+        runs.append(
+            (
+                rollout.first_engine_bundle,
+                len(rollout.engine_bundles),
+                max(1, engine_node // rollout.engine_tp),
+            )
+        )
+    runs += [
+        (pool.first_bundle, pool.size, per_node[pool.name])
+        for pool in placed.pools
+        if pool.name != GLOBAL_POOL
+    ]
+    cuts = []
+    for first, count, step in runs:
+        cuts += [(start, min(step, first + count - start)) for start in range(first, first + count, step)]
+    return tuple(cuts)

@@ -11,6 +11,7 @@ Every group of a run shares one :class:`~rltrain.orchestrator.liveness.Liveness`
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from rltrain.config import RLConfig
@@ -18,6 +19,8 @@ from rltrain.logging.console import stage
 
 if TYPE_CHECKING:
     from rltrain.trainer.run import RunSetup
+
+log = logging.getLogger(__name__)
 
 
 def roles_stage(roles: list[tuple[str, int]]):
@@ -50,8 +53,9 @@ class RunWorkers:
 
     def __init__(self, config: RLConfig, setup: RunSetup, *, gpu: bool) -> None:
         from rltrain.orchestrator.liveness import Liveness
+        from rltrain.orchestrator.node_groups import reserve_node_groups
         from rltrain.orchestrator.placement import run_placement
-        from rltrain.orchestrator.worker_group import check_pools_fit, reserve_bundles
+        from rltrain.orchestrator.worker_group import check_pools_fit
 
         self.config, self.model_dir, self.total_steps = config, setup.model_dir, setup.total_steps
         self.gpu = gpu
@@ -59,7 +63,10 @@ class RunWorkers:
         self.layout = self.pools.rollout
         bundles = [b.resources() for b in self.pools.bundles]
         check_pools_fit(bundles, pool_sizes(config))
-        self.pg = reserve_bundles(bundles, timeout_s=config.trainer.timeouts.init_s)
+        self.pg = reserve_node_groups(
+            bundles, self.pools.node_groups, timeout_s=config.trainer.timeouts.init_s
+        )
+        """The run's placement groups, one per node's share of a pool (:mod:`~rltrain.orchestrator.node_groups`)."""
         self.groups: list = []
         self.liveness = Liveness(config.trainer.timeouts.liveness_s)
         """One watch over every group's ranks: a frozen critic is found while the driver waits on the actor."""
@@ -129,9 +136,26 @@ class RunWorkers:
                     )
                 for spec, _ in together:
                     groups[spec.name].started()
+        self.record_placement(groups)
         if "rollout" in groups:
             self.connect_engines(groups["actor_rollout_ref"], groups["rollout"])
         return self.handles(groups)
+
+    def record_placement(self, groups: dict) -> None:
+        """Log which node each role's ranks run on and write it to ``placement.json`` in the run
+        directory (:func:`~rltrain.orchestrator.node_groups.placement_record`; rewritten at a restart)."""
+        import json
+
+        from rltrain.orchestrator.node_groups import placement_lines, placement_record
+
+        record = placement_record(groups, self.layout.engine_ranks)
+        for line in placement_lines(record):
+            log.info(line)
+        run_dir = self.config.run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "placement.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        tmp.replace(run_dir / "placement.json")
 
     def role_run(self):
         """What the role table's functions read of this run."""
@@ -188,8 +212,6 @@ class RunWorkers:
         self.groups = []
 
     def release(self) -> None:
-        """:meth:`stop`, and free the placement group."""
-        import ray
-
+        """:meth:`stop`, and free the placement groups."""
         self.stop()
-        ray.util.remove_placement_group(self.pg)
+        self.pg.remove()

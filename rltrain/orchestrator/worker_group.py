@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.liveness import ChildWatch, Liveness, kill_descendants
+from rltrain.orchestrator.node_groups import NodeGroups, locate
 from rltrain.ports import HeldPort
 from rltrain.trainer.recovery import WorkerError, WorkerLost
 from rltrain.workers.rank_base import RankInfo
@@ -117,10 +118,11 @@ class _RankHost:
         return True, (ray.util.get_node_ip_address(), held.port)
 
     def build(self, cls: type, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-        """Builds the worker; reports this process's id."""
+        """Builds the worker; reports this process's id and its node (Ray's node id, its address)."""
         try:
             self.worker = cls(*args, **kwargs)
-            return True, os.getpid()
+            node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+            return True, (os.getpid(), node)
         except RunStopped as err:  # its message says it all: travels as itself
             return False, err
         except BaseException as err:  # reported to the driver with role and rank, never swallowed
@@ -210,25 +212,12 @@ def check_pools_fit(bundles: list[dict[str, float]], pool_sizes: dict[str, int])
         )
 
 
-def reserve_bundles(bundles: list[dict[str, float]], *, timeout_s: float) -> PlacementGroup:
-    """A ready placement group of ``bundles`` (packed); raises :class:`PlacementTimeout`, naming what
-    was asked for and what the cluster has, when Ray cannot place it within ``timeout_s``."""
-    group = placement_group(bundles, strategy="PACK")
-    if group.wait(timeout_seconds=timeout_s):
-        return group
-    ray.util.remove_placement_group(group)
-    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-    raise PlacementTimeout(
-        f"Ray could not place the run's {len(bundles)} bundles {bundles} within {timeout_s:g} s "
-        f"(trainer.timeouts.init_s); the cluster has {total} (other jobs may hold part of it)"
-    )
-
-
 @dataclass(frozen=True)
 class Placement:
-    """Where a group's ranks go: bundle ``first_bundle + rank`` of ``group``."""
+    """Where a group's ranks go: bundle ``first_bundle + rank`` of ``group`` (a run's groups, one per
+    node's share, or one placement group)."""
 
-    group: PlacementGroup
+    group: PlacementGroup | NodeGroups
     first_bundle: int = 0
     num_cpus: float = 1.0
     """CPU share each rank reserves in its bundle."""
@@ -271,18 +260,20 @@ class RayWorkerGroup:
         self.world_size = world_size
         self.timeouts = timeouts or TimeoutConfig()
         self.liveness = liveness or Liveness(self.timeouts.liveness_s)
-        self.hosts = [
-            _RankHost.options(
-                **placement.actor_options(),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement.group,
-                    placement_group_bundle_index=placement.first_bundle + rank,
-                ),
-                runtime_env={"env_vars": dict(env or {})},
-                name=None,
-            ).remote(role, rank)
-            for rank in range(world_size)
-        ]
+        self.hosts = []
+        for rank in range(world_size):
+            group, index = locate(placement.group, placement.first_bundle + rank)
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=index
+            )
+            self.hosts.append(
+                _RankHost.options(
+                    **placement.actor_options(),
+                    scheduling_strategy=strategy,
+                    runtime_env={"env_vars": dict(env or {})},
+                    name=None,
+                ).remote(role, rank)
+            )
         self.liveness.watch(role, self.hosts)
         addr, port = self.free_address()
         refs = []
@@ -292,6 +283,8 @@ class RayWorkerGroup:
             refs.append(host.build.remote(cls, (*args, info), {**(kwargs or {}), **extra}))
         self.pids: list[int] = []
         """Each rank's process id (what the restart lines and the fault tests name)."""
+        self.nodes: list[tuple[str, str]] = []
+        """Each rank's node: Ray's node id and the node's address."""
         self._building = refs
         if wait:
             self.started()
@@ -299,7 +292,8 @@ class RayWorkerGroup:
     def started(self) -> RayWorkerGroup:
         """Wait until every rank has built its worker (``trainer.timeouts.init_s``); returns self."""
         if self._building:
-            self.pids = self._gather("__init__", self._building)
+            built = self._gather("__init__", self._building)
+            self.pids, self.nodes = [pid for pid, _ in built], [node for _, node in built]
             self.liveness.set_pids(self.hosts, self.pids)
             self._building = []
         return self

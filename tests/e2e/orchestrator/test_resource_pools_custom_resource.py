@@ -54,10 +54,17 @@ def _bundles_of(workers: RunWorkers, role: str, config) -> list[tuple[int, dict[
         role, Probe, world_size=config.role_world(role), placement=workers.placement_of(role)
     )
     workers.groups.append(group)
-    indexed = re.compile(rf"{STAND_IN_GPU}_group_(\d+)_{workers.pg.id.hex()}")
+    first = {
+        pg.id.hex(): f for pg, (f, _) in zip(workers.pg.groups, workers.pg.cuts)
+    }  # one group a node's share
+    indexed = re.compile(rf"{STAND_IN_GPU}_group_(\d+)_([0-9a-f]+)")
     out = []
     for assigned in group.call("assigned"):
-        ((bundle, share),) = ((int(m[1]), v) for k, v in assigned.items() if (m := indexed.fullmatch(k)))
+        ((bundle, share),) = (
+            (first[m[2]] + int(m[1]), v)
+            for k, v in assigned.items()
+            if (m := indexed.fullmatch(k)) and m[2] in first
+        )
         out.append((bundle, share))
     return out
 

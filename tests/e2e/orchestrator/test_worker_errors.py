@@ -21,7 +21,6 @@ from rltrain.orchestrator.worker_group import (
     WorkerDied,
     WorkerError,
     WorkerTimeout,
-    reserve_bundles,
 )
 from rltrain.trainer.recovery import WorkerLost
 
@@ -163,13 +162,22 @@ def test_a_workers_run_stop_arrives_as_itself_in_one_line(placement):
 
 
 def test_bundles_the_cluster_cannot_place_fail_naming_them(local_ray):
+    """The second node's share (bundles 1..2) fits no node of the shared Ray (one node, 4 CPUs):
+    named, with what the node has, and the first share's group is released too."""
+    from rltrain.orchestrator.node_groups import reserve_node_groups
+
+    before = local_ray.available_resources()["CPU"]
     with pytest.raises(PlacementTimeout) as info:
-        reserve_bundles([{"CPU": 64}], timeout_s=1.0)
+        reserve_node_groups([{"CPU": 1}, {"CPU": 3}, {"CPU": 3}], ((0, 1), (1, 2)), timeout_s=1.0)
     have = local_ray.cluster_resources()["CPU"]  # the shared Ray's (tests/e2e/conftest.py)
-    assert str(info.value).startswith(
-        "Ray could not place the run's 1 bundles [{'CPU': 64}] within 1 s (trainer.timeouts.init_s); "
-        f"the cluster has {{'CPU': {have}}}"
+    assert str(info.value) == (
+        "Ray could not place the run's bundles 1..2 [{'CPU': 3}, {'CPU': 3}] on one node within 1 s "
+        f"(trainer.timeouts.init_s); the cluster's nodes have [{{'CPU': {have}}}] (other jobs may hold part of them)"
     )
+    deadline = time.monotonic() + 10
+    while local_ray.available_resources().get("CPU") != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert local_ray.available_resources()["CPU"] == before
 
 
 def process_state(pid: int) -> str:

@@ -1,0 +1,142 @@
+"""The run's placement groups, one per node's share of a pool, and where each rank landed.
+
+:func:`reserve_node_groups` reserves one Ray placement group (``STRICT_PACK``: all on one node) for
+each run of bundles that :func:`~rltrain.orchestrator.placement.node_groups` says must share a node,
+so that rank r of a trainer role is on its pool's node r // n_gpus_per_node with its tensor-parallel
+peers, and an engine's devices are on one node. :class:`NodeGroups` maps the run's bundle index to
+(placement group, index in it). On one node every group lands on it, as the single group of the
+past did.
+
+:func:`placement_record` is what the run writes to ``placement.json`` in its run directory and logs:
+each role's ranks with the node (id and address) and process they run in, and where each rollout
+engine runs (a colocated engine in its host rank's process tree, on that rank's node).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """Placement groups over the run's bundles: ``groups[i]`` holds bundles ``cuts[i]``
+    (``(first, count)``)."""
+
+    groups: tuple[PlacementGroup, ...]
+    cuts: tuple[tuple[int, int], ...]
+
+    def locate(self, index: int) -> tuple[PlacementGroup, int]:
+        """The placement group holding the run's bundle ``index``, and the bundle's index in it."""
+        for group, (first, count) in zip(self.groups, self.cuts):
+            if first <= index < first + count:
+                return group, index - first
+        raise IndexError(f"bundle {index} is in none of the run's placement groups {self.cuts}")
+
+    def remove(self) -> None:
+        for group in self.groups:
+            ray.util.remove_placement_group(group)
+
+
+def locate(group: PlacementGroup | NodeGroups, index: int) -> tuple[PlacementGroup, int]:
+    """``(placement group, bundle index)`` of bundle ``index`` of a run's groups or a single group."""
+    if isinstance(group, NodeGroups):
+        return group.locate(index)
+    return group, index
+
+
+def reserve_node_groups(
+    bundles: list[dict[str, float]], cuts: tuple[tuple[int, int], ...], *, timeout_s: float
+) -> NodeGroups:
+    """Ready placement groups of ``bundles``, one per cut (each on one node); raises
+    :class:`~rltrain.orchestrator.worker_group.PlacementTimeout` naming the cut that Ray could not
+    place and what each node has when they are not all placed within ``timeout_s``."""
+    from rltrain.orchestrator.worker_group import PlacementTimeout
+
+    cuts = cuts or ((0, len(bundles)),)
+    groups = tuple(placement_group(bundles[f : f + n], strategy="STRICT_PACK") for f, n in cuts)
+    deadline = time.monotonic() + timeout_s
+    # Ray's table says when a group's bundles are committed (pg.wait would start a worker process
+    # to find out, a second or more on a loaded machine)
+    while (
+        pending := [i for i, g in enumerate(groups) if _state(g) != "CREATED"]
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pending:
+        for placed in groups:
+            ray.util.remove_placement_group(placed)
+        nodes = [
+            {k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")}
+            for node in ray.nodes()
+            if node["Alive"] and node["Resources"].get("CPU", 0) + node["Resources"].get("GPU", 0)
+        ]
+        unplaced = "; ".join(
+            f"bundles {cuts[i][0]}..{cuts[i][0] + cuts[i][1] - 1} {bundles[cuts[i][0] : cuts[i][0] + cuts[i][1]]}"
+            for i in pending
+        )
+        raise PlacementTimeout(
+            f"Ray could not place the run's {unplaced} on one node within {timeout_s:g} s "
+            f"(trainer.timeouts.init_s); the cluster's nodes have {nodes} (other jobs may hold part of them)"
+        )
+    return NodeGroups(groups, cuts)
+
+
+def _state(group: PlacementGroup) -> str:
+    return ray.util.placement_group_table(group).get("state", "")
+
+
+def placement_record(groups: dict, engine_ranks: tuple[int, ...]) -> dict:
+    """Where the run's ranks are: ``{role: [{rank, node_id, node_ip, pid}, ...]}`` for every
+    started role group (``groups``: role -> :class:`RayWorkerGroup`), and ``engines``: each rollout
+    engine's node, ``{engine, node_id, host}`` (``host``: the trainer rank whose process runs a
+    colocated engine (``engine_ranks``), or the separate engine's own rollout rank)."""
+    record: dict = {}
+    for role, group in groups.items():
+        record[role] = [
+            {"rank": rank, "node_id": node_id, "node_ip": node_ip, "pid": pid}
+            for rank, (pid, (node_id, node_ip)) in enumerate(zip(group.pids, group.nodes))
+        ]
+    if "rollout" in groups:
+        record["engines"] = [
+            {"engine": i, "node_id": rank["node_id"], "host": f"rollout rank {rank['rank']}"}
+            for i, rank in enumerate(record["rollout"])
+        ]
+    elif "actor_rollout_ref" in record:
+        policy = record["actor_rollout_ref"]
+        record["engines"] = [
+            {"engine": i, "node_id": policy[r]["node_id"], "host": f"actor_rollout_ref rank {r}"}
+            for i, r in enumerate(engine_ranks)
+        ]
+    return record
+
+
+def placement_lines(record: dict) -> list[str]:
+    """One line per role: its ranks grouped by node, e.g. ``actor_rollout_ref: ranks 0-1 on node
+    1f3a9c0b (10.0.0.5)``."""
+    lines = []
+    for role, ranks in record.items():
+        if role == "engines":
+            continue
+        by_node: dict[tuple[str, str], list[int]] = {}
+        for rank in ranks:
+            by_node.setdefault((rank["node_id"], rank["node_ip"]), []).append(rank["rank"])
+        where = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {_span(r)} on node {node[:8]} ({ip})"
+            for (node, ip), r in by_node.items()
+        )
+        lines.append(f"placement: {role}: {where}")
+    return lines
+
+
+def _span(ranks: list[int]) -> str:
+    return (
+        f"{ranks[0]}-{ranks[-1]}"
+        if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1))
+        else ",".join(map(str, ranks))
+    )

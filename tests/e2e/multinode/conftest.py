@@ -1,0 +1,104 @@
+"""The multi-node Ray cluster on this machine (``cluster_host.py``), started once for the module's
+tests: node ``a`` with two stand-in devices, node ``b`` with one, four CPUs each (the engines,
+reward tasks and role processes share the machine's two cores). Runs join it through
+``RAY_ADDRESS`` as a user's ``rltrain train`` on a cluster does, in a process of their own (this
+process keeps its own local Ray for the one-node reference runs).
+
+``hold(node, devices)`` reserves stand-in devices of one node for a block, so that a test decides
+which nodes a layout can use (what a cluster whose nodes are busy looks like).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import STAND_IN_GPU
+
+HOST = Path(__file__).with_name("cluster_host.py")
+START_TIMEOUT_S = 120
+
+
+@dataclass
+class RayNodes:
+    address: str
+    node_ids: dict[str, str]
+    """Node name (``a``, ``b``) -> Ray's node id."""
+    process: subprocess.Popen = field(repr=False)
+
+    def name_of(self, node_id: str) -> str:
+        return next(name for name, nid in self.node_ids.items() if nid == node_id)
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "RAY_ADDRESS": self.address, "PYTHONUNBUFFERED": "1"}
+
+    @contextlib.contextmanager
+    def hold(self, node: str, devices: int):
+        """Reserve ``devices`` stand-in devices of ``node`` for the block (from a process of its
+        own, connected to this cluster; released when the block ends)."""
+        script = (
+            "import sys, ray\n"
+            "from ray.util.placement_group import placement_group\n"
+            f"ray.init(address={self.address!r}, log_to_driver=False)\n"
+            f"pg = placement_group([{{{STAND_IN_GPU!r}: {devices}, 'node_{node}': 0.001}}])\n"
+            "assert pg.wait(60), 'the hold was not placed'\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        holder = subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=self.env(),
+        )
+        try:
+            assert holder.stdout.readline().strip() == "held", (
+                f"holding {devices} device(s) of node {node} failed"
+            )
+            yield
+        finally:
+            holder.stdin.close()
+            holder.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    process = subprocess.Popen(
+        [sys.executable, str(HOST), "--node", "a:4:2", "--node", "b:4:1", "--device-resource", STAND_IN_GPU],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    try:
+        first = _read_line(process, START_TIMEOUT_S, "the multi-node cluster's start")
+        started = json.loads(first)
+        yield RayNodes(started["address"], started["nodes"], process)
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _read_line(process: subprocess.Popen, timeout_s: float, what: str) -> str:
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(process.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            process.kill()
+            raise TimeoutError(f"{what} printed nothing within {timeout_s:g} s")
+    line = process.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{what}: the cluster host exited ({process.wait()})")
+    return line
