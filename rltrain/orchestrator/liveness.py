@@ -120,6 +120,8 @@ class Liveness:
         self.probe_s = probe_s if probe_s is not None else min(5.0, max(timeout_s / 6, 0.1))
         """How often a rank is asked (and how long the driver waits for a call between checks)."""
         self._ranks: list[_Rank] = []
+        self._nodes: dict[int, tuple[str, int, Any, tuple[str, str]]] = {}
+        """id(host) -> (role, rank, host, (node id, node address)) of every started rank (watched or not)."""
 
     @property
     def enabled(self) -> bool:
@@ -141,8 +143,42 @@ class Liveness:
         for entry in self._ranks:
             entry.pid = pid_of.get(id(entry.host), entry.pid)
 
+    def set_nodes(self, role: str, hosts: list, nodes: list[tuple[str, str]]) -> None:
+        """``hosts[r]``, rank r of ``role``, runs on the Ray node ``nodes[r]`` (id, address)."""
+        for rank, (host, node) in enumerate(zip(hosts, nodes)):
+            self._nodes[id(host)] = (role, rank, host, node)
+
+    def lost_node(self, role: str, rank: int) -> str:
+        """When the node of ``role`` rank ``rank`` is gone: that node and every rank of the run on it
+        (``its node 1f3a9c0b (10.0.0.5) is lost, and with it rollout rank 0``); else empty."""
+        from rltrain.orchestrator.node_groups import node_gone
+
+        node = next((n for r, k, _, n in self._nodes.values() if (r, k) == (role, rank)), None)
+        if node is None or not node_gone(node[0]):
+            return ""
+        on_it = [f"{r} rank {k}" for r, k, _, n in self._nodes.values() if n[0] == node[0]]
+        return f"its node {node[0][:8]} ({node[1]}) is lost, and with it {', '.join(on_it)}"
+
+    def dead_rank(self, *, timeout_s: float = 5.0) -> tuple[str, int, BaseException] | None:
+        """A started rank whose process is gone, ``(role, rank, Ray's error)``, or None: asked when a
+        rank's collective failed, which is how a peer's death (or its node's) first shows."""
+        import ray
+
+        asked = {host.alive.remote(): (role, rank) for role, rank, host, _ in self._nodes.values()}
+        done, _ = ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return (*asked[ref], err)
+            except ray.exceptions.RayError:
+                continue
+        return None
+
     def forget(self, hosts: list) -> None:
         self._ranks = [entry for entry in self._ranks if not any(entry.host is h for h in hosts)]
+        for host in hosts:
+            self._nodes.pop(id(host), None)
 
     def check(self, method: str) -> None:
         """Collect the answers, ask again those due, raise for a rank silent or stopped too long

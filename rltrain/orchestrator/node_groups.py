@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NodeGroups:
-    """Placement groups over the run's bundles: ``groups[i]`` holds bundles ``cuts[i]``
+    """Placement groups over the run's ``bundles``: ``groups[i]`` holds bundles ``cuts[i]``
     (``(first, count)``)."""
 
     groups: tuple[PlacementGroup, ...]
     cuts: tuple[tuple[int, int], ...]
+    bundles: tuple[dict[str, float], ...] = ()
 
     def locate(self, index: int) -> tuple[PlacementGroup, int]:
         """The placement group holding the run's bundle ``index``, and the bundle's index in it."""
@@ -38,6 +39,56 @@ class NodeGroups:
             if first <= index < first + count:
                 return group, index - first
         raise IndexError(f"bundle {index} is in none of the run's placement groups {self.cuts}")
+
+    def wait_placed(self, timeout_s: float, *, again: bool = False) -> None:
+        """Wait until Ray has placed every group (after a node's loss Ray places the groups that were
+        on it again where they fit, or waits for a node that can hold them); raises
+        :class:`~rltrain.orchestrator.worker_group.PlacementTimeout` naming the groups not placed
+        within ``timeout_s`` (``trainer.timeouts.init_s``) and what each node has."""
+        from rltrain.orchestrator.worker_group import PlacementTimeout
+
+        deadline, said = time.monotonic() + timeout_s, False
+        # Ray's table says when a group's bundles are committed (pg.wait would start a worker
+        # process to find out, a second or more on a loaded machine)
+        while pending := self._pending(check_nodes=again):
+            if time.monotonic() >= deadline:
+                raise PlacementTimeout(
+                    f"Ray could not place the run's {self._named(pending)} on one node "
+                    f"{'again ' if again else ''}within {timeout_s:g} s (trainer.timeouts.init_s); "
+                    f"the cluster's nodes have {_node_resources()} (other jobs may hold part of them)"
+                )
+            if again and not said:
+                log.warning(
+                    "waiting up to %g s for Ray to place the run's %s again (trainer.timeouts.init_s)",
+                    timeout_s,
+                    self._named(pending),
+                )
+                said = True
+            time.sleep(0.1)
+
+    def _pending(self, *, check_nodes: bool) -> list[int]:
+        """Indices of the groups not placed; with ``check_nodes``, also those placed on a node that is
+        gone (the GCS marks a lost node dead, and moves its groups, only after its health checks
+        fail: 15 s and more, while new ranks would go to the dead node)."""
+        tables = [ray.util.placement_group_table(g) for g in self.groups]
+        pending = [i for i, table in enumerate(tables) if table.get("state") != "CREATED"]
+        if check_nodes:
+            nodes = {
+                n for i, t in enumerate(tables) if i not in pending for n in t["bundles_to_node_id"].values()
+            }
+            gone = {n for n in nodes if node_gone(n)}
+            pending += [
+                i
+                for i, t in enumerate(tables)
+                if i not in pending and gone & set(t["bundles_to_node_id"].values())
+            ]
+        return sorted(pending)
+
+    def _named(self, indices: list[int]) -> str:
+        return "; ".join(
+            f"bundles {f}..{f + n - 1} {list(self.bundles[f : f + n])}"
+            for f, n in (self.cuts[i] for i in indices)
+        )
 
     def remove(self) -> None:
         for group in self.groups:
@@ -54,41 +105,44 @@ def locate(group: PlacementGroup | NodeGroups, index: int) -> tuple[PlacementGro
 def reserve_node_groups(
     bundles: list[dict[str, float]], cuts: tuple[tuple[int, int], ...], *, timeout_s: float
 ) -> NodeGroups:
-    """Ready placement groups of ``bundles``, one per cut (each on one node); raises
-    :class:`~rltrain.orchestrator.worker_group.PlacementTimeout` naming the cut that Ray could not
-    place and what each node has when they are not all placed within ``timeout_s``."""
-    from rltrain.orchestrator.worker_group import PlacementTimeout
-
+    """Placed groups of ``bundles``, one per cut (each on one node; :meth:`NodeGroups.wait_placed`),
+    released again when they are not all placed in time."""
     cuts = cuts or ((0, len(bundles)),)
     groups = tuple(placement_group(bundles[f : f + n], strategy="STRICT_PACK") for f, n in cuts)
-    deadline = time.monotonic() + timeout_s
-    # Ray's table says when a group's bundles are committed (pg.wait would start a worker process
-    # to find out, a second or more on a loaded machine)
-    while (
-        pending := [i for i, g in enumerate(groups) if _state(g) != "CREATED"]
-    ) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if pending:
-        for placed in groups:
-            ray.util.remove_placement_group(placed)
-        nodes = [
-            {k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")}
-            for node in ray.nodes()
-            if node["Alive"] and node["Resources"].get("CPU", 0) + node["Resources"].get("GPU", 0)
-        ]
-        unplaced = "; ".join(
-            f"bundles {cuts[i][0]}..{cuts[i][0] + cuts[i][1] - 1} {bundles[cuts[i][0] : cuts[i][0] + cuts[i][1]]}"
-            for i in pending
-        )
-        raise PlacementTimeout(
-            f"Ray could not place the run's {unplaced} on one node within {timeout_s:g} s "
-            f"(trainer.timeouts.init_s); the cluster's nodes have {nodes} (other jobs may hold part of them)"
-        )
-    return NodeGroups(groups, cuts)
+    reserved = NodeGroups(groups, cuts, tuple(bundles))
+    try:
+        reserved.wait_placed(timeout_s)
+    except BaseException:
+        reserved.remove()
+        raise
+    return reserved
 
 
-def _state(group: PlacementGroup) -> str:
-    return ray.util.placement_group_table(group).get("state", "")
+def node_gone(node_id: str, *, timeout_s: float = 2.0) -> bool:
+    """Whether the Ray node ``node_id`` is lost: the GCS says it is dead, or its raylet does not
+    accept a connection within ``timeout_s`` (the GCS notices a lost node only after its health
+    checks fail, 15 s or more; the raylet's port tells at once)."""
+    import socket
+
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if node is None or not node["Alive"]:
+        return True
+    try:
+        socket.create_connection(
+            (node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout_s
+        ).close()
+    except OSError:
+        return True
+    return False
+
+
+def _node_resources() -> list[dict[str, float]]:
+    """The CPUs and GPUs of each live node that has any."""
+    return [
+        {k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")}
+        for node in ray.nodes()
+        if node["Alive"] and node["Resources"].get("CPU", 0) + node["Resources"].get("GPU", 0)
+    ]
 
 
 def placement_record(groups: dict, engine_ranks: tuple[int, ...]) -> dict:

@@ -202,8 +202,11 @@ class RunWorkers:
         return not self.gpu or self.pools.pool_of("critic") is not self.pools.pool_of("actor")
 
     def restart(self):
-        """Kill every group and start them again (a worker died or stopped answering)."""
+        """Kill every group and start them again (a worker died or stopped answering), once Ray has
+        placed the run's bundles again (after a node's loss: elsewhere, or on a node that joins, within
+        ``trainer.timeouts.init_s``)."""
         self.stop()
+        self.pg.wait_placed(self.config.trainer.timeouts.init_s, again=True)
         return self.start()
 
     def stop(self) -> None:

@@ -45,9 +45,9 @@ class WorkerDied(WorkerError, WorkerLost):
     """A rank's process died during a method (killed, out of memory, crashed): ``trainer.max_restarts``
     recovers from it. The message is one line; Ray's own account of the death stays in ``detail``."""
 
-    def __init__(self, role: str, rank: int, method: str, err: BaseException) -> None:
+    def __init__(self, role: str, rank: int, method: str, err: BaseException, *, node: str = "") -> None:
         self.detail = f"{type(err).__name__}: {err}"
-        self.cause = f"the worker process died ({type(err).__name__})"
+        self.cause = f"the worker process died ({type(err).__name__})" + (f"; {node}" if node else "")
         super().__init__(role, rank, method, self.cause)
 
 
@@ -295,6 +295,7 @@ class RayWorkerGroup:
             built = self._gather("__init__", self._building)
             self.pids, self.nodes = [pid for pid, _ in built], [node for _, node in built]
             self.liveness.set_pids(self.hosts, self.pids)
+            self.liveness.set_nodes(self.role, self.hosts, self.nodes)
             self._building = []
         return self
 
@@ -363,10 +364,15 @@ class RayWorkerGroup:
             try:
                 ok, value = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
-                raise WorkerDied(self.role, rank, method, err) from err
+                raise WorkerDied(
+                    self.role, rank, method, err, node=self.liveness.lost_node(self.role, rank)
+                ) from err
             if not ok:
                 if isinstance(value, RunStopped):
                     raise type(value)(f"{self.role} rank {rank}: {value}")
+                if died := self.liveness.dead_rank():  # a peer's death fails the collectives first
+                    role, peer, err = died
+                    raise WorkerDied(role, peer, method, err, node=self.liveness.lost_node(role, peer))
                 raise WorkerError(self.role, rank, method, value)
             results[rank] = value
         return results

@@ -1,11 +1,12 @@
 """The multi-node Ray cluster on this machine (``cluster_host.py``), started once for the module's
-tests: node ``a`` with two stand-in devices, node ``b`` with one, four CPUs each (the engines,
-reward tasks and role processes share the machine's two cores). Runs join it through
+tests: node ``a`` with two stand-in devices, nodes ``b`` and ``c`` with one each, four CPUs each (the
+engines, reward tasks and role processes share the machine's two cores). Runs join it through
 ``RAY_ADDRESS`` as a user's ``rltrain train`` on a cluster does, in a process of their own (this
 process keeps its own local Ray for the one-node reference runs).
 
 ``hold(node, devices)`` reserves stand-in devices of one node for a block, so that a test decides
-which nodes a layout can use (what a cluster whose nodes are busy looks like).
+which nodes a layout can use (what a cluster whose nodes are busy looks like); ``kill(node)`` kills
+every process of a node at once (the node-loss test, the module's last).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ class RayNodes:
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "RAY_ADDRESS": self.address, "PYTHONUNBUFFERED": "1"}
+
+    def kill(self, node: str) -> float:
+        """Kill every process of ``node`` (its raylet and workers) at once; the seconds it took."""
+        self.process.stdin.write(f"kill {node}\n")
+        self.process.stdin.flush()
+        reply = _read_line(self.process, 60, f"killing node {node}").split()
+        assert reply[:2] == ["killed", node], reply
+        return float(reply[2])
 
     @contextlib.contextmanager
     def hold(self, node: str, devices: int):
@@ -72,7 +81,18 @@ class RayNodes:
 @pytest.fixture(scope="module")
 def ray_nodes():
     process = subprocess.Popen(
-        [sys.executable, str(HOST), "--node", "a:4:2", "--node", "b:4:1", "--device-resource", STAND_IN_GPU],
+        [
+            sys.executable,
+            str(HOST),
+            "--node",
+            "a:4:2",
+            "--node",
+            "b:4:1",
+            "--node",
+            "c:4:1",
+            "--device-resource",
+            STAND_IN_GPU,
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -1,22 +1,27 @@
 """The quickstart's PPO across the nodes of a real multi-node Ray cluster on this machine
-(``conftest.py``: node ``a`` with two stand-in devices, node ``b`` with one), each run started as a
+(``conftest.py``: node ``a`` with two stand-in devices, ``b`` and ``c`` with one), each run started as a
 user starts one on a cluster (``python -m rltrain.train`` with ``RAY_ADDRESS``) and compared with
 the same run on the one-node local Ray of the other e2e tests: the metrics are equal in every key
 but wall-clock times (CPU runs are deterministic), and the placement the run wrote
 (``placement.json``: each rank's node and process, each engine's node) is the one the layout asks
 for.
 
-- the actor at TP=2 fills node ``a``; its separate engine runs on node ``b`` and gets every weight
-  update by broadcast across the nodes;
+- the actor at TP=2 fills node ``a``; its separate engine runs on another node and gets every
+  weight update by broadcast across the nodes;
 - colocated across two nodes (``cluster.nnodes=2``, one device each): each node holds its own actor,
-  critic and engine ranks (one device of ``a`` is held by another reservation, as a busy cluster's).
+  critic and engine ranks (one device of ``a`` is held by another reservation, as a busy cluster's);
+- node loss (the module's last test: the node stays dead): the engine's node is killed after step 1's
+  checkpoint; the driver names the node and the ranks it took within seconds, Ray places the
+  engine's bundle on the spare node, and the run resumes from step 1 to the uninterrupted metrics.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,40 +58,64 @@ def run_overrides(run_root: Path, cache: Path, *extra: str) -> list[str]:
     ]
 
 
-def one_node_and_cluster_runs(
-    tmp_path: Path, cache: Path, ray_nodes, *layout: str
-) -> tuple[list, list, dict]:
-    """The metrics of ``layout`` on the local one-node Ray (in this process) and on the multi-node
-    cluster (a driver process of its own), and the cluster run's ``placement.json``."""
+SEPARATE = (
+    "cluster.n_gpus_per_node=2",
+    "actor.parallel.tensor_model_parallel_size=2",
+    "actor.ppo_micro_batch_size_per_gpu=8",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+    "rollout.mode=separate",
+    "rollout.num_devices=1",
+    "trainer.save_freq=1",  # the node-loss run resumes from step 1's checkpoint
+    "trainer.max_restarts=1",
+)
+"""A TP=2 actor (and critic) on a node's two devices, one separate engine on a device of its own."""
+
+
+def one_node_run(tmp_path: Path, cache: Path, *layout: str) -> list[dict]:
+    """The metrics of ``layout`` on the local one-node Ray (in this process)."""
     from rltrain.orchestrator.entry import train
 
-    one = load_config(RECIPE, run_overrides(tmp_path / "one_node", cache, *layout))
+    one = load_config(RECIPE, run_overrides(tmp_path, cache, *layout))
     assert train(one) == STEPS
-    many = load_config(RECIPE, run_overrides(tmp_path / "nodes", cache, *layout))
-    driver = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rltrain.train",
-            str(RECIPE),
-            *run_overrides(tmp_path / "nodes", cache, *layout),
-        ],
+    return read_metrics(one.run_dir())
+
+
+def cluster_driver(run_root: Path, cache: Path, ray_nodes, *layout: str) -> subprocess.Popen:
+    """``python -m rltrain.train`` of ``layout`` on the multi-node cluster."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rltrain.train", str(RECIPE), *run_overrides(run_root, cache, *layout)],
         cwd=ROOT,
         env=ray_nodes.env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=RUN_TIMEOUT_S,
     )
-    assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
-    placement = json.loads((many.run_dir() / "placement.json").read_text())
-    return read_metrics(one.run_dir()), read_metrics(many.run_dir()), placement
 
 
-def assert_equal_but_wall_clock(one: list[dict], many: list[dict]) -> None:
-    assert [r["step"] for r in one] == [r["step"] for r in many]
-    for a, b in zip(one, many):
-        keep = {k: v for k, v in a.items() if not k.startswith(WALL_CLOCK)}
-        assert keep == {k: v for k, v in b.items() if not k.startswith(WALL_CLOCK)}, a["step"]
+def cluster_run(run_root: Path, cache: Path, ray_nodes, *layout: str) -> tuple[list, dict]:
+    """The metrics and ``placement.json`` of ``layout`` on the multi-node cluster."""
+    driver = cluster_driver(run_root, cache, ray_nodes, *layout)
+    out, _ = driver.communicate(timeout=RUN_TIMEOUT_S)
+    assert driver.returncode == 0, out[-5000:]
+    run_dir = load_config(RECIPE, run_overrides(run_root, cache, *layout)).run_dir()
+    return read_metrics(run_dir), json.loads((run_dir / "placement.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def separate_one_node(local_ray, tmp_path_factory, model_cache) -> list[dict]:
+    """The one-node run of :data:`SEPARATE` (shared by the layout and node-loss tests)."""
+    return one_node_run(tmp_path_factory.mktemp("separate_one_node"), model_cache, *SEPARATE)
+
+
+def assert_equal_but_wall_clock(one: list[dict], many: list[dict], *, also: tuple[str, ...] = ()) -> None:
+    """Equal records step by step, but for wall-clock times (and the keys starting with ``also``);
+    a step redone after a restart counts once (its last record)."""
+    one, many = ({r["step"]: r for r in records} for records in (one, many))
+    assert sorted(one) == sorted(many)
+    skip = (*WALL_CLOCK, *also)
+    for step, a in one.items():
+        keep = {k: v for k, v in a.items() if not k.startswith(skip)}
+        assert keep == {k: v for k, v in many[step].items() if not k.startswith(skip)}, step
 
 
 def nodes_of(placement: dict, role: str, ray_nodes) -> list[str]:
@@ -94,25 +123,16 @@ def nodes_of(placement: dict, role: str, ray_nodes) -> list[str]:
 
 
 def test_a_tp2_actor_on_one_node_syncs_a_separate_engine_on_another(
-    local_ray, ray_nodes, tmp_path, model_cache
+    ray_nodes, tmp_path, model_cache, separate_one_node
 ):
-    one, many, placement = one_node_and_cluster_runs(
-        tmp_path,
-        model_cache,
-        ray_nodes,
-        "cluster.n_gpus_per_node=2",
-        "actor.parallel.tensor_model_parallel_size=2",
-        "actor.ppo_micro_batch_size_per_gpu=8",
-        "critic.ppo_micro_batch_size_per_gpu=4",
-        "rollout.mode=separate",
-        "rollout.num_devices=1",
-    )
-    # the trainer's two devices are one node's share: node a, the only one with two; the engine on b
+    many, placement = cluster_run(tmp_path, model_cache, ray_nodes, *SEPARATE)
+    # the trainer's two devices are one node's share: node a, the only one with two; the engine apart
     assert nodes_of(placement, "actor_rollout_ref", ray_nodes) == ["a", "a"]
     assert nodes_of(placement, "critic", ray_nodes) == ["a", "a"]
-    assert nodes_of(placement, "rollout", ray_nodes) == ["b"]
-    assert [ray_nodes.name_of(e["node_id"]) for e in placement["engines"]] == ["b"]
-    assert_equal_but_wall_clock(one, many)
+    (engine,) = nodes_of(placement, "rollout", ray_nodes)
+    assert engine in ("b", "c")
+    assert [ray_nodes.name_of(e["node_id"]) for e in placement["engines"]] == [engine]
+    assert_equal_but_wall_clock(separate_one_node, many)
     for record in many[1:]:  # the broadcast reached the engine on the other node: its log-probs agree
         assert record["rollout/logprob_abs_diff_max"] < 1e-3 and record["weight_sync/num_tensors"] == 21
 
@@ -120,19 +140,63 @@ def test_a_tp2_actor_on_one_node_syncs_a_separate_engine_on_another(
 def test_colocated_across_two_nodes_each_node_holds_its_ranks_and_engine(
     local_ray, ray_nodes, tmp_path, model_cache
 ):
-    with ray_nodes.hold("a", 1):  # one free device on each node
-        one, many, placement = one_node_and_cluster_runs(
-            tmp_path,
-            model_cache,
-            ray_nodes,
-            "cluster.nnodes=2",
-            "cluster.n_gpus_per_node=1",
-            "actor.ppo_micro_batch_size_per_gpu=8",
-            "critic.ppo_micro_batch_size_per_gpu=8",
-        )
+    layout = (
+        "cluster.nnodes=2",
+        "cluster.n_gpus_per_node=1",
+        "actor.ppo_micro_batch_size_per_gpu=8",
+        "critic.ppo_micro_batch_size_per_gpu=8",
+    )
+    one = one_node_run(tmp_path / "one_node", model_cache, *layout)
+    with ray_nodes.hold("a", 1):  # one free device on each node: the two ranks on two nodes
+        many, placement = cluster_run(tmp_path / "nodes", model_cache, ray_nodes, *layout)
     actor = nodes_of(placement, "actor_rollout_ref", ray_nodes)
-    assert sorted(actor) == ["a", "b"], actor  # rank r on the pool's node r
+    assert len(set(actor)) == 2, actor  # rank r on the pool's node r
     assert nodes_of(placement, "critic", ray_nodes) == actor  # critic rank r beside actor rank r
     engines = [(e["host"], ray_nodes.name_of(e["node_id"])) for e in placement["engines"]]
     assert engines == [("actor_rollout_ref rank 0", actor[0]), ("actor_rollout_ref rank 1", actor[1])]
     assert_equal_but_wall_clock(one, many)
+
+
+def test_a_lost_node_is_named_and_the_run_resumes_on_the_spare_one(
+    ray_nodes, tmp_path, model_cache, separate_one_node
+):
+    """Last in the module: the killed node stays dead."""
+    run_dir = load_config(RECIPE, run_overrides(tmp_path, model_cache, *SEPARATE)).run_dir()
+    latest, log_file = run_dir / "checkpoints" / "latest", run_dir / "rltrain.log"
+    driver = cluster_driver(tmp_path, model_cache, ray_nodes, *SEPARATE)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (latest.exists() and latest.read_text().strip() == "step_1"):
+            assert driver.poll() is None and time.monotonic() < deadline, "no checkpoint step_1"
+            time.sleep(0.1)
+        placement = json.loads((run_dir / "placement.json").read_text())
+        (engine,) = nodes_of(placement, "rollout", ray_nodes)
+        spare = ({"b", "c"} - {engine}).pop()
+        node_id = ray_nodes.node_ids[engine]
+        ray_nodes.kill(engine)
+        killed = time.monotonic()
+        lost = re.compile(
+            rf"WARNING rltrain\.trainer\.recovery: rollout rank 0 \(\w+\): the worker process died \(\w+\); "
+            rf"its node {node_id[:8]} \(\S+\) is lost, and with it rollout rank 0: restarting every worker "
+            r"group and resuming from the last good checkpoint \(restart 1 of 1, trainer\.max_restarts\)"
+        )
+        while not lost.search(log_file.read_text()):
+            assert driver.poll() is None and time.monotonic() < killed + 60, (
+                "the lost node was not named in 60 s"
+            )
+            time.sleep(0.05)
+        detected = time.monotonic() - killed
+        out, _ = driver.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, out[-5000:]
+    recovered = re.search(
+        r"restart 1 of 1: resumed from step (\d), (\d+\.\d) s after the failure", log_file.read_text()
+    )
+    assert recovered and recovered[1] == "1", log_file.read_text()[-3000:]
+    print(
+        f"node {engine} lost: named {detected:.1f} s after the kill, training again {recovered[2]} s after the failure"
+    )
+    assert detected < 30  # the raylet's port tells at once; the GCS's health checks would take 15 s and more
+    assert nodes_of(json.loads((run_dir / "placement.json").read_text()), "rollout", ray_nodes) == [spare]
+    assert_equal_but_wall_clock(separate_one_node, read_metrics(run_dir), also=("trainer/",))
