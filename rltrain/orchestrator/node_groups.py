@@ -108,8 +108,14 @@ def reserve_node_groups(
     """Placed groups of ``bundles``, one per cut (each on one node; :meth:`NodeGroups.wait_placed`),
     released again when they are not all placed in time."""
     cuts = cuts or ((0, len(bundles)),)
-    groups = tuple(placement_group(bundles[f : f + n], strategy="STRICT_PACK") for f, n in cuts)
-    reserved = NodeGroups(groups, cuts, tuple(bundles))
+    # Ray places pending groups one at a time, each where it fits first: the largest go first, so
+    # that small groups do not split up the nodes a large one needs (measured: one device groups
+    # created first took the two-device node that the critic's two-device pool needed, and the run
+    # waited for its init_s)
+    size = [sum(v for b in bundles[f : f + n] for k, v in b.items() if k != "CPU") for f, n in cuts]
+    order = sorted(range(len(cuts)), key=lambda i: (-size[i], -cuts[i][1], i))
+    created = {i: placement_group(bundles[cuts[i][0] : sum(cuts[i])], strategy="STRICT_PACK") for i in order}
+    reserved = NodeGroups(tuple(created[i] for i in range(len(cuts))), cuts, tuple(bundles))
     try:
         reserved.wait_placed(timeout_s)
     except BaseException:

@@ -4,14 +4,11 @@ engines, reward tasks and role processes share the machine's two cores). Runs jo
 ``RAY_ADDRESS`` as a user's ``rltrain train`` on a cluster does, in a process of their own (this
 process keeps its own local Ray for the one-node reference runs).
 
-``hold(node, devices)`` reserves stand-in devices of one node for a block, so that a test decides
-which nodes a layout can use (what a cluster whose nodes are busy looks like); ``kill(node)`` kills
-every process of a node at once (the node-loss test, the module's last).
+``kill(node)`` kills every process of a node at once (the node-loss test, the module's last).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -47,35 +44,6 @@ class RayNodes:
         reply = _read_line(self.process, 60, f"killing node {node}").split()
         assert reply[:2] == ["killed", node], reply
         return float(reply[2])
-
-    @contextlib.contextmanager
-    def hold(self, node: str, devices: int):
-        """Reserve ``devices`` stand-in devices of ``node`` for the block (from a process of its
-        own, connected to this cluster; released when the block ends)."""
-        script = (
-            "import sys, ray\n"
-            "from ray.util.placement_group import placement_group\n"
-            f"ray.init(address={self.address!r}, log_to_driver=False)\n"
-            f"pg = placement_group([{{{STAND_IN_GPU!r}: {devices}, 'node_{node}': 0.001}}])\n"
-            "assert pg.wait(60), 'the hold was not placed'\n"
-            "print('held', flush=True)\n"
-            "sys.stdin.read()\n"
-        )
-        holder = subprocess.Popen(
-            [sys.executable, "-c", script],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=self.env(),
-        )
-        try:
-            assert holder.stdout.readline().strip() == "held", (
-                f"holding {devices} device(s) of node {node} failed"
-            )
-            yield
-        finally:
-            holder.stdin.close()
-            holder.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

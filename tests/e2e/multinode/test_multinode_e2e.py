@@ -8,8 +8,8 @@ for.
 
 - the actor at TP=2 fills node ``a``; its separate engine runs on another node and gets every
   weight update by broadcast across the nodes;
-- colocated across two nodes (``cluster.nnodes=2``, one device each): each node holds its own actor,
-  critic and engine ranks (one device of ``a`` is held by another reservation, as a busy cluster's);
+- colocated across two nodes (``cluster.nnodes=2``, one device each): each node holds its own actor
+  rank and engine, and the critic's pool of its own spans a third node;
 - node loss (the module's last test: the node stays dead): the engine's node is killed after step 1's
   checkpoint; the driver names the node and the ranks it took within seconds, Ray places the
   engine's bundle on the spare node, and the run resumes from step 1 to the uninterrupted metrics.
@@ -54,6 +54,7 @@ def run_overrides(run_root: Path, cache: Path, *extra: str) -> list[str]:
         "trainer.save_freq=0",
         "trainer.test_freq=0",
         "trainer.logger=[jsonl]",
+        "trainer.timeouts.init_s=180",  # a layout Ray cannot place stops in 3 minutes, naming it
         *extra,
     ]
 
@@ -65,6 +66,7 @@ SEPARATE = (
     "critic.ppo_micro_batch_size_per_gpu=4",
     "rollout.mode=separate",
     "rollout.num_devices=1",
+    "rollout.weight_sync.bucket_size_mb=1",  # several buckets a sync
     "trainer.save_freq=1",  # the node-loss run resumes from step 1's checkpoint
     "trainer.max_restarts=1",
 )
@@ -134,24 +136,30 @@ def test_a_tp2_actor_on_one_node_syncs_a_separate_engine_on_another(
     assert [ray_nodes.name_of(e["node_id"]) for e in placement["engines"]] == [engine]
     assert_equal_but_wall_clock(separate_one_node, many)
     for record in many[1:]:  # the broadcast reached the engine on the other node: its log-probs agree
-        assert record["rollout/logprob_abs_diff_max"] < 1e-3 and record["weight_sync/num_tensors"] == 21
+        assert record["rollout/logprob_abs_diff_max"] < 1e-3
+        assert record["weight_sync/num_tensors"] == 21 and record["weight_sync/buckets"] >= 2  # 1 MiB buckets
+    assert abs(many[-1]["actor/kl"]) > 1e-6  # the actor moved: the engine samples from updated weights
 
 
-def test_colocated_across_two_nodes_each_node_holds_its_ranks_and_engine(
+def test_colocated_ranks_on_two_nodes_and_the_critic_pool_on_a_third(
     local_ray, ray_nodes, tmp_path, model_cache
 ):
+    """The trainer's pool over two nodes of one device (``cluster.nnodes=2``), each node with its
+    actor rank and that rank's engine; the critic on a pool of its own, one node's two devices: all
+    four devices of the cluster, so the placement is the only one that fits."""
     layout = (
         "cluster.nnodes=2",
         "cluster.n_gpus_per_node=1",
+        "cluster.resource_pools.critic_pool.n_gpus_per_node=2",
+        "cluster.role_pool.critic=critic_pool",
         "actor.ppo_micro_batch_size_per_gpu=8",
         "critic.ppo_micro_batch_size_per_gpu=8",
     )
     one = one_node_run(tmp_path / "one_node", model_cache, *layout)
-    with ray_nodes.hold("a", 1):  # one free device on each node: the two ranks on two nodes
-        many, placement = cluster_run(tmp_path / "nodes", model_cache, ray_nodes, *layout)
+    many, placement = cluster_run(tmp_path / "nodes", model_cache, ray_nodes, *layout)
     actor = nodes_of(placement, "actor_rollout_ref", ray_nodes)
-    assert len(set(actor)) == 2, actor  # rank r on the pool's node r
-    assert nodes_of(placement, "critic", ray_nodes) == actor  # critic rank r beside actor rank r
+    assert sorted(actor) == ["b", "c"], actor  # rank r on the pool's node r
+    assert nodes_of(placement, "critic", ray_nodes) == ["a", "a"]
     engines = [(e["host"], ray_nodes.name_of(e["node_id"])) for e in placement["engines"]]
     assert engines == [("actor_rollout_ref rank 0", actor[0]), ("actor_rollout_ref rank 1", actor[1])]
     assert_equal_but_wall_clock(one, many)

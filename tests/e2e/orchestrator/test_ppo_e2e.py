@@ -303,34 +303,6 @@ def test_resume_falls_back_past_a_truncated_shard_and_a_missing_latest(
     assert rltrain_cli(["checkpoint", "verify", str(run_dir)]) == 0
 
 
-def test_rollout_on_its_own_devices_gets_weights_by_broadcast(local_ray, tmp_path, model_cache):
-    from rltrain.orchestrator.entry import train
-
-    config = load_config(
-        RECIPE,
-        [
-            *overrides(
-                tmp_path,
-                model_cache,
-                "rollout.mode=separate",
-                "rollout.num_devices=1",
-                "trainer.total_training_steps=2",
-            ),
-            "trainer.save_freq=0",
-            "trainer.test_freq=0",
-            "rollout.weight_sync.bucket_size_mb=1",
-        ],
-    )
-    assert train(config) == 2
-    records = {r["step"]: r for r in read_metrics(config.run_dir())}
-    for step in (1, 2):
-        r = records[step]
-        # the engine's own logprobs equal the trainer's: the broadcast weights are exact
-        assert r["rollout/logprob_abs_diff_max"] < 1e-3
-        assert r["weight_sync/num_tensors"] == 21 and r["weight_sync/buckets"] >= 2  # 1 MiB buckets
-    assert abs(records[2]["actor/kl"]) > 1e-6
-
-
 def test_rollout_tp2_engine_from_a_tp2_actor(local_ray, tmp_path, model_cache):
     """vLLM at TP=2 (two CPU workers of one engine, in processes of their own, started from inside a
     Ray actor) fed by a TP=2 actor; every sync is verified worker by worker against the planned shards."""
