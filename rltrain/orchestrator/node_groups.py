@@ -15,6 +15,7 @@ engine runs (a colocated engine in its host rank's process tree, on that rank's 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -200,3 +201,23 @@ def _span(ranks: list[int]) -> str:
         if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1))
         else ",".join(map(str, ranks))
     )
+
+
+def bind_gloo_to_node_address() -> str | None:
+    """Make gloo bind this rank's sockets to the interface of its Ray node's address
+    (``GLOO_SOCKET_IFNAME``, unless set already); returns the interface, or None when none holds it.
+    By default gloo binds to the address the hostname resolves to, 127.0.0.1 in many containers
+    (here too): a rank on another host would then be told to connect to its own loopback."""
+    import socket
+
+    import psutil
+
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return os.environ["GLOO_SOCKET_IFNAME"]
+    address = ray.util.get_node_ip_address()
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return name
+    log.warning("no network interface holds this node's address %s: gloo binds where it chooses", address)
+    return None

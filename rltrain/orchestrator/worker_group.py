@@ -35,7 +35,7 @@ from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.liveness import ChildWatch, Liveness, kill_descendants
-from rltrain.orchestrator.node_groups import NodeGroups, locate
+from rltrain.orchestrator.node_groups import NodeGroups, bind_gloo_to_node_address, locate
 from rltrain.ports import HeldPort
 from rltrain.trainer.recovery import WorkerError, WorkerLost
 from rltrain.workers.rank_base import RankInfo
@@ -100,6 +100,7 @@ class _RankHost:
     def __init__(self, role: str, rank: int) -> None:
         configure_worker_logging()
         pin_to_role_cpus(role)
+        bind_gloo_to_node_address()  # its groups connect at the node's address, never a loopback
         self.role, self.rank = role, rank
         self.worker: Any = None
         self._held_ports: list[HeldPort] = []

@@ -165,6 +165,24 @@ def test_colocated_ranks_on_two_nodes_and_the_critic_pool_on_a_third(
     assert_equal_but_wall_clock(one, many)
 
 
+def test_gloo_groups_across_nodes_connect_at_the_nodes_addresses(ray_nodes):
+    """The machine's hostname resolves to 127.0.0.1 (as in many containers), where gloo binds by
+    default: a rank on another host would be told to connect to its own loopback. The run's ranks
+    bind gloo to their node's address."""
+    probe = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("gloo_probe.py")), ray_nodes.address],
+        cwd=ROOT,
+        env=ray_nodes.env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    report = json.loads(probe.stdout.splitlines()[-1])
+    assert report["pair_addresses"] == [[ip] for ip in report["node_ips"]], report
+    assert "127.0.0.1" not in report["node_ips"]
+
+
 def test_a_lost_node_is_named_and_the_run_resumes_on_the_spare_one(
     ray_nodes, tmp_path, model_cache, separate_one_node
 ):

@@ -189,3 +189,26 @@ def test_each_node_share_of_each_pool_is_one_group_of_bundles(tmp_path):
     )
     # colocated quickstart: one group of its one device
     assert run_placement(config(tmp_path), gpu=False).node_groups == ((0, 1),)
+
+
+def test_the_placement_record_names_each_rank_and_engine_node():
+    """By hand: two policy ranks on two nodes with a colocated engine each, the critic on one."""
+    from types import SimpleNamespace
+
+    from rltrain.orchestrator.node_groups import placement_lines, placement_record
+
+    a, b = ("a" * 56, "10.0.0.1"), ("b" * 56, "10.0.0.2")
+    groups = {
+        "actor_rollout_ref": SimpleNamespace(pids=[11, 12], nodes=[a, b]),
+        "critic": SimpleNamespace(pids=[21, 22], nodes=[a, a]),
+    }
+    record = placement_record(groups, engine_ranks=(0, 1))
+    assert record["actor_rollout_ref"][1] == {"rank": 1, "node_id": b[0], "node_ip": "10.0.0.2", "pid": 12}
+    assert record["engines"] == [
+        {"engine": 0, "node_id": a[0], "host": "actor_rollout_ref rank 0"},
+        {"engine": 1, "node_id": b[0], "host": "actor_rollout_ref rank 1"},
+    ]
+    assert placement_lines(record) == [
+        "placement: actor_rollout_ref: rank 0 on node aaaaaaaa (10.0.0.1); rank 1 on node bbbbbbbb (10.0.0.2)",
+        "placement: critic: ranks 0-1 on node aaaaaaaa (10.0.0.1)",
+    ]
