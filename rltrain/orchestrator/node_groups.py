@@ -144,11 +144,14 @@ def node_gone(node_id: str, *, timeout_s: float = 2.0) -> bool:
 
 
 def _node_resources() -> list[dict[str, float]]:
-    """The CPUs and GPUs of each live node that has any."""
+    """The CPUs and GPUs of each live node that has any (a node whose raylet is gone is not live,
+    whatever the GCS still says)."""
     return [
         {k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")}
         for node in ray.nodes()
-        if node["Alive"] and node["Resources"].get("CPU", 0) + node["Resources"].get("GPU", 0)
+        if node["Alive"]
+        and node["Resources"].get("CPU", 0) + node["Resources"].get("GPU", 0)
+        and not node_gone(node["NodeID"])
     ]
 
 

@@ -9,6 +9,8 @@ Every node is a real raylet (its own node id, object store and worker processes)
 
 - ``kill NAME``: kill every process of the node (its raylet and workers included) at once, as a
   machine that loses power; answers ``killed NAME <seconds>``.
+- ``add NAME:CPUS:DEVICES[:EXTRA]``: start one more node (a replacement; EXTRA names one more
+  ``node_EXTRA`` resource it holds); answers ``added NAME <node id>``.
 - end of input (the test session is over, or it died): shut the cluster down and exit.
 """
 
@@ -35,9 +37,8 @@ def main() -> int:
     nodes = {}
     try:
         for spec in args.node:
-            name, cpus, devices = spec.split(":")
-            resources = {f"node_{name}": 1.0, args.device_resource: float(devices)}
-            nodes[name] = cluster.add_node(num_cpus=int(cpus), resources=resources)
+            name, node = add(cluster, spec, args.device_resource)
+            nodes[name] = node
         cluster.wait_for_nodes()
         print(
             json.dumps({"address": cluster.address, "nodes": {n: node.node_id for n, node in nodes.items()}}),
@@ -49,11 +50,25 @@ def main() -> int:
                 start = time.monotonic()
                 cluster.remove_node(nodes.pop(name), allow_graceful=False)
                 print(f"killed {name} {time.monotonic() - start:.2f}", flush=True)
+            elif command == "add":
+                name, node = add(cluster, name, args.device_resource)
+                nodes[name] = node
+                print(f"added {name} {node.node_id}", flush=True)
             else:
                 print(f"unknown command {line.strip()!r}", flush=True)
     finally:
         cluster.shutdown()
     return 0
+
+
+def add(cluster, spec: str, device_resource: str):
+    """Start the node ``NAME:CPUS:DEVICES[:EXTRA]`` (EXTRA: one more ``node_EXTRA`` resource, for a
+    replacement standing in for a lost node); ``(NAME, node)``."""
+    name, cpus, devices, *extra = spec.split(":")
+    resources = {f"node_{n}": 1.0 for n in (name, *extra)}
+    node = cluster.add_node(num_cpus=int(cpus), resources={**resources, device_resource: float(devices)})
+    cluster.wait_for_nodes()
+    return name, node
 
 
 if __name__ == "__main__":

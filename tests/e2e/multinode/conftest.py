@@ -37,6 +37,15 @@ class RayNodes:
     def env(self) -> dict[str, str]:
         return {**os.environ, "RAY_ADDRESS": self.address, "PYTHONUNBUFFERED": "1"}
 
+    def add(self, spec: str) -> str:
+        """Start the node ``NAME:CPUS:DEVICES[:EXTRA]`` (``cluster_host.py``); its node id."""
+        self.process.stdin.write(f"add {spec}\n")
+        self.process.stdin.flush()
+        reply = _read_line(self.process, 120, f"adding node {spec}").split()
+        assert reply[:2] == ["added", spec.split(":")[0]], reply
+        self.node_ids[reply[1]] = reply[2]
+        return reply[2]
+
     def kill(self, node: str) -> float:
         """Kill every process of ``node`` (its raylet and workers) at once; the seconds it took."""
         self.process.stdin.write(f"kill {node}\n")

@@ -183,6 +183,56 @@ def test_gloo_groups_across_nodes_connect_at_the_nodes_addresses(ray_nodes):
     assert "127.0.0.1" not in report["node_ips"]
 
 
+def test_a_restart_waits_for_a_replacement_node_within_its_bound(ray_nodes):
+    """A group whose node is lost, with no other node that can hold it: the wait a restart makes
+    (``NodeGroups.wait_placed(again=True)``) stops at its bound naming the group; once a replacement
+    node joins, it returns with the group placed there."""
+    from tests.e2e.multinode.conftest import _read_line
+
+    ray_nodes.add("x:2:1")
+    probe = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("replacement_probe.py")),
+            ray_nodes.address,
+            STAND_IN_GPU,
+        ],
+        cwd=ROOT,
+        env=ray_nodes.env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def said(timeout_s: float) -> str:
+        """The probe's next line of its own (Ray prints a node's death there too)."""
+        while not (line := _read_line(probe, timeout_s, "the probe")).startswith("probe: "):
+            pass
+        return line.removeprefix("probe: ").strip()
+
+    def wait(seconds: float) -> str:
+        probe.stdin.write(f"wait {seconds}\n")
+        probe.stdin.flush()
+        return said(seconds + 60)
+
+    try:
+        assert said(120).split() == ["placed", ray_nodes.node_ids["x"]]
+        ray_nodes.kill("x")
+
+        assert wait(5) == (
+            f"timeout Ray could not place the run's bundles 0..0 [{{'CPU': 1, '{STAND_IN_GPU}': 1, 'node_x': 0.01}}] "
+            f"on one node again within 5 s (trainer.timeouts.init_s); the cluster's nodes have "
+            f"[{{'CPU': 4.0}}, {{'CPU': 4.0}}, {{'CPU': 4.0}}] (other jobs may hold part of them)"
+        )
+        replacement = ray_nodes.add("y:2:1:x")  # holds node_x too: it stands in for x
+        started = time.monotonic()
+        assert wait(120) == f"placed {replacement}"
+        print(f"placed again on the replacement node {time.monotonic() - started:.1f} s after it joined")
+    finally:
+        probe.stdin.close()
+        probe.wait(timeout=60)
+
+
 def test_a_lost_node_is_named_and_the_run_resumes_on_the_spare_one(
     ray_nodes, tmp_path, model_cache, separate_one_node
 ):
@@ -197,7 +247,7 @@ def test_a_lost_node_is_named_and_the_run_resumes_on_the_spare_one(
             time.sleep(0.1)
         placement = json.loads((run_dir / "placement.json").read_text())
         (engine,) = nodes_of(placement, "rollout", ray_nodes)
-        spare = ({"b", "c"} - {engine}).pop()
+        spare = set(ray_nodes.node_ids) - {"a", engine}  # a is full; the others hold one device
         node_id = ray_nodes.node_ids[engine]
         ray_nodes.kill(engine)
         killed = time.monotonic()
@@ -224,5 +274,6 @@ def test_a_lost_node_is_named_and_the_run_resumes_on_the_spare_one(
         f"node {engine} lost: named {detected:.1f} s after the kill, training again {recovered[2]} s after the failure"
     )
     assert detected < 30  # the raylet's port tells at once; the GCS's health checks would take 15 s and more
-    assert nodes_of(json.loads((run_dir / "placement.json").read_text()), "rollout", ray_nodes) == [spare]
+    (moved,) = nodes_of(json.loads((run_dir / "placement.json").read_text()), "rollout", ray_nodes)
+    assert moved != engine and moved in spare, (engine, moved)
     assert_equal_but_wall_clock(separate_one_node, read_metrics(run_dir), also=("trainer/",))
