@@ -129,18 +129,23 @@ def node_gone(node_id: str, *, timeout_s: float = 2.0) -> bool:
     """Whether the Ray node ``node_id`` is lost: the GCS says it is dead, or its raylet does not
     accept a connection within ``timeout_s`` (the GCS notices a lost node only after its health
     checks fail, 15 s or more; the raylet's port tells at once)."""
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    return node is None or not _answers(node, timeout_s)
+
+
+def _answers(node: dict, timeout_s: float = 2.0) -> bool:
+    """Whether the node of ``ray.nodes()`` entry ``node`` is alive and its raylet takes a connection."""
     import socket
 
-    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
-    if node is None or not node["Alive"]:
-        return True
+    if not node["Alive"]:
+        return False
     try:
         socket.create_connection(
             (node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout_s
         ).close()
     except OSError:
-        return True
-    return False
+        return False
+    return True
 
 
 def _node_resources() -> list[dict[str, float]]:
@@ -149,9 +154,7 @@ def _node_resources() -> list[dict[str, float]]:
     return [
         {k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")}
         for node in ray.nodes()
-        if node["Alive"]
-        and node["Resources"].get("CPU", 0) + node["Resources"].get("GPU", 0)
-        and not node_gone(node["NodeID"])
+        if node["Resources"].get("CPU", 0) + node["Resources"].get("GPU", 0) and _answers(node)
     ]
 
 
