@@ -32,7 +32,7 @@ class NodeGroups:
 
     groups: tuple[PlacementGroup, ...]
     cuts: tuple[tuple[int, int], ...]
-    bundles: tuple[dict[str, float], ...] = ()
+    bundles: tuple[dict[str, float], ...]
 
     def locate(self, index: int) -> tuple[PlacementGroup, int]:
         """The placement group holding the run's bundle ``index``, and the bundle's index in it."""
@@ -96,19 +96,11 @@ class NodeGroups:
             ray.util.remove_placement_group(group)
 
 
-def locate(group: PlacementGroup | NodeGroups, index: int) -> tuple[PlacementGroup, int]:
-    """``(placement group, bundle index)`` of bundle ``index`` of a run's groups or a single group."""
-    if isinstance(group, NodeGroups):
-        return group.locate(index)
-    return group, index
-
-
 def reserve_node_groups(
     bundles: list[dict[str, float]], cuts: tuple[tuple[int, int], ...], *, timeout_s: float
 ) -> NodeGroups:
     """Placed groups of ``bundles``, one per cut (each on one node; :meth:`NodeGroups.wait_placed`),
     released again when they are not all placed in time."""
-    cuts = cuts or ((0, len(bundles)),)
     # Ray places pending groups one at a time, each where it fits first: the largest go first, so
     # that small groups do not split up the nodes a large one needs (measured: one device groups
     # created first took the two-device node that the critic's two-device pool needed, and the run

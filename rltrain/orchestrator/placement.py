@@ -23,7 +23,7 @@ engine bundles above.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from rltrain.config import RLConfig
@@ -136,9 +136,6 @@ class RunPlacement:
     """``global_pool`` first, then the named pools of trainer roles (not the engines')."""
     extra_bundles: tuple[Bundle, ...]
     """The named trainer pools' bundles, after the rollout layout's."""
-    node_groups: tuple[tuple[int, int], ...] = ()
-    """The bundles that must share a node, ``(first bundle, count)`` each in bundle order (one Ray
-    placement group each, :func:`node_groups`); empty: one group of every bundle."""
 
     @property
     def bundles(self) -> tuple[Bundle, ...]:
@@ -171,8 +168,7 @@ def run_placement(config: RLConfig, *, gpu: bool) -> RunPlacement:
         pools.append(PoolPlacement(name, trainer_roles, first, size))
         extra += [Bundle(num_cpus=1, num_gpus=1 if devices else 0, device_resource=resource)] * size
         first += size
-    placed = RunPlacement(rollout=rollout, pools=tuple(pools), extra_bundles=tuple(extra))
-    return replace(placed, node_groups=node_groups(placed, config))
+    return RunPlacement(rollout=rollout, pools=tuple(pools), extra_bundles=tuple(extra))
 
 
 def node_groups(placed: RunPlacement, config: RLConfig) -> tuple[tuple[int, int], ...]:
@@ -182,33 +178,17 @@ def node_groups(placed: RunPlacement, config: RLConfig) -> tuple[tuple[int, int]
     straddles two nodes). So rank r of a trainer role is on the pool's node r // n_gpus_per_node
     (its tensor-parallel peers beside it, as verl places them), and a node holds whole engines."""
     cluster = config.cluster
-    per_node = {
-        pool.name: (
-            cluster.resource_pools[pool.name].n_gpus_per_node
-            if pool.name != GLOBAL_POOL
-            else cluster.n_gpus_per_node
-        )
-        for pool in placed.pools
-    }
+
+    def node_size(pool: str | None) -> int:  # devices of one node of the pool
+        named = pool not in (None, GLOBAL_POOL)
+        return cluster.resource_pools[pool].n_gpus_per_node if named else cluster.n_gpus_per_node
+
     rollout = placed.rollout
-    engine_pool = cluster.role_pool.rollout
-    engine_node = (
-        cluster.resource_pools[engine_pool].n_gpus_per_node if engine_pool else cluster.n_gpus_per_node
-    )
-    runs = [(0, len(rollout.trainer_bundles), per_node[GLOBAL_POOL])]
-    if rollout.engine_bundles:
-        runs.append(
-            (
-                rollout.first_engine_bundle,
-                len(rollout.engine_bundles),
-                max(1, engine_node // rollout.engine_tp),
-            )
-        )
-    runs += [
-        (pool.first_bundle, pool.size, per_node[pool.name])
-        for pool in placed.pools
-        if pool.name != GLOBAL_POOL
-    ]
+    runs = [(0, len(rollout.trainer_bundles), node_size(GLOBAL_POOL))]
+    if rollout.engine_bundles:  # whole engines a node
+        engines_a_node = max(1, node_size(cluster.role_pool.rollout) // rollout.engine_tp)
+        runs.append((rollout.first_engine_bundle, len(rollout.engine_bundles), engines_a_node))
+    runs += [(p.first_bundle, p.size, node_size(p.name)) for p in placed.pools if p.name != GLOBAL_POOL]
     cuts = []
     for first, count, step in runs:
         cuts += [(start, min(step, first + count - start)) for start in range(first, first + count, step)]

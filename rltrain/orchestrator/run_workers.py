@@ -54,7 +54,7 @@ class RunWorkers:
     def __init__(self, config: RLConfig, setup: RunSetup, *, gpu: bool) -> None:
         from rltrain.orchestrator.liveness import Liveness
         from rltrain.orchestrator.node_groups import reserve_node_groups
-        from rltrain.orchestrator.placement import run_placement
+        from rltrain.orchestrator.placement import node_groups, run_placement
         from rltrain.orchestrator.worker_group import check_pools_fit
 
         self.config, self.model_dir, self.total_steps = config, setup.model_dir, setup.total_steps
@@ -64,7 +64,7 @@ class RunWorkers:
         bundles = [b.resources() for b in self.pools.bundles]
         check_pools_fit(bundles, pool_sizes(config))
         self.pg = reserve_node_groups(
-            bundles, self.pools.node_groups, timeout_s=config.trainer.timeouts.init_s
+            bundles, node_groups(self.pools, config), timeout_s=config.trainer.timeouts.init_s
         )
         """The run's placement groups, one per node's share of a pool (:mod:`~rltrain.orchestrator.node_groups`)."""
         self.groups: list = []

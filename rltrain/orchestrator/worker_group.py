@@ -28,14 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import RunStopped
 from rltrain.logging.console import configure_worker_logging
 from rltrain.orchestrator.liveness import ChildWatch, Liveness, kill_descendants
-from rltrain.orchestrator.node_groups import NodeGroups, bind_gloo_to_node_address, locate
+from rltrain.orchestrator.node_groups import NodeGroups, bind_gloo_to_node_address
 from rltrain.ports import HeldPort
 from rltrain.trainer.recovery import WorkerError, WorkerLost
 from rltrain.workers.rank_base import RankInfo
@@ -215,10 +214,10 @@ def check_pools_fit(bundles: list[dict[str, float]], pool_sizes: dict[str, int])
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a group's ranks go: bundle ``first_bundle + rank`` of ``group`` (a run's groups, one per
-    node's share, or one placement group)."""
+    """Where a group's ranks go: bundle ``first_bundle + rank`` of ``group`` (the run's placement
+    groups, one per node's share of a pool)."""
 
-    group: PlacementGroup | NodeGroups
+    group: NodeGroups
     first_bundle: int = 0
     num_cpus: float = 1.0
     """CPU share each rank reserves in its bundle."""
@@ -263,7 +262,7 @@ class RayWorkerGroup:
         self.liveness = liveness or Liveness(self.timeouts.liveness_s)
         self.hosts = []
         for rank in range(world_size):
-            group, index = locate(placement.group, placement.first_bundle + rank)
+            group, index = placement.group.locate(placement.first_bundle + rank)
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=index
             )

@@ -9,11 +9,11 @@ import subprocess
 import time
 
 import pytest
-from ray.util.placement_group import placement_group, remove_placement_group
 
 from rltrain.config.trainer import TimeoutConfig
 from rltrain.errors import DivergenceError, RunStopped
 from rltrain.orchestrator.liveness import Liveness, WorkerUnresponsive
+from rltrain.orchestrator.node_groups import reserve_node_groups
 from rltrain.orchestrator.worker_group import (
     Placement,
     PlacementTimeout,
@@ -71,10 +71,9 @@ class RankedWorker:
 
 @pytest.fixture
 def placement(local_ray):
-    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
-    local_ray.get(pg.ready())
-    yield Placement(pg, num_cpus=0.25)
-    remove_placement_group(pg)
+    groups = reserve_node_groups([{"CPU": 1}, {"CPU": 1}], ((0, 2),), timeout_s=60)
+    yield Placement(groups, num_cpus=0.25)
+    groups.remove()
 
 
 def ranked_group(placement, role: str, **timeouts: float) -> RayWorkerGroup:
@@ -165,8 +164,6 @@ def test_bundles_the_cluster_cannot_place_fail_naming_them(local_ray):
     """The second node's share (bundles 1..2) fits no node of the shared Ray (one node, 4 CPUs):
     named, with what the node has, and the first share's group is released too."""
     from ray.util import placement_group_table
-
-    from rltrain.orchestrator.node_groups import reserve_node_groups
 
     before = set(placement_group_table())
     with pytest.raises(PlacementTimeout) as info:

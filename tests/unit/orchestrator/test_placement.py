@@ -164,7 +164,7 @@ def test_each_node_share_of_each_pool_is_one_group_of_bundles(tmp_path):
     """By hand: the trainer's bundles in runs of n_gpus_per_node (rank r on node r // n_gpus_per_node,
     its TP peers beside it), whole separate engines per node, a named pool in runs of its own node
     size."""
-    from rltrain.orchestrator.placement import run_placement
+    from rltrain.orchestrator.placement import node_groups, run_placement
 
     # 2 nodes × 2 trainer devices; 2 separate TP=2 engines (one a node); the critic on 2 × 2 of its own
     cfg = config(
@@ -178,17 +178,13 @@ def test_each_node_share_of_each_pool_is_one_group_of_bundles(tmp_path):
         "cluster.resource_pools.critic_pool.n_gpus_per_node=2",
         "cluster.role_pool.critic=critic_pool",
     )
-    layout = run_placement(cfg, gpu=True)
-    assert layout.node_groups == ((0, 2), (2, 2), (4, 1), (5, 1), (6, 2), (8, 2))
+    assert node_groups(run_placement(cfg, gpu=True), cfg) == ((0, 2), (2, 2), (4, 1), (5, 1), (6, 2), (8, 2))
     # the NAMED_POOLS layout on one node: trainer 0-1, the TP=2 engine 2, critic 3-4, reward model 5
-    assert run_placement(config(tmp_path, *NAMED_POOLS), gpu=True).node_groups == (
-        (0, 2),
-        (2, 1),
-        (3, 2),
-        (5, 1),
-    )
+    named = config(tmp_path, *NAMED_POOLS)
+    assert node_groups(run_placement(named, gpu=True), named) == ((0, 2), (2, 1), (3, 2), (5, 1))
     # colocated quickstart: one group of its one device
-    assert run_placement(config(tmp_path), gpu=False).node_groups == ((0, 1),)
+    quick = config(tmp_path)
+    assert node_groups(run_placement(quick, gpu=False), quick) == ((0, 1),)
 
 
 def test_the_placement_record_names_each_rank_and_engine_node():
