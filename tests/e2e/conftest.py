@@ -10,6 +10,9 @@ import os
 
 import pytest
 
+# the shared comparison helper's asserts explain a difference, as a test module's do
+pytest.register_assert_rewrite("tests.e2e.wall_clock")
+
 STAND_IN_GPU = "stand_in_gpu"
 """A custom resource of the shared Ray that stands in for GPUs (``cluster.device_resource``)."""
 

@@ -29,7 +29,7 @@ import pytest
 from rltrain.config import load_config
 from rltrain.logging.plot import read_metrics
 from tests.e2e.conftest import STAND_IN_GPU
-from tests.e2e.wall_clock import WALL_CLOCK
+from tests.e2e.wall_clock import assert_equal_but_wall_clock
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -107,17 +107,6 @@ def cluster_run(run_root: Path, cache: Path, ray_nodes, *layout: str) -> tuple[l
 def separate_one_node(local_ray, tmp_path_factory, model_cache) -> list[dict]:
     """The one-node run of :data:`SEPARATE` (shared by the layout and node-loss tests)."""
     return one_node_run(tmp_path_factory.mktemp("separate_one_node"), model_cache, *SEPARATE)
-
-
-def assert_equal_but_wall_clock(one: list[dict], many: list[dict], *, also: tuple[str, ...] = ()) -> None:
-    """Equal records step by step, but for wall-clock times (and the keys starting with ``also``);
-    a step redone after a restart counts once (its last record)."""
-    one, many = ({r["step"]: r for r in records} for records in (one, many))
-    assert sorted(one) == sorted(many)
-    skip = (*WALL_CLOCK, *also)
-    for step, a in one.items():
-        keep = {k: v for k, v in a.items() if not k.startswith(skip)}
-        assert keep == {k: v for k, v in many[step].items() if not k.startswith(skip)}, step
 
 
 def nodes_of(placement: dict, role: str, ray_nodes) -> list[str]:
