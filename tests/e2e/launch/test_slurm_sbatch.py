@@ -4,18 +4,16 @@ The fixture installs and starts munged, slurmctld and slurmd (tests/e2e/slurm/st
 root needed) and cancels the jobs of the tests' name that an earlier run left in the queue: Slurm's
 state outlives its daemons, and a job whose processes died with them comes back as running when the
 daemons restart, holding the (exclusive) node until slurmctld gives up on it half an hour later.
-The first job starts a Ray head through srun, waits for the node, runs the quickstart for two steps
-and stops Ray again. A second job gets SIGUSR1 (what the script asks Slurm to send ahead of its time
-limit), saves, requeues itself and resumes.
+The job gets SIGUSR1 (what the script asks Slurm to send ahead of its time limit), saves, requeues
+itself and resumes. The script's start, join, run and teardown are tested on two nodes
+(``test_slurm_two_nodes.py``).
 
 The jobs' helpers (bounds, reports, cancelling) are in ``tests/e2e/slurm/jobs.py``.
 """
 
 import json
 import re
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -36,42 +34,6 @@ def slurm() -> tuple[str, int]:
 def submit(cpus: int, tmp_path: Path, overrides: list[str]) -> Job:
     # one local node: its host name need not resolve (on this machine `x` resolves nowhere)
     return submit_job(tmp_path, overrides, cpus=cpus, env=("RAY_HEAD_IP=127.0.0.1",))
-
-
-def test_sbatch_runs_recipe_on_ray_cluster_and_tears_down(slurm, tmp_path):
-    node, cpus = slurm
-    run_dir = tmp_path / "runs" / "quickstart" / "tiny_llama_arith"
-    pipeline = [
-        "trainer.pipeline=fully_async",
-        "trainer.max_staleness=1",
-        "rollout.mode=separate",
-        "rollout.num_devices=1",
-    ]
-    job = submit(
-        cpus,
-        tmp_path,
-        ["trainer.total_training_steps=2", "critic.warmup_steps=0", "trainer.save_freq=2", *pipeline],
-    )
-    try:
-        state = job.wait_until_ended(timeout_s=JOB_TIMEOUT_S)
-    finally:
-        job.cancel()
-    log = job.log()
-    assert state == "COMPLETED", f"job {job.job_id} ended {state}\n{job.report()}"
-    assert f"rltrain: 1 node(s) {node}" in log and "rltrain: all 1 node(s) joined" in log
-    assert "joined the running Ray cluster" in log
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2]
-    # fully asynchronous generation under the bound: batch 1 from the initial weights, batch 2 at
-    # most one version old
-    assert records[1]["async/staleness_max"] == 0.0 and records[2]["async/staleness_max"] <= 1.0
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
-    # torn down: nothing listens on the head's GCS port any more
-    time.sleep(2)
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", job.gcs_port)) != 0, "the Ray head is still running after the job"
-    leftovers = subprocess.run(["pgrep", "-f", f"{job.ray_tmp}/"], capture_output=True, text=True).stdout
-    assert leftovers == "", f"Ray processes of the job survived it: {leftovers}"
 
 
 def test_sigusr1_saves_and_the_job_requeues_itself_and_resumes(slurm, tmp_path):

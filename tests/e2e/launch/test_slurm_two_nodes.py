@@ -34,7 +34,7 @@ TWO_NODES_CONF = "/var/lib/rltrain-slurm-2/slurm.conf"  # where start_local_slur
 RUN = [
     "trainer.total_training_steps=2",
     "critic.warmup_steps=0",
-    "trainer.save_freq=0",
+    "trainer.save_freq=2",
     "actor.ppo_micro_batch_size_per_gpu=8",
     "critic.ppo_micro_batch_size_per_gpu=8",
 ]
@@ -82,6 +82,7 @@ def test_the_script_runs_ray_across_two_slurm_nodes_one_rank_each(two_nodes, loc
     assert f"rltrain: the head node {head} resolves to nothing; using its address {address}" in log, log
     assert f"rltrain: 2 node(s) {head} {worker}; head {head} ({address}:{job.gcs_port})" in log, log
     assert "rltrain: all 2 node(s) joined" in log, log
+    assert "joined the running Ray cluster" in log  # the driver's own line: not a Ray of its own
     assert "rltrain: stopping Ray on all nodes" in log and " failed (exit " not in log, log
 
     run_dir = tmp_path / "runs" / "quickstart" / "tiny_llama_arith"
@@ -91,6 +92,7 @@ def test_the_script_runs_ray_across_two_slurm_nodes_one_rank_each(two_nodes, loc
     engines = [(e["host"], e["node_id"]) for e in placement["engines"]]
     assert engines == [("actor_rollout_ref rank 0", actor[0]), ("actor_rollout_ref rank 1", actor[1])]
     assert_equal_but_wall_clock(one, read_metrics(run_dir))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_2"
 
     # torn down on both nodes: the head's port is closed and no process of the job's Ray is left
     time.sleep(2)
