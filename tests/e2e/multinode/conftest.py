@@ -28,8 +28,9 @@ START_TIMEOUT_S = 120
 class RayNodes:
     address: str
     node_ids: dict[str, str]
-    """Node name (``a``, ``b``) -> Ray's node id."""
+    """Node name (``a``, ``b``) -> Ray's node id (killed nodes' too)."""
     process: subprocess.Popen = field(repr=False)
+    killed: set[str] = field(default_factory=set)
 
     def name_of(self, node_id: str) -> str:
         return next(name for name, nid in self.node_ids.items() if nid == node_id)
@@ -52,7 +53,11 @@ class RayNodes:
         self.process.stdin.flush()
         reply = _read_line(self.process, 60, f"killing node {node}").split()
         assert reply[:2] == ["killed", node], reply
+        self.killed.add(node)
         return float(reply[2])
+
+    def alive(self) -> list[str]:
+        return [name for name in self.node_ids if name not in self.killed]
 
 
 @pytest.fixture(scope="module")

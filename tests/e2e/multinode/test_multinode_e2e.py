@@ -10,9 +10,11 @@ for.
   weight update by broadcast across the nodes;
 - colocated across two nodes (``cluster.nnodes=2``, one device each): each node holds its own actor
   rank and engine, and the critic's pool of its own spans a third node;
-- node loss (the module's last test: the node stays dead): the engine's node is killed after step 1's
-  checkpoint; the driver names the node and the ranks it took within seconds, Ray places the
-  engine's bundle on the spare node, and the run resumes from step 1 to the uninterrupted metrics.
+- node loss (the module's last test: the killed nodes stay dead): the engine's node is killed after
+  step 1's checkpoint; the driver names the node and the ranks it took within seconds, Ray places
+  the engine's bundle on the spare node, and the run resumes from step 1. That node is killed in
+  turn after step 2's checkpoint, with no spare left: the restart waits until a replacement node
+  joins, resumes there from step 2, and ends with the uninterrupted metrics.
 """
 
 from __future__ import annotations
@@ -222,47 +224,71 @@ def test_a_restart_waits_for_a_replacement_node_within_its_bound(ray_nodes):
         probe.wait(timeout=60)
 
 
-def test_a_lost_node_is_named_and_the_run_resumes_on_the_spare_one(
+def test_a_lost_node_is_named_and_the_run_resumes_on_a_spare_then_on_a_replacement_node(
     ray_nodes, tmp_path, model_cache, separate_one_node
 ):
-    """Last in the module: the killed node stays dead."""
-    run_dir = load_config(RECIPE, run_overrides(tmp_path, model_cache, *SEPARATE)).run_dir()
+    """Last in the module: the killed nodes stay dead. One run, two losses of the separate engine's
+    node: after step 1's checkpoint, with a spare node of one device left (the run resumes there at
+    once), then after step 2's, with none (the restart waits, bounded by ``trainer.timeouts.init_s``,
+    until a replacement node joins, and resumes there)."""
+    for extra in [n for n in ray_nodes.alive() if n != "a"][2:]:  # a's two devices and two spares
+        ray_nodes.kill(extra)
+    layout = (*SEPARATE, "trainer.max_restarts=2")
+    run_dir = load_config(RECIPE, run_overrides(tmp_path, model_cache, *layout)).run_dir()
     latest, log_file = run_dir / "checkpoints" / "latest", run_dir / "rltrain.log"
-    driver = cluster_driver(tmp_path, model_cache, ray_nodes, *SEPARATE)
-    try:
+
+    def engine_node() -> str:
+        (engine,) = nodes_of(json.loads((run_dir / "placement.json").read_text()), "rollout", ray_nodes)
+        return engine
+
+    def lose_the_engine_node_after(step: int, restart: int) -> tuple[str, float]:
+        """Kill the engine's node once step ``step`` is saved; the node and the seconds until the
+        driver named it."""
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (latest.exists() and latest.read_text().strip() == "step_1"):
-            assert driver.poll() is None and time.monotonic() < deadline, "no checkpoint step_1"
+        while not (latest.exists() and latest.read_text().strip() == f"step_{step}"):
+            assert driver.poll() is None and time.monotonic() < deadline, f"no checkpoint step_{step}"
             time.sleep(0.1)
-        placement = json.loads((run_dir / "placement.json").read_text())
-        (engine,) = nodes_of(placement, "rollout", ray_nodes)
-        spare = set(ray_nodes.node_ids) - {"a", engine}  # a is full; the others hold one device
+        engine = engine_node()
         node_id = ray_nodes.node_ids[engine]
         ray_nodes.kill(engine)
         killed = time.monotonic()
         lost = re.compile(
             rf"WARNING rltrain\.trainer\.recovery: rollout rank 0 \(\w+\): the worker process died \(\w+\); "
             rf"its node {node_id[:8]} \(\S+\) is lost, and with it rollout rank 0: restarting every worker "
-            r"group and resuming from the last good checkpoint \(restart 1 of 1, trainer\.max_restarts\)"
+            rf"group and resuming from the last good checkpoint \(restart {restart} of 2, trainer\.max_restarts\)"
         )
         while not lost.search(log_file.read_text()):
             assert driver.poll() is None and time.monotonic() < killed + 60, (
-                "the lost node was not named in 60 s"
+                f"the lost node {engine} was not named in 60 s"
             )
             time.sleep(0.05)
-        detected = time.monotonic() - killed
+        return engine, time.monotonic() - killed
+
+    driver = cluster_driver(tmp_path, model_cache, ray_nodes, *layout)
+    try:
+        first, first_named = lose_the_engine_node_after(1, restart=1)
+        (spare,) = set(ray_nodes.alive()) - {"a"}
+        second, second_named = lose_the_engine_node_after(2, restart=2)
+        assert second == spare, (first, second, spare)  # resumed on the spare
+        time.sleep(3)  # the restart now waits: no node left has a device to spare
+        joined = time.monotonic()
+        ray_nodes.add("z:4:1")
+        added = time.monotonic() - joined
         out, _ = driver.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         driver.kill()
     assert driver.returncode == 0, out[-5000:]
-    recovered = re.search(
-        r"restart 1 of 1: resumed from step (\d), (\d+\.\d) s after the failure", log_file.read_text()
-    )
-    assert recovered and recovered[1] == "1", log_file.read_text()[-3000:]
+    log = log_file.read_text()
+    recovered = re.findall(r"restart (\d) of 2: resumed from step (\d), (\d+\.\d) s after the failure", log)
+    assert [(r, step) for r, step, _ in recovered] == [("1", "1"), ("2", "2")], log[-3000:]
+    (_, _, spare_s), (_, _, replaced_s) = recovered
     print(
-        f"node {engine} lost: named {detected:.1f} s after the kill, training again {recovered[2]} s after the failure"
+        f"node {first} lost: named {first_named:.1f} s after the kill, training again {spare_s} s after "
+        f"the failure on the spare node {second}; node {second} lost: named {second_named:.1f} s after "
+        f"the kill, training again {replaced_s} s after the failure on the replacement node z (which "
+        f"joined 3 s after the failure and took {added:.1f} s to start)"
     )
-    assert detected < 30  # the raylet's port tells at once; the GCS's health checks would take 15 s and more
-    (moved,) = nodes_of(json.loads((run_dir / "placement.json").read_text()), "rollout", ray_nodes)
-    assert moved != engine and moved in spare, (engine, moved)
+    assert first_named < 30 and second_named < 30  # the raylet's port tells at once; the GCS takes 15 s+
+    assert float(replaced_s) > 3  # it waited for the replacement
+    assert engine_node() == "z"
     assert_equal_but_wall_clock(separate_one_node, read_metrics(run_dir), also=("trainer/",))
