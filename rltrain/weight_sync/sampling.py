@@ -6,9 +6,11 @@ Contract (pure; torch and hashlib only):
   (``true`` is ``full``, ``false`` is ``off``).
 - ``digest_request(names, sync_index=k, every=N, mode=...)``: the ``DigestRequest`` of sync ``k``
   over the HF tensors ``names`` in export order. ``full``: every tensor, whole. ``sampled``: sync 0
-  every tensor whole; sync ``k > 0`` the tensors whose position ``i`` in export order has
-  ``i % N == k % N``, each on ``COLUMNS_PER_TENSOR`` columns of its last dimension. So every tensor
-  is checked within any ``N`` consecutive syncs.
+  every tensor whole; sync ``k > 0`` the tensors of the vLLM modules whose position ``i`` (modules
+  in the export order of their first tensor, ``ModuleRotation``) has ``i % N == k % N``, each on
+  ``COLUMNS_PER_TENSOR`` columns of its last dimension. So every tensor is checked within any ``N``
+  consecutive syncs, and a fused module (q/k/v, gate/up, a layer's experts) is checked at one sync:
+  the engine reads it back once, not once per member.
 - ``sample_columns(name, sync_index, width)``: the sampled columns (sorted indices into the last
   dimension of one engine worker's shard of ``name``, ``width`` wide), seeded by the vLLM module
   ``name`` loads into (``fused_group``) and the sync index. Seeding by the module, not the tensor,
@@ -82,7 +84,7 @@ def sample_columns(name: str, sync_index: int, width: int, count: int = COLUMNS_
 
 
 def checked(position: int, *, sync_index: int, every: int, mode: str) -> bool | None:
-    """How sync ``sync_index`` checks the tensor at ``position`` in export order: None not at all,
+    """How sync ``sync_index`` checks a tensor at rotation ``position``: None not at all,
     False whole, True on sampled columns (see the module docstring)."""
     if mode == "full" or (mode == "sampled" and sync_index == 0):
         return False
@@ -91,11 +93,22 @@ def checked(position: int, *, sync_index: int, every: int, mode: str) -> bool | 
     return True if position % every == sync_index % every else None
 
 
+class ModuleRotation:
+    """The rotation position of each tensor: that of its vLLM module (``fused_group``), modules
+    numbered in the order their first tensor comes (fed the export order, every rank agrees)."""
+
+    def __init__(self) -> None:
+        self._positions: dict[str, int] = {}
+
+    def position(self, name: str) -> int:
+        return self._positions.setdefault(fused_group(name), len(self._positions))
+
+
 def digest_request(names: Sequence[str], *, sync_index: int, every: int, mode: str) -> DigestRequest:
     """Sync ``sync_index``'s request over ``names`` (export order); see the module docstring."""
-    tensors = {}
-    for position, name in enumerate(names):
-        sampled = checked(position, sync_index=sync_index, every=every, mode=mode)
+    tensors, rotation = {}, ModuleRotation()
+    for name in names:
+        sampled = checked(rotation.position(name), sync_index=sync_index, every=every, mode=mode)
         if sampled is not None:
             tensors[name] = sampled
     return DigestRequest(sync_index, tensors, skip_unsupported=mode == "sampled")

@@ -6,7 +6,7 @@ each of their workers (``rollout.weight_sync.verify_checksums``).
 Verification (colocated engines; engines on other devices are not verified):
 - ``sampled`` (the default): which tensors and columns a sync checks comes from the sync index alone
   (``rltrain.weight_sync.sampling``): the first sync checks every tensor whole, later ones a
-  rotating 1/``verify_every`` of the tensors on a few columns each.
+  rotating 1/``verify_every`` of the vLLM modules (all tensors of each) on a few columns each.
 - ``full``: every tensor, whole, after every sync.
 The trainer side digests the checked regions *during the sync's own stream*, on the host rank that
 receives them (nothing is sent twice); the engine then reads back only the checked tensors and
@@ -32,6 +32,7 @@ from rltrain.logging import metrics as m
 from rltrain.weight_sync.checksum import tensor_digest
 from rltrain.weight_sync.sampling import (
     DigestRequest,
+    ModuleRotation,
     checked,
     last_width,
     sample_columns,
@@ -163,7 +164,9 @@ class _Digester:
         """``{(hf_name, worker): [trainer rank]}``: who sent that worker's regions."""
 
     def tap(self, updates: Iterable[TensorRegions]) -> Iterator[TensorRegions]:
-        for position, update in enumerate(updates):
+        rotation = ModuleRotation()
+        for update in updates:
+            position = rotation.position(update.name)
             sampled = checked(position, sync_index=self.sync_index, every=self.every, mode=self.mode)
             if sampled is not None:
                 self.tensors[update.name] = sampled

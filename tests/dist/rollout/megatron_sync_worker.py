@@ -66,10 +66,11 @@ def syncs_until_planted(sender, engine, name: str, *, worker: int) -> dict:
     the columns the first sync that samples ``name`` after sync 0 checks; that sync must stop."""
     from rltrain.errors import WeightSyncMismatchError
     from rltrain.logging import metrics as m
-    from rltrain.weight_sync.sampling import sample_columns
+    from rltrain.weight_sync.sampling import ModuleRotation, sample_columns
 
     every = sender.verify_every
-    position = list(sender.source.shapes).index(name)
+    rotation = ModuleRotation()  # the product's: a tensor's module, numbered in export order
+    position = {n: rotation.position(n) for n in sender.source.shapes}[name]
     target = next(k for k in range(1, every + 1) if k % every == position % every)
     sender.num_syncs = 0  # the earlier syncs of this test went around the sender
     verified = []

@@ -31,20 +31,22 @@ def run_sync_ranks(tmp_path: Path, engine_dir: Path, actor_dir: Path, layout: st
 
 def check_planted(result: dict, *, num_workers: int, engine_rank: int, senders: str) -> None:
     """The default (sampled) verification after real syncs: sync 0 checks all 21 tensors of every
-    engine worker, sync k the tensors at export positions p = k (mod 32), without a mismatch; then a
-    wrong value planted at a sampled column of ``model.layers.0.mlp.down_proj.weight`` in one worker's
-    load stops the sync that samples it, in one line naming the tensor, engine rank and sender."""
+    engine worker, sync k the tensors of the vLLM module at position k (mod 32) in export order,
+    without a mismatch; then a wrong value planted at a sampled column of
+    ``model.layers.0.mlp.down_proj.weight`` in one worker's load stops the sync that samples it, in
+    one line naming the tensor, engine rank and sender."""
     planted = result["planted"]
-    target = planted["target_sync"]
     assert planted["every"] == 32  # rollout.weight_sync.verify_every's default
-    expected = [(0.0, 21.0 * num_workers)]
-    expected += [(0.0, float(num_workers * (k < 21))) for k in range(1, target)]  # position k, if any
+    # modules in export order: embed_tokens, then layer 0's input norm, qkv (3 tensors), o, post norm,
+    # gate_up (2), down: down_proj is module 6, sampled at sync 6
+    assert planted["target_sync"] == 6
+    expected = [(0.0, 21.0 * num_workers)] + [(0.0, float(num_workers * n)) for n in (1, 3, 1, 1, 2)]
     assert [tuple(v) for v in planted["verified"]] == expected
     assert planted["planted_column"] is not None
     assert planted["stopped"] == (
         f"weight sync verification failed: model.layers.0.mlp.down_proj.weight on engine rank {engine_rank} "
         f"(the engine of trainer rank 0) differs from what trainer rank {senders} sent (sha256 of its "
-        f"sampled columns, sync {target})"
+        "sampled columns, sync 6)"
     )
 
 

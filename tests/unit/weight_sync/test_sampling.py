@@ -22,7 +22,7 @@ from rltrain.weight_sync.sender import WeightSender
 from rltrain.weight_sync.transport import ColocatedTransport
 from rltrain.weight_sync.types import SyncStats, TensorRegions, TensorSource
 
-NAMES = [f"t{i}" for i in range(7)]
+NAMES = [f"t{i}.weight" for i in range(7)]  # each of its own module
 
 
 def test_true_and_false_mean_full_and_off():
@@ -40,24 +40,58 @@ def test_true_and_false_mean_full_and_off():
 def test_the_first_sync_checks_everything_whole_then_a_rotating_subset():
     first = digest_request(NAMES, sync_index=0, every=3, mode="sampled")
     assert first.tensors == dict.fromkeys(NAMES, False) and first.skip_unsupported
-    # positions i with i % 3 == k % 3, on sampled columns
-    assert digest_request(NAMES, sync_index=1, every=3, mode="sampled").tensors == {"t1": True, "t4": True}
-    assert digest_request(NAMES, sync_index=2, every=3, mode="sampled").tensors == {"t2": True, "t5": True}
+    # modules at positions i with i % 3 == k % 3, on sampled columns
+    assert digest_request(NAMES, sync_index=1, every=3, mode="sampled").tensors == {
+        "t1.weight": True,
+        "t4.weight": True,
+    }
+    assert digest_request(NAMES, sync_index=2, every=3, mode="sampled").tensors == {
+        "t2.weight": True,
+        "t5.weight": True,
+    }
     assert digest_request(NAMES, sync_index=3, every=3, mode="sampled").tensors == {
-        "t0": True,
-        "t3": True,
-        "t6": True,
+        "t0.weight": True,
+        "t3.weight": True,
+        "t6.weight": True,
     }
     full = digest_request(NAMES, sync_index=5, every=3, mode="full")
     assert full.tensors == dict.fromkeys(NAMES, False) and not full.skip_unsupported
 
 
+LAYER = [  # export order of a llama layer: q, k, v load into qkv_proj, gate and up into gate_up_proj
+    f"model.layers.0.{m}.weight"
+    for m in (
+        "input_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "post_attention_layernorm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
+
+
+def test_the_rotation_checks_a_fused_module_at_one_sync():
+    """By hand: modules 0 norm, 1 qkv, 2 o, 3 norm, 4 gate_up, 5 down; every=3."""
+    rotation = [set(digest_request(LAYER, sync_index=k, every=3, mode="sampled").tensors) for k in (1, 2, 3)]
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    assert rotation[0] == {f"{attn}{x}_proj.weight" for x in "qkv"} | {
+        f"{mlp}{x}_proj.weight" for x in ("gate", "up")
+    }
+    assert rotation[1] == {f"{attn}o_proj.weight", f"{mlp}down_proj.weight"}
+    assert rotation[2] == {f"model.layers.0.{x}_layernorm.weight" for x in ("input", "post_attention")}
+
+
 @pytest.mark.parametrize("start", [1, 5, 12])
-def test_every_tensor_is_checked_within_every_syncs(start):
+@pytest.mark.parametrize("names", [NAMES, LAYER], ids=["tensors", "layer"])
+def test_every_tensor_is_checked_within_every_syncs(start, names):
     seen: set[str] = set()
     for k in range(start, start + 8):
-        seen |= set(digest_request(NAMES, sync_index=k, every=8, mode="sampled").tensors)
-    assert seen == set(NAMES)
+        seen |= set(digest_request(names, sync_index=k, every=8, mode="sampled").tensors)
+    assert seen == set(names)
 
 
 def test_sampled_columns_are_the_same_for_a_fused_module_and_change_with_the_sync():
@@ -125,7 +159,7 @@ def _sender(weights: dict[str, torch.Tensor], engine: _Engine, every: int) -> We
 
 
 def test_a_wrong_slice_planted_in_the_engine_stops_the_sync_that_samples_it():
-    weights = {f"w{i}": torch.arange(40.0).reshape(2, 20) + i for i in range(4)}
+    weights = {f"w{i}.weight": torch.arange(40.0).reshape(2, 20) + i for i in range(4)}
     engine = _Engine()
     sender = _sender(weights, engine, every=2)
     metrics = sender.sync()  # sync 0: everything whole
@@ -135,21 +169,21 @@ def test_a_wrong_slice_planted_in_the_engine_stops_the_sync_that_samples_it():
     assert engine.requests[-1].tensors == dict.fromkeys(weights, False)
     # sync 1 checks w1 and w3 on 8 of their 20 columns; w1 is planted wrong at a sampled column,
     # w0 (not checked at sync 1) at any column
-    column = sample_columns("w1", 1, 20)[0]
+    column = sample_columns("w1.weight", 1, 20)[0]
     real_receive = engine.receive
 
     def corrupting_receive(updates, *, bucket_bytes):
         stats = real_receive(updates, bucket_bytes=bucket_bytes)
-        engine.weights["w0"][0, 0] += 1.0
-        engine.weights["w1"][1, column] += 1.0
+        engine.weights["w0.weight"][0, 0] += 1.0
+        engine.weights["w1.weight"][1, column] += 1.0
         return stats
 
     engine.receive = corrupting_receive
     with pytest.raises(WeightSyncMismatchError) as stopped:
         sender.sync()
-    assert engine.requests[-1].tensors == {"w1": True, "w3": True}
+    assert engine.requests[-1].tensors == {"w1.weight": True, "w3.weight": True}
     assert str(stopped.value) == (
-        "weight sync verification failed: w1 on engine rank 0 (the engine of trainer rank 0) differs from "
+        "weight sync verification failed: w1.weight on engine rank 0 (the engine of trainer rank 0) differs from "
         "what trainer rank 0 sent (sha256 of its sampled columns, sync 1)"
     )
 
