@@ -39,7 +39,7 @@ class WeightSyncConfig:
     """After each sync compare SHA-256 digests of the colocated engines' effective weights with what
     the trainer sent (``rltrain.weight_sync.sender``; a mismatch stops the run naming the tensor,
     the engine rank and the trainer rank that sent it): ``sampled`` checks every tensor whole at the
-    first sync, then a rotating 1/``verify_every`` of the tensors on a few columns each (every
+    first sync, then a rotating 1/``verify_every`` of the vLLM modules on a few columns each (every
     tensor within ``verify_every`` syncs; its cost, ``bench/README.md``: a CPU engine's readback
     streams the whole packed weight of each checked module, so it costs about 1/``verify_every`` of
     a full check);
@@ -48,7 +48,7 @@ class WeightSyncConfig:
 
     verify_every: PositiveInt = 32
     """With ``verify_checksums: sampled``: every tensor is checked within this many syncs (32: the
-    check stays within ~3% of a SmolLM2-135M sync on CPU; 8 costs ~4x that)."""
+    check costs under 3% of the sync on CPU for the quickstart and a SmolLM2-135M, 8 about 7-10%)."""
 
     engine_load: Literal["auto", "direct", "reload"] = "auto"
     """How a CPU engine takes the weights in: ``direct`` runs the model's loaders into a reused
