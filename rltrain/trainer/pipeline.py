@@ -106,7 +106,7 @@ class Source:
     def start(self, step: int) -> dict[str, float]:
         """Put the actor's weights (those after ``step``) into the engines."""
         self.actor_version = step
-        return self.policy.sync_weights()
+        return self.policy.sync_weights(step)
 
     def take(self, step: int) -> Rollout:
         if self.restored:
@@ -126,7 +126,7 @@ class Source:
     def after_update(self, step: int, *, updated: bool) -> dict[str, float]:
         """The step's update is done (``updated``: the actor's weights changed)."""
         self.actor_version = step
-        return self.policy.sync_weights() if updated else {}
+        return self.policy.sync_weights(step) if updated else {}
 
     def ensure_current(self) -> None:
         """The engines hold the actor's weights (before a validation)."""
@@ -178,7 +178,7 @@ class AsyncSource(Source):
     def start(self, step: int) -> dict[str, float]:
         if self.partial:
             self.actor_version = step
-            metrics = self.policy.sync_weights(version=step)
+            metrics = self.policy.sync_weights(step, version=step)
         else:
             metrics = super().start(step)
         self.engine_version = step
@@ -239,7 +239,7 @@ class AsyncSource(Source):
         self.engine_version = self.actor_version
         self.weight_syncs += 1
         version = {"version": self.actor_version} if self.partial else {}
-        for key, value in self.policy.sync_weights(**version).items():
+        for key, value in self.policy.sync_weights(self.actor_version, **version).items():
             self.sync_metrics[key] = max(self.sync_metrics.get(key, value), value)
 
     def _finish(self, batch: _InFlight) -> None:

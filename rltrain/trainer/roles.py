@@ -200,13 +200,14 @@ class PolicyRole(_DataParallelRole):
     def update(self, mini_batches: list[StepBatch], loss: ActorLoss) -> list[dict[str, float]]:
         return self._update("update_actor", mini_batches, loss)
 
-    def sync_weights(self, *, version: int | None = None) -> dict[str, float]:
-        """Send the actor's weights to the engines; ``version`` (partial rollouts): the policy version
-        they are, given to separate engines that may have batches in flight."""
+    def sync_weights(self, step: int, *, version: int | None = None) -> dict[str, float]:
+        """Send the actor's weights after ``step`` to the engines (the step numbers the sync for the
+        sampled verification); ``version`` (partial rollouts): the policy version they are, given to
+        separate engines that may have batches in flight."""
         args = () if version is None else (version,)
         receiving = self.separate.submit("receive_weights", *args) if self.separate else None
         metrics: dict[str, float] = {}
-        for rank_metrics in self.group.call("sync_weights"):
+        for rank_metrics in self.group.call("sync_weights", step):
             for key, value in rank_metrics.items():
                 metrics[key] = max(metrics.get(key, value), value)
         if receiving is not None:

@@ -4,13 +4,16 @@ costs a small fraction of the sync while every tensor is checked within a few sy
 Contract (pure; torch and hashlib only):
 - ``verify_mode(value)``: ``rollout.weight_sync.verify_checksums`` as one of ``VERIFY_MODES``
   (``true`` is ``full``, ``false`` is ``off``).
-- ``digest_request(names, sync_index=k, every=N, mode=...)``: the ``DigestRequest`` of sync ``k``
-  over the HF tensors ``names`` in export order. ``full``: every tensor, whole. ``sampled``: sync 0
-  every tensor whole; sync ``k > 0`` the tensors of the vLLM modules whose position ``i`` (modules
-  in the export order of their first tensor, ``ModuleRotation``) has ``i % N == k % N``, each on
-  ``COLUMNS_PER_TENSOR`` columns of its last dimension. So every tensor is checked within any ``N``
-  consecutive syncs, and a fused module (q/k/v, gate/up, a layer's experts) is checked at one sync:
-  the engine reads it back once, not once per member.
+- ``digest_request(names, sync_index=k, every=N, mode=..., first=...)``: the ``DigestRequest`` of
+  sync ``k`` over the HF tensors ``names`` in export order. ``full``: every tensor, whole.
+  ``sampled``: a sender's first sync (into a new engine: the run's start, or a restart's; ``first``,
+  by default ``k == 0``) every tensor whole; a later one the tensors of the vLLM modules whose
+  position ``i`` (modules in the export order of their first tensor, ``ModuleRotation``) has
+  ``i % N == k % N``, each on ``COLUMNS_PER_TENSOR`` columns of its last dimension. So every tensor
+  is checked within any ``N`` consecutive syncs, and a fused module (q/k/v, gate/up, a layer's
+  experts) is checked at one sync: the engine reads it back once, not once per member. The trainer
+  numbers a sync by the training step whose weights it carries, so a resumed run checks at each
+  step what the uninterrupted run did.
 - ``sample_columns(name, sync_index, width)``: the sampled columns (sorted indices into the last
   dimension of one engine worker's shard of ``name``, ``width`` wide), seeded by the vLLM module
   ``name`` loads into (``fused_group``) and the sync index. Seeding by the module, not the tensor,
@@ -83,10 +86,10 @@ def sample_columns(name: str, sync_index: int, width: int, count: int = COLUMNS_
     return sorted(chosen)
 
 
-def checked(position: int, *, sync_index: int, every: int, mode: str) -> bool | None:
-    """How sync ``sync_index`` checks a tensor at rotation ``position``: None not at all,
-    False whole, True on sampled columns (see the module docstring)."""
-    if mode == "full" or (mode == "sampled" and sync_index == 0):
+def checked(position: int, *, sync_index: int, every: int, mode: str, first: bool) -> bool | None:
+    """How sync ``sync_index`` (``first``: the sender's first) checks a tensor at rotation
+    ``position``: None not at all, False whole, True on sampled columns (see the module docstring)."""
+    if mode == "full" or (mode == "sampled" and first):
         return False
     if mode != "sampled":
         raise ValueError(f"nothing is checked in verify mode {mode!r}")
@@ -104,11 +107,14 @@ class ModuleRotation:
         return self._positions.setdefault(fused_group(name), len(self._positions))
 
 
-def digest_request(names: Sequence[str], *, sync_index: int, every: int, mode: str) -> DigestRequest:
+def digest_request(
+    names: Sequence[str], *, sync_index: int, every: int, mode: str, first: bool | None = None
+) -> DigestRequest:
     """Sync ``sync_index``'s request over ``names`` (export order); see the module docstring."""
     tensors, rotation = {}, ModuleRotation()
+    first = sync_index == 0 if first is None else first
     for name in names:
-        sampled = checked(rotation.position(name), sync_index=sync_index, every=every, mode=mode)
+        sampled = checked(rotation.position(name), sync_index=sync_index, every=every, mode=mode, first=first)
         if sampled is not None:
             tensors[name] = sampled
     return DigestRequest(sync_index, tensors, skip_unsupported=mode == "sampled")

@@ -5,7 +5,8 @@ each of their workers (``rollout.weight_sync.verify_checksums``).
 
 Verification (colocated engines; engines on other devices are not verified):
 - ``sampled`` (the default): which tensors and columns a sync checks comes from the sync index alone
-  (``rltrain.weight_sync.sampling``): the first sync checks every tensor whole, later ones a
+  (the training step whose weights it carries; ``rltrain.weight_sync.sampling``): the first sync
+  into an engine checks every tensor whole, later ones a
   rotating 1/``verify_every`` of the vLLM modules (all tensors of each) on a few columns each.
 - ``full``: every tensor, whole, after every sync.
 The trainer side digests the checked regions *during the sync's own stream*, on the host rank that
@@ -72,11 +73,13 @@ class WeightSender:
         """Syncs done (the next one's index: what the sampled verification rotates by)."""
         self._said_unverified = False
 
-    def sync(self) -> dict[str, float]:
+    def sync(self, index: int | None = None) -> dict[str, float]:
         """Push the weights and verify them; the metrics come from the rank that reports the
-        transport's stats. Raises ``WeightSyncMismatchError`` on every rank on a mismatch."""
+        transport's stats. Raises ``WeightSyncMismatchError`` on every rank on a mismatch.
+        ``index``: what the sampled verification rotates by, the training step whose weights these
+        are (None: this sender's count of syncs); its first sync is checked whole whatever it is."""
         checking = self.verify_mode != "off" and bool(self.host_ranks)
-        digester = _Digester(self, self.verify_mode) if checking else None
+        digester = _Digester(self, self.verify_mode, index) if checking else None
         start = time.perf_counter()
         stats = self.transport.send(_TappedSource(self.source, digester) if digester else self.source)
         metrics: dict[str, float] = {}
@@ -153,8 +156,9 @@ class WeightSender:
 class _Digester:
     """Digests, on the rank receiving a stream, the regions one sync checks while they pass by."""
 
-    def __init__(self, sender: WeightSender, mode: str) -> None:
-        self.sync_index, self.every, self.mode = sender.num_syncs, sender.verify_every, mode
+    def __init__(self, sender: WeightSender, mode: str, index: int | None = None) -> None:
+        self.sync_index = sender.num_syncs if index is None else index
+        self.first, self.every, self.mode = sender.num_syncs == 0, sender.verify_every, mode
         self.dtype, self.rank = sender.dtype, sender.rank
         self.tensors: dict[str, bool] = {}
         """``{hf_name: sampled}`` of the tensors checked (``DigestRequest.tensors``)."""
@@ -167,7 +171,9 @@ class _Digester:
         rotation = ModuleRotation()
         for update in updates:
             position = rotation.position(update.name)
-            sampled = checked(position, sync_index=self.sync_index, every=self.every, mode=self.mode)
+            sampled = checked(
+                position, sync_index=self.sync_index, every=self.every, mode=self.mode, first=self.first
+            )
             if sampled is not None:
                 self.tensors[update.name] = sampled
                 for worker in update.regions:

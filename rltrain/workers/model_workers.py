@@ -180,10 +180,11 @@ class PolicyWorker(MegatronRankBase):
                 timeout_s=self.config.trainer.timeouts.collective_s,
             )
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, index: int | None = None) -> dict[str, float]:
         """Move the actor's weights to the engines (collective over the actor's ranks; see
-        ``rltrain.weight_sync``); the metrics come from the rank that reports them."""
-        return self._weight_sender().sync()
+        ``rltrain.weight_sync``); the metrics come from the rank that reports them. ``index``: the
+        step whose weights these are (what the sampled verification rotates by)."""
+        return self._weight_sender().sync(index)
 
     # ---- trainer forward / update ---------------------------------------------------------------
     def compute_log_prob(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

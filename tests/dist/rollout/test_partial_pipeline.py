@@ -60,7 +60,7 @@ class EnginePolicy:
         key = self.queue.submit(prompts, sampling)
         return _Queued(self.queue, key)
 
-    def sync_weights(self, *, version: int | None = None) -> dict[str, float]:
+    def sync_weights(self, step: int, *, version: int | None = None) -> dict[str, float]:
         tokens = 0
         if version != self.engine.policy_version and self.queue.generating():
             tokens = self._wait_mid_batch()

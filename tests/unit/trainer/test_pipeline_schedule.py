@@ -35,7 +35,7 @@ class EnginesOnAClockDouble:
         self.generated.append((sampling.seed, start, self.busy_until))
         return _Handle(self, self.busy_until, len(prompts), sampling.n)
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, step: int) -> dict[str, float]:
         assert self.busy_until <= self.now, (
             f"weights sent at {self.now} while generating until {self.busy_until}"
         )
@@ -172,7 +172,7 @@ def test_a_step_without_actor_update_does_not_age_the_engines():
     without a weight send, and the bound counts from it."""
     engines = EnginesOnAClockDouble(1.0)
     syncs = []
-    engines.sync_weights = lambda: syncs.append(engines.now) or {}
+    engines.sync_weights = lambda step: syncs.append(engines.now) or {}
     source = _started(_source(engines, staleness=1, steps=5))
     versions, _ = _run(source, engines, train_s=3.0, steps=range(1, 6), updated=lambda step: step > 2)
     assert versions == [0, 0, 1, 2, 3]
@@ -236,7 +236,7 @@ class PartialEnginesDouble(EnginesOnAClockDouble):
         handle = self.start_generate(prompts, sampling)
         return _PartialHandle(self, handle.end, handle.prompts, handle.n)
 
-    def sync_weights(self, *, version: int) -> dict[str, float]:
+    def sync_weights(self, step: int, *, version: int) -> dict[str, float]:
         self.loads.append((self.now, version))
         return {"weight_sync/seconds": 0.0}
 

@@ -59,7 +59,7 @@ class FakePolicy:
     on_save: object = None
     loads: list[str] = field(default_factory=list)
 
-    def sync_weights(self) -> dict:
+    def sync_weights(self, step: int) -> dict:
         return {}
 
     def step(self, step: int) -> None:

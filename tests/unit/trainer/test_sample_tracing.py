@@ -101,7 +101,7 @@ class ShellPolicyWorker(PolicyWorker):
         self.actor, self.ref, self.engine = FakeModel(), None, FakeEngine()
         self.engine_ranks = list(range(world))
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, index: int | None = None) -> dict[str, float]:
         return {}
 
     def save_checkpoint(self, root: str, step: int) -> str:

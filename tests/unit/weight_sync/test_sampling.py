@@ -188,6 +188,23 @@ def test_a_wrong_slice_planted_in_the_engine_stops_the_sync_that_samples_it():
     )
 
 
+def test_a_restarted_sender_checks_at_each_step_what_the_uninterrupted_one_did():
+    """Syncs are numbered by the step whose weights they carry: a new sender (a restart's new engine)
+    checks its first sync whole whatever its step, then at each step the tensors the sender that ran
+    from step 0 checked there (the run's metrics after a resume equal the uninterrupted run's)."""
+    weights = {f"w{i}.weight": torch.full((2, 20), float(i)) for i in range(5)}
+    whole, resumed = _Engine(), _Engine()
+    uninterrupted = _sender(weights, whole, every=3)
+    for step in range(5):
+        uninterrupted.sync(step)
+    restarted = _sender(weights, resumed, every=3)
+    metrics = [restarted.sync(step) for step in (2, 3, 4)]  # resumed from step 2's checkpoint
+    assert resumed.requests[0].tensors == dict.fromkeys(weights, False)
+    assert [r.tensors for r in resumed.requests[1:]] == [r.tensors for r in whole.requests[3:]]
+    assert whole.requests[3].tensors == {"w0.weight": True, "w3.weight": True}  # modules 0 and 3: 3 % 3
+    assert [m[mk.WEIGHT_SYNC_VERIFIED_TENSORS] for m in metrics] == [5, 2, 2]
+
+
 def test_a_slice_outside_the_sampled_columns_is_caught_when_its_tensor_is_checked_whole():
     weights = {"w0": torch.zeros(2, 20), "w1": torch.ones(2, 20)}
     engine = _Engine()
