@@ -23,17 +23,21 @@ class ValKwargs:
 
 @dataclass
 class WeightSyncConfig:
-    transport: Literal["auto", "in_process", "broadcast"] = "auto"
+    transport: Literal["auto", "in_process", "shard_to_shard", "broadcast"] = "auto"
     """How weights reach the engines (``rltrain.weight_sync.transport.make_transport``, the one place
     that reads it): ``in_process`` hands each colocated engine its planned regions on its host rank
     (its workers in other processes get CUDA IPC handles on GPU, serialized buffers on CPU);
-    ``broadcast`` sends whole tensors in buckets over a process group (NCCL on GPU, gloo on CPU) to
-    engines on other devices; ``auto`` picks by ``rollout.mode`` (colocated: in_process, separate:
-    broadcast)."""
+    ``shard_to_shard`` has every trainer rank send the planned slices it owns straight to the
+    engines on other devices, in buckets, over one process group of trainer ranks and engines (NCCL
+    on GPU, gloo on CPU); ``broadcast`` has trainer rank 0 gather the whole tensors and broadcast
+    them (the plan that funnels everything through one rank; for comparison, or where only rank 0
+    may reach the engines); ``auto`` picks by ``rollout.mode`` (colocated: in_process, separate:
+    shard_to_shard)."""
 
     bucket_size_mb: PositiveInt = 512
-    """Buckets of about this many MiB: what the broadcast sends at once, and what an engine whose
-    workers run in other processes hands them in one call (a bucket never splits a fused module)."""
+    """Buckets of about this many MiB: what a separate engine receives at once (and loads while the
+    next one arrives), and what an engine whose workers run in other processes hands them in one
+    call (a bucket never splits a fused module)."""
 
     verify_checksums: str | bool = "sampled"
     """After each sync compare SHA-256 digests of the colocated engines' effective weights with what
@@ -211,13 +215,13 @@ class RolloutConfig:
             if transport == "in_process":
                 return [
                     f"{prefix}.weight_sync.transport=in_process cannot reach engines on other devices "
-                    f"({prefix}.mode=separate); use broadcast or auto"
+                    f"({prefix}.mode=separate); use auto, shard_to_shard or broadcast"
                 ]
         elif self.num_devices:
             return [f"{prefix}.num_devices={self.num_devices} is only for {prefix}.mode=separate"]
-        elif transport == "broadcast":
+        elif transport in ("broadcast", "shard_to_shard"):
             return [
-                f"{prefix}.weight_sync.transport=broadcast is for {prefix}.mode=separate; colocated engines "
-                "load in place"
+                f"{prefix}.weight_sync.transport={transport} is for {prefix}.mode=separate; colocated "
+                "engines load in place"
             ]
         return []

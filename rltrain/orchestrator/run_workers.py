@@ -166,13 +166,13 @@ class RunWorkers:
         return RoleRun(self.config, needs, self.layout, self.total_steps)
 
     def connect_engines(self, policy_group, rollout_group) -> None:
-        """Join the separate engines and actor rank 0 in the weights' broadcast group."""
+        """Join the separate engines and the actor's ranks that send to them (all of them; rank 0
+        with ``rollout.weight_sync.transport: broadcast``) in the weights' group."""
         world, num_engines = self.config.cluster.world_size(), self.layout.num_engines
+        senders = 1 if self.config.rollout.weight_sync.transport == "broadcast" else world
         address = policy_group.free_address()
-        joining = rollout_group.submit("connect_weight_sync", address, num_engines)
-        policy_group.call_each(
-            "connect_weight_sync", [(address if r == 0 else None, num_engines) for r in range(world)]
-        )
+        joining = rollout_group.submit("connect_weight_sync", address, num_engines, senders)
+        policy_group.call("connect_weight_sync", address, num_engines, senders)
         rollout_group.wait("connect_weight_sync", joining)
 
     def handles(self, groups: dict):

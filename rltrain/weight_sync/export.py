@@ -53,6 +53,7 @@ from megatron_bridge.reshard_layouts import layouts_from_bridge
 from megatron_bridge.vllm_names import grouped_order
 from rltrain.errors import NonFiniteWeightsError
 from rltrain.tensor_checks import first_non_finite, global_max_abs
+from rltrain.weight_sync.shard_to_shard import Bucket, Schedule, Slot, slots_in_order
 from rltrain.weight_sync.types import NamedTensor, TensorRegions
 
 
@@ -115,6 +116,7 @@ class PlannedExport:
         self._ranks = ranks
         self._owners: dict[tuple[str, int], int] = {}
         self._plans: dict[EngineLayout, dict[int, list[SliceCopy]]] = {}
+        self._schedules: dict[tuple[EngineLayout, int], Schedule] = {}
         self._cached_unit: Any = None
         self._pieces: dict[str, torch.Tensor] = {}
 
@@ -168,6 +170,39 @@ class PlannedExport:
                         dist.send(self._piece(name)[copy.src].contiguous().to(self.device), dst)
                 if me == dst:
                     yield update
+        finally:
+            self._cached_unit, self._pieces = None, {}
+
+    def schedule(self, engine: EngineLayout, *, bucket_bytes: int) -> Schedule:
+        """The shard-to-shard messages of a sync into engines laid out as ``engine`` (cached; the
+        same on every rank): the planned slices in export order, each from its owner, in buckets
+        of about ``bucket_bytes`` that never split a fused module."""
+        key = (engine, bucket_bytes)
+        if key not in self._schedules:
+            slots = (
+                (
+                    Slot(copy.hf_name, worker, owner, copy.src, copy.dst),
+                    self.shapes[copy.hf_name],
+                    self.dtypes[copy.hf_name],
+                )
+                for worker, copy, owner in slots_in_order(self.plan(engine), list(self.shapes), self._owner)
+            )
+            self._schedules[key] = Schedule.build(
+                list(slots), bucket_bytes=bucket_bytes, num_trainer_ranks=self.ctx.world_size
+            )
+        return self._schedules[key]
+
+    def serve(self, schedule: Schedule) -> Iterator[tuple[Bucket, Iterator[torch.Tensor]]]:
+        """Per bucket of ``schedule``: the values of this rank's slots in it, in order (views of
+        its pieces, produced as they are consumed). Collective: first checks every rank's
+        weights are finite (``check_finite``)."""
+        if self._converters:  # what they send (merged adapters, ...) follows the trained weights
+            self.params = self._exported_params()
+        self.check_finite()
+        try:
+            for bucket in schedule.buckets:
+                mine = bucket.slots.get(self.ctx.rank, [])
+                yield bucket, (self._piece(s.name)[s.src] for s in mine)
         finally:
             self._cached_unit, self._pieces = None, {}
 

@@ -214,8 +214,10 @@ def build_sender(
     group: Any = None,
     device: Any = "cpu",
     dtype: torch.dtype | None = None,
+    num_engines: int = 1,
 ) -> WeightSender:
-    """The sender ``rollout.weight_sync`` (``sync_config``) and ``rollout.mode`` describe."""
+    """The sender ``rollout.weight_sync`` (``sync_config``) and ``rollout.mode`` describe
+    (``num_engines``: the separate engines)."""
     transport = make_transport(
         sync_config.transport,
         mode=mode,
@@ -226,6 +228,7 @@ def build_sender(
         engine=engine,
         group=group,
         device=device,
+        num_engines=num_engines,
     )
     return WeightSender(
         source,

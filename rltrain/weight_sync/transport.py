@@ -6,10 +6,13 @@
   and hands them to ``engine.receive``, which gives each of its workers its own regions: the
   tensors themselves to an in-process worker, one buffer per worker to workers in other processes
   (CUDA IPC handles on GPU, serialized on CPU). No copy of the stream is made here.
-- ``BroadcastTransport`` (``broadcast``; ``auto`` with ``rollout.mode: separate``, in
-  ``rltrain.weight_sync.broadcast``): trainer rank 0 receives the whole tensors and broadcasts them
-  in buckets over a process group to the engines on other devices; each engine receives bucket by
-  bucket into reused buffers and hands every bucket to the same ``engine.receive``.
+- ``ShardToShardSender`` (``shard_to_shard``; ``auto`` with ``rollout.mode: separate``, in
+  ``rltrain.weight_sync.shard_to_shard``): every trainer rank sends the planned slices it owns
+  straight to every engine on other devices, bucket by bucket, over one process group of all
+  trainer ranks and engines; each engine hands every bucket to the same ``engine.receive``.
+- ``BroadcastTransport`` (``broadcast``, in ``rltrain.weight_sync.broadcast``): the plan where
+  trainer rank 0 receives the whole tensors and broadcasts them in buckets over a process group of
+  itself and the engines (for comparison, and where only rank 0 may reach the engines).
 One send path and one receive path per transport. ``send`` is collective over the trainer's ranks
 and returns the stats on the rank that reports them (None elsewhere).
 """
@@ -21,7 +24,7 @@ from typing import Any, Protocol
 from megatron_bridge.reshard import EngineLayout
 from rltrain.weight_sync.types import EngineReceiver, SyncStats, WeightSource, drain
 
-TRANSPORTS = ("auto", "in_process", "broadcast")
+TRANSPORTS = ("auto", "in_process", "shard_to_shard", "broadcast")
 
 
 class WeightTransport(Protocol):
@@ -73,22 +76,25 @@ def make_transport(
     engine: Any = None,
     group: Any = None,
     device: Any = "cpu",
+    num_engines: int = 1,
 ) -> WeightTransport:
     """The trainer-side transport ``rollout.weight_sync.transport`` names for ``rollout.mode``.
 
-    ``auto`` is ``in_process`` for colocated engines and ``broadcast`` for separate ones; the other
-    pairings are refused (the config refuses them too). ``group`` (separate mode, trainer rank 0):
-    the broadcast group of ``weight_sync.broadcast.standalone_group``; None on the other ranks.
+    ``auto`` is ``in_process`` for colocated engines and ``shard_to_shard`` for separate ones; the
+    other pairings are refused (the config refuses them too). ``group`` (separate mode): the
+    weights' group of ``weight_sync.broadcast.join_broadcast_group`` (every trainer rank for
+    ``shard_to_shard``, rank 0 alone for ``broadcast``; None on the others); ``num_engines``: the
+    separate engines.
     """
     if kind not in TRANSPORTS:
         raise ValueError(f"rollout.weight_sync.transport={kind!r} is not one of {', '.join(TRANSPORTS)}")
     if kind == "auto":
-        kind = "in_process" if mode == "colocated" else "broadcast"
+        kind = "in_process" if mode == "colocated" else "shard_to_shard"
     if kind == "in_process":
         if mode != "colocated":
             raise ValueError(
                 "rollout.weight_sync.transport=in_process reaches engines in the trainer's processes "
-                f"only; rollout.mode={mode} needs broadcast"
+                f"only; rollout.mode={mode} needs shard_to_shard or broadcast"
             )
         return ColocatedTransport(
             rank=rank,
@@ -99,8 +105,19 @@ def make_transport(
         )
     if mode != "separate":
         raise ValueError(
-            "rollout.weight_sync.transport=broadcast is for engines on other devices "
+            f"rollout.weight_sync.transport={kind} is for engines on other devices "
             f"(rollout.mode=separate), not rollout.mode={mode}"
+        )
+    if kind == "shard_to_shard":
+        from rltrain.weight_sync.shard_to_shard import ShardToShardSender
+
+        return ShardToShardSender(
+            group=group,
+            rank=rank,
+            num_engines=num_engines,
+            engine=EngineLayout(tp=engine_tp),
+            bucket_bytes=bucket_bytes,
+            device=device,
         )
     from rltrain.weight_sync.broadcast import BroadcastTransport
 

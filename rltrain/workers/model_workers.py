@@ -112,8 +112,8 @@ class PolicyWorker(MegatronRankBase):
             load_hf_into(self.ref, ctx=self.ctx, hf_config=self.hf_config, model_dir=model_dir)
         self.engine = build_engine(config, model_dir) if engine_rank else None
         self._broadcast: tuple[Any, Any] | None = None
-        """(group, device) of the broadcast to engines on other devices (``rollout.mode: separate``),
-        on rank 0."""
+        """(group, device) of the weights' group of the engines on other devices (``rollout.mode:
+        separate``), on the ranks that send into it."""
         self._sender: Any = None
         """The actor's ``rltrain.weight_sync.WeightSender`` (built at the first sync: collective)."""
 
@@ -141,6 +141,7 @@ class PolicyWorker(MegatronRankBase):
                 group=group,
                 device=device,
                 dtype=params_dtype_of(self.config.model.dtype),
+                num_engines=self.placement.num_engines,
             )
         return self._sender
 
@@ -168,15 +169,19 @@ class PolicyWorker(MegatronRankBase):
             for model in models:
                 model.reload_to_device()
 
-    def connect_weight_sync(self, address: tuple[str, int] | None, num_engines: int) -> None:
-        """Rank 0 joins the broadcast group of the separate engines (``address`` = its rendezvous)."""
-        if address is not None:
+    def connect_weight_sync(self, address: tuple[str, int], num_engines: int, num_senders: int) -> None:
+        """Join the weights' group of the separate engines (``address``: its rendezvous, hosted by
+        rank 0): the first ``num_senders`` trainer ranks (every rank for ``shard_to_shard``, rank 0
+        for ``broadcast``) as group ranks 0.., the engines after them. Collective over the actor's
+        ranks; a new group (engines restarted) takes effect at the next sync."""
+        self._sender = None
+        if self.ctx.rank < num_senders:
             from rltrain.weight_sync.broadcast import join_broadcast_group
 
             self._broadcast = join_broadcast_group(
                 address,
-                group_rank=0,
-                world_size=1 + num_engines,
+                group_rank=self.ctx.rank,
+                world_size=num_senders + num_engines,
                 timeout_s=self.config.trainer.timeouts.collective_s,
             )
 

@@ -1,7 +1,7 @@
 """The rollout engine of a rank: its settings from the config, building it (the backend that
 ``rollout.name`` names, offline or asynchronous), running a batch through it (directly, or through
 the agent loop for multi-turn), and ``RolloutWorker``, the rank of an engine on devices of its own
-(``rollout.mode: separate``), which takes the actor's weights by broadcast. The engine is used
+(``rollout.mode: separate``), which takes the actor's weights from the trainer ranks that own them. The engine is used
 through ``rltrain.rollout.protocol`` only; its backend is imported lazily, so that the driver never
 loads it.
 """
@@ -54,31 +54,41 @@ def build_engine(config: RLConfig, model_dir: str) -> RolloutEngine:
 
 
 class RolloutWorker:
-    """A rollout engine on its own devices (``rollout.mode: separate``); weights arrive by broadcast."""
+    """A rollout engine on its own devices (``rollout.mode: separate``); weights arrive from the
+    trainer ranks (``connect_weight_sync``)."""
 
     def __init__(self, config: RLConfig, model_dir: str, info: RankInfo) -> None:
         self.config = config
         self.rank = info.rank
         self.engine = build_engine(config, model_dir)
         self.receiver: Any = None
-        """This engine's end of the broadcast (``rltrain.weight_sync.broadcast``)."""
+        """This engine's end of the weights' group (``rltrain.weight_sync.shard_to_shard`` or
+        ``broadcast``)."""
         self.batches: Any = None
         """The pipeline's queued batches with ``rollout.partial_rollout`` (built at the first)."""
 
-    def connect_weight_sync(self, address: tuple[str, int], num_engines: int) -> None:
+    def connect_weight_sync(self, address: tuple[str, int], num_engines: int, num_senders: int) -> None:
+        """Join the weights' group at ``address`` after its ``num_senders`` trainer ranks (all of
+        them: ``shard_to_shard``; rank 0: ``broadcast``, ``rltrain.weight_sync.transport``)."""
         from rltrain.weight_sync.broadcast import BroadcastTransport, join_broadcast_group
+        from rltrain.weight_sync.shard_to_shard import ShardToShardReceiver
 
         group, device = join_broadcast_group(
             address,
-            group_rank=1 + self.rank,
-            world_size=1 + num_engines,
+            group_rank=num_senders + self.rank,
+            world_size=num_senders + num_engines,
             timeout_s=self.config.trainer.timeouts.collective_s,
         )
         bucket_bytes = self.config.rollout.weight_sync.bucket_size_mb << 20
-        self.receiver = BroadcastTransport(group=group, src_rank=0, bucket_bytes=bucket_bytes, device=device)
+        if self.config.rollout.weight_sync.transport == "broadcast":
+            self.receiver = BroadcastTransport(
+                group=group, src_rank=0, bucket_bytes=bucket_bytes, device=device
+            )
+        else:
+            self.receiver = ShardToShardReceiver(group=group, bucket_bytes=bucket_bytes, device=device)
 
     def receive_weights(self, version: int | None = None) -> dict[str, float]:
-        """Load the broadcast weights. ``version`` (the pipeline with ``rollout.partial_rollout``): the
+        """Load the trainer's weights as they arrive. ``version`` (the pipeline with ``rollout.partial_rollout``): the
         policy version they are, loaded through the asynchronous engine's ``weight_update`` so that batches
         in flight pause (or finish) around the load and label their tokens; equal to the engine's
         version (the run's first send) it is a plain load, nothing being in flight."""

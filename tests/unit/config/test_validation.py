@@ -147,7 +147,7 @@ def test_rollout_mode_and_transport_must_agree(tmp_path):
         ["rollout.mode=separate", "rollout.num_devices=1", "rollout.weight_sync.transport=in_process"],
     ) == [
         "override 'rollout.weight_sync.transport=in_process', override 'rollout.mode=separate': "
-        "rollout.weight_sync.transport=in_process cannot reach engines on other devices (rollout.mode=separate); use broadcast or auto"
+        "rollout.weight_sync.transport=in_process cannot reach engines on other devices (rollout.mode=separate); use auto, shard_to_shard or broadcast"
     ]
     assert problems(tmp_path, ["rollout.num_devices=2"]) == [
         "override 'rollout.num_devices=2': rollout.num_devices=2 is only for rollout.mode=separate"

@@ -13,6 +13,7 @@ from megatron_bridge.reshard import EngineLayout
 from rltrain.weight_sync import ColocatedTransport, SyncStats, TensorRegions, TensorSource, make_transport
 from rltrain.weight_sync.broadcast import BroadcastTransport, standalone_group
 from rltrain.weight_sync.checksum import compare_digests, digests, tensor_digest
+from rltrain.weight_sync.shard_to_shard import ShardToShardSender
 
 
 class RecordingEngine:
@@ -35,12 +36,16 @@ def test_make_transport_selects_by_config_and_refuses_impossible_ones():
     assert isinstance(make_transport("auto", mode="colocated", **common), ColocatedTransport)
     assert isinstance(make_transport("in_process", mode="colocated", **common), ColocatedTransport)
     separate = dict(rank=1, host_ranks=[], engine_tp=1, bucket_bytes=1)
-    assert isinstance(make_transport("auto", mode="separate", **separate), BroadcastTransport)
-    with pytest.raises(ValueError, match=r"rollout\.mode=separate needs broadcast"):
+    assert isinstance(make_transport("auto", mode="separate", **separate), ShardToShardSender)
+    assert isinstance(make_transport("broadcast", mode="separate", **separate), BroadcastTransport)
+    with pytest.raises(ValueError, match=r"rollout\.mode=separate needs shard_to_shard or broadcast"):
         make_transport("in_process", mode="separate", **separate)
-    with pytest.raises(ValueError, match=r"not rollout\.mode=colocated"):
-        make_transport("broadcast", mode="colocated", **common)
-    with pytest.raises(ValueError, match="'nccl_p2p' is not one of auto, in_process, broadcast"):
+    for kind in ("broadcast", "shard_to_shard"):
+        with pytest.raises(ValueError, match=rf"transport={kind} .*not rollout\.mode=colocated"):
+            make_transport(kind, mode="colocated", **common)
+    with pytest.raises(
+        ValueError, match="'nccl_p2p' is not one of auto, in_process, shard_to_shard, broadcast"
+    ):
         make_transport("nccl_p2p", mode="colocated", **common)
     with pytest.raises(
         ValueError, match=r"trainer rank 1: an engine is needed exactly on the host ranks \[0\]"
@@ -112,7 +117,9 @@ def test_trainer_ranks_outside_the_broadcast_group_only_serve_their_slices():
             served.append((engine, dst))
             yield TensorRegions.whole("w", torch.ones(2))
 
-    transport = make_transport("auto", mode="separate", rank=3, host_ranks=[], engine_tp=2, bucket_bytes=1)
+    transport = make_transport(
+        "broadcast", mode="separate", rank=3, host_ranks=[], engine_tp=2, bucket_bytes=1
+    )
     assert transport.send(Source()) is None and served == [(EngineLayout(tp=1), 0)]
 
 
@@ -129,3 +136,107 @@ def test_digests_are_bitwise_and_cast_to_the_engine_dtype():
     assert compare_digests(expected, {"a": expected["a"]}) == [
         "b: sent by the trainer but not found among the engine's weights"
     ]
+
+
+class TwoOwnerSource:
+    """Stands in for ``PlannedExport`` on two trainer ranks: ``w`` (8×4) is split by rows between an
+    engine's two workers, rank 0 owning rows 0-3 and rank 1 rows 4-7; ``b`` (4) is read whole by
+    both workers, from rank 0; ``n`` (bf16, 6) likewise from rank 1."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        gen = torch.Generator().manual_seed(step)
+        self.rank = rank
+        self.full = {
+            f"model.layers.{i}.mlp.down_proj.weight": torch.randn(8, 4, generator=gen) for i in range(3)
+        }
+        self.full["model.norm.weight"] = torch.randn(4, generator=gen)
+        self.full["lm_head.bias"] = torch.randn(6, generator=gen).to(torch.bfloat16)
+
+    def schedule(self, engine, *, bucket_bytes: int):
+        from rltrain.weight_sync.shard_to_shard import Schedule, Slot
+
+        copies = []
+        for name, t in self.full.items():
+            whole = tuple(slice(0, s) for s in t.shape)
+            if t.dim() == 2:
+                top, bottom = (slice(0, 4), slice(0, 4)), (slice(4, 8), slice(0, 4))
+                copies += [(Slot(name, 0, 0, top, top), t.shape, t.dtype)]
+                copies += [(Slot(name, 1, 1, bottom, bottom), t.shape, t.dtype)]
+            else:
+                owner = 1 if t.dtype == torch.bfloat16 else 0
+                copies += [(Slot(name, w, owner, whole, whole), t.shape, t.dtype) for w in (0, 1)]
+        return Schedule.build(copies, bucket_bytes=bucket_bytes, num_trainer_ranks=2)
+
+    def serve(self, schedule):
+        for bucket in schedule.buckets:
+            yield bucket, (self.full[s.name][s.src] for s in bucket.slots.get(self.rank, []))
+
+
+class RegionEngine:
+    """Records each worker's regions (copies) of every bucket it is handed."""
+
+    num_workers = 2
+
+    def __init__(self) -> None:
+        self.got: list[dict[tuple[str, int], torch.Tensor]] = []
+
+    def receive(self, updates, *, bucket_bytes: int) -> SyncStats:
+        bucket = {(u.name, w): u.shard(w).clone() for u in updates for w in u.regions}
+        self.got.append(bucket)
+        return SyncStats(len(bucket), 0, 1, 0.0, "reload")
+
+
+def test_shard_to_shard_sends_each_owner_slice_to_every_engine_bit_exact():
+    """Two trainer ranks and two engines (threads, one real gloo group of four): every engine
+    worker gets exactly its rows from their owner, each owner sends only its own slices to each
+    engine, and the buffers stay within the schedule's bound (all derived by hand below)."""
+    from rltrain.weight_sync.shard_to_shard import ShardToShardReceiver, ShardToShardSender
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results: dict[int, object] = {}
+    bucket_bytes = (
+        2 * 8 * 4 * 4
+    )  # two 8×4 fp32 tensors (256 bytes): buckets of layers {0, 1}, {2, norm, bias}
+
+    def member(r: int) -> None:
+        group = standalone_group(host="127.0.0.1", port=port, rank=r, world_size=4, timeout_s=60)
+        if r < 2:
+            sender = ShardToShardSender(
+                group=group, rank=r, num_engines=2, engine=EngineLayout(tp=2), bucket_bytes=bucket_bytes
+            )
+            stats = [sender.send(TwoOwnerSource(r, step)) for step in (1, 2)]
+            results[r] = (stats, sender.last_sent_bytes, sender.peak_extra_bytes)
+        else:
+            receiver = ShardToShardReceiver(group=group, bucket_bytes=bucket_bytes)
+            engine = RegionEngine()
+            stats = [receiver.receive(engine) for _ in (1, 2)]
+            results[r] = (stats, engine, receiver.peak_extra_bytes, receiver.schedule)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(results) == [0, 1, 2, 3]
+    # per engine: rank 0 sends 3 × 64 bytes of rows + the norm twice (16 + 16); rank 1 3 × 64 + bias twice (12 + 12)
+    (stats0, sent0, extra0), (stats1, sent1, extra1) = results[0], results[1]
+    assert sent0 == 2 * (3 * 64 + 32) and sent1 == 2 * (3 * 64 + 24)
+    assert stats1 == [None, None]  # the sync's stats come from rank 0: both engines' bytes
+    assert [s.num_bytes for s in stats0] == [2 * (3 * 64 * 2 + 32 + 24)] * 2
+    assert [s.num_buckets for s in stats0] == [2, 2] and stats0[0].num_tensors == 5
+    # a trainer rank packs one message at a time: its largest is its half of two layers (128 bytes)
+    assert extra0 == extra1 == 128
+    for r in (2, 3):
+        _, engine, extra, schedule = results[r]
+        assert schedule.extra_bytes("trainer", 0) == schedule.extra_bytes("trainer", 1) == 128
+        assert extra == schedule.extra_bytes("engine") == 256 + 184  # both buckets (2 × 128; 128 + 32 + 24)
+        assert len(engine.got) == 4  # two buckets per sync, one engine call each
+        for sync, step in ((0, 1), (1, 2)):
+            full = TwoOwnerSource(0, step).full
+            got = {**engine.got[2 * sync], **engine.got[2 * sync + 1]}
+            assert len(got) == 10
+            for (name, worker), values in got.items():
+                want = full[name] if full[name].dim() == 1 else full[name][4 * worker : 4 * worker + 4]
+                assert values.dtype == want.dtype and torch.equal(values, want), (name, worker)

@@ -1,0 +1,284 @@
+"""Shard-to-shard transport (``rollout.weight_sync.transport: shard_to_shard``; ``auto`` with
+``rollout.mode: separate``): every trainer rank sends the planned slices it owns straight to every
+engine on other devices; no rank gathers a tensor it does not own.
+
+Wire format: one process group, formed once per run, holds every trainer rank (group rank = trainer
+rank) and every engine's receiver (group rank = trainer world size + engine index); gloo on CPU,
+NCCL on GPU (``broadcast.join_broadcast_group``). What moves is fixed by a ``Schedule`` built from
+the reshard plan (``PlannedExport.schedule``): the engine layout's planned slices in export order,
+cut into buckets that never split a fused module (``buckets.iter_buckets``), and in each bucket
+one message per owning trainer rank holding its slices packed in order. Trainer rank 0 sends the
+schedule (pickled) to each engine before its first sync; after that only weights travel: per
+bucket, each owner packs its slices once into a reused buffer and sends it to every engine (the
+replicas receive at once), and each engine receives the bucket's messages from their owners, then
+hands the bucket (every worker its own regions) to the same ``engine.receive`` as every transport.
+An engine posts the receives of the next bucket before it loads the current one, so the network
+and the load overlap.
+
+Memory beyond the weights (``Schedule.extra_bytes``, the bound the tests hold each rank to): a
+trainer rank one packed message (its largest in any bucket); an engine two buckets (the one being
+loaded and the one arriving).
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rltrain.weight_sync.buckets import BufferPool, iter_buckets
+from rltrain.weight_sync.types import EngineReceiver, SyncStats, TensorRegions
+
+_SCHEDULE_TAG = 1
+"""Tag of the schedule messages; each bucket's messages are tagged by their bucket index + 2."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One planned slice: trainer rank ``owner``'s piece of HF tensor ``name`` at ``src``, which
+    engine worker ``worker`` reads at ``dst`` (full HF coordinates)."""
+
+    name: str
+    worker: int
+    owner: int
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.dst)
+
+
+@dataclass
+class Bucket:
+    """HF tensors loaded in one ``engine.receive`` call, and the slots that fill them, by owner."""
+
+    tensors: list[tuple[str, tuple[int, ...], torch.dtype]]
+    """(name, full shape, dtype) in export order."""
+    slots: dict[int, list[Slot]] = field(default_factory=dict)
+    """``{owner: its slots}`` in the order its message packs them."""
+
+    def message_bytes(self, owner: int) -> int:
+        dtypes = {name: dtype for name, _, dtype in self.tensors}
+        return sum(math.prod(s.shape) * dtypes[s.name].itemsize for s in self.slots.get(owner, ()))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.message_bytes(owner) for owner in self.slots)
+
+
+@dataclass
+class Schedule:
+    """Every sync's messages, the same on every member of the group (see the module docstring)."""
+
+    buckets: list[Bucket]
+    num_trainer_ranks: int
+
+    @classmethod
+    def build(
+        cls,
+        copies: Sequence[tuple[Slot, tuple[int, ...], torch.dtype]],
+        *,
+        bucket_bytes: int,
+        num_trainer_ranks: int,
+    ) -> Schedule:
+        """From the planned ``(slot, full shape, dtype)`` in export order (a tensor's slots adjacent)."""
+        by_tensor: dict[str, list[Slot]] = {}
+        meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for slot, shape, dtype in copies:
+            by_tensor.setdefault(slot.name, []).append(slot)
+            meta[slot.name] = (shape, dtype)
+
+        def weigh(slots: list[Slot]) -> int:
+            return sum(math.prod(s.shape) for s in slots) * meta[slots[0].name][1].itemsize
+
+        buckets = []
+        for group in iter_buckets(by_tensor.items(), bucket_bytes, weigh=weigh):
+            bucket = Bucket([(name, *meta[name]) for name, _ in group])
+            for _, slots in group:
+                for slot in slots:
+                    bucket.slots.setdefault(slot.owner, []).append(slot)
+            buckets.append(bucket)
+        return cls(buckets, num_trainer_ranks)
+
+    def sent_bytes(self, owner: int) -> int:
+        """Bytes trainer rank ``owner`` sends each engine per sync."""
+        return sum(b.message_bytes(owner) for b in self.buckets)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes each engine receives per sync."""
+        return sum(b.num_bytes for b in self.buckets)
+
+    def extra_bytes(self, member: str, owner: int = 0) -> int:
+        """The bound on a member's buffers: ``"trainer"`` rank ``owner``'s largest message, or an
+        ``"engine"``'s two largest buckets."""
+        if member == "trainer":
+            return max((b.message_bytes(owner) for b in self.buckets), default=0)
+        sizes = sorted((b.num_bytes for b in self.buckets), reverse=True)
+        return sum(sizes[:2])
+
+
+class _Pool(BufferPool):
+    """A ``BufferPool`` that records the bytes of the buffers it holds (its high-water mark)."""
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+
+def _views(flat: torch.Tensor, slots: list[Slot], dtypes: dict[str, torch.dtype]) -> Iterator[torch.Tensor]:
+    offset = 0
+    for slot in slots:
+        dtype = dtypes[slot.name]
+        nbytes = math.prod(slot.shape) * dtype.itemsize
+        yield flat[offset : offset + nbytes].view(dtype).view(slot.shape)
+        offset += nbytes
+
+
+class ShardToShardSender:
+    """The trainer end (every trainer rank; ``group`` spans trainer ranks and engines)."""
+
+    def __init__(
+        self, *, group: Any, rank: int, num_engines: int, engine: Any, bucket_bytes: int, device: Any = "cpu"
+    ) -> None:
+        self.group, self.rank, self.num_engines = group, rank, num_engines
+        self.engine_layout, self.bucket_bytes = engine, bucket_bytes
+        self.device = torch.device(device)
+        self._pool = _Pool(device=self.device)
+        self._sent_schedule = False
+        self.last_sent_bytes = 0
+        """Bytes this rank sent at the last sync (all engines together)."""
+        self.peak_extra_bytes = 0
+        """The largest its send buffer grew (``Schedule.extra_bytes("trainer", rank)`` bounds it)."""
+
+    def send(self, source: Any) -> SyncStats | None:
+        """Collective over the trainer's ranks; the stats (the whole sync's bytes) on rank 0."""
+        start = time.perf_counter()
+        schedule = source.schedule(self.engine_layout, bucket_bytes=self.bucket_bytes)
+        if self.group is None:
+            raise RuntimeError(
+                f"trainer rank {self.rank} is not in the weights' group of the separate engines"
+            )
+        engines = [schedule.num_trainer_ranks + e for e in range(self.num_engines)]
+        if not self._sent_schedule and self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(schedule)), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+            for dst in engines:
+                self.group.send([length.to(self.device)], dst, _SCHEDULE_TAG).wait()
+                self.group.send([payload.to(self.device)], dst, _SCHEDULE_TAG).wait()
+        self._sent_schedule = True
+        dtypes = {name: dtype for b in schedule.buckets for name, _, dtype in b.tensors}
+        sent = 0
+        for index, (bucket, values) in enumerate(source.serve(schedule)):
+            slots = bucket.slots.get(self.rank, [])
+            if not slots:
+                continue
+            flat = self._pool.take(bucket.message_bytes(self.rank))
+            for view, value in zip(_views(flat, slots, dtypes), values):
+                view.copy_(value)
+            works = [self.group.send([flat], dst, index + 2) for dst in engines]
+            for work in works:
+                work.wait()
+            sent += flat.numel() * len(engines)
+            self.peak_extra_bytes = max(self.peak_extra_bytes, self._pool.held_bytes())
+        self.last_sent_bytes = sent
+        if self.rank != 0:
+            return None
+        return SyncStats(
+            num_tensors=sum(len(b.tensors) for b in schedule.buckets),
+            num_bytes=schedule.num_bytes * len(engines),
+            num_buckets=len(schedule.buckets),
+            seconds=time.perf_counter() - start,
+        )
+
+
+class ShardToShardReceiver:
+    """An engine's end: group rank ``num_trainer_ranks + engine_index``."""
+
+    def __init__(self, *, group: Any, bucket_bytes: int, device: Any = "cpu") -> None:
+        self.group, self.bucket_bytes = group, bucket_bytes
+        self.device = torch.device(device)
+        self.schedule: Schedule | None = None
+        self._pools = (_Pool(device=self.device), _Pool(device=self.device))
+        self.peak_extra_bytes = 0
+        """What its two bucket buffers grew to (``Schedule.extra_bytes("engine")`` bounds it)."""
+
+    def _receive_schedule(self) -> Schedule:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.group.recv([length], 0, _SCHEDULE_TAG).wait()
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self.group.recv([payload], 0, _SCHEDULE_TAG).wait()
+        return pickle.loads(payload.cpu().numpy().tobytes())
+
+    def _post(self, index: int, bucket: Bucket) -> tuple[list[Any], dict[int, torch.Tensor]]:
+        """Post the receives of bucket ``index`` into one of the two pools' buffer (one per owner)."""
+        pool = self._pools[index % 2]
+        flat = pool.take(bucket.num_bytes)
+        messages, works, offset = {}, [], 0
+        for owner in bucket.slots:
+            nbytes = bucket.message_bytes(owner)
+            messages[owner] = flat[offset : offset + nbytes]
+            works.append(self.group.recv([messages[owner]], owner, index + 2))
+            offset += nbytes
+        self.peak_extra_bytes = max(self.peak_extra_bytes, sum(p.held_bytes() for p in self._pools))
+        return works, messages
+
+    def buckets(self) -> Iterator[list[TensorRegions]]:
+        """Each bucket's tensors as they arrive (views into a reused buffer: load a bucket before
+        asking for the one after next)."""
+        if self.schedule is None:
+            self.schedule = self._receive_schedule()
+        buckets = self.schedule.buckets
+        if not buckets:
+            return
+        pending = self._post(0, buckets[0])
+        for index, bucket in enumerate(buckets):
+            works, messages = pending
+            for work in works:
+                work.wait()
+            if index + 1 < len(buckets):  # the next bucket arrives while this one loads
+                pending = self._post(index + 1, buckets[index + 1])
+            yield self._regions(bucket, messages)
+
+    @staticmethod
+    def _regions(bucket: Bucket, messages: dict[int, torch.Tensor]) -> list[TensorRegions]:
+        dtypes = {name: dtype for name, _, dtype in bucket.tensors}
+        updates = {name: TensorRegions(name, shape, {}) for name, shape, _ in bucket.tensors}
+        for owner, slots in bucket.slots.items():
+            for slot, view in zip(slots, _views(messages[owner], slots, dtypes)):
+                update = updates[slot.name]
+                update.regions.setdefault(slot.worker, []).append((slot.dst, view))
+                senders = update.senders.setdefault(slot.worker, [])
+                if owner not in senders:
+                    senders.append(owner)
+        return list(updates.values())
+
+    def receive(self, engine: EngineReceiver) -> SyncStats:
+        """Load every bucket into ``engine`` as it arrives."""
+        start = time.perf_counter()
+        loads = [engine.receive(updates, bucket_bytes=self.bucket_bytes) for updates in self.buckets()]
+        return SyncStats(
+            num_tensors=sum(s.num_tensors for s in loads),
+            num_bytes=sum(s.num_bytes for s in loads),
+            num_buckets=len(loads),
+            seconds=time.perf_counter() - start,
+            path=loads[0].path if loads else "",
+        )
+
+
+def slots_in_order(
+    plan: dict[int, list[Any]], names: Sequence[str], owner_of: Any
+) -> Iterator[tuple[int, Any, int]]:
+    """``(engine worker, SliceCopy, owner)`` of ``plan`` tensor by tensor in ``names``' order."""
+    by_name: dict[str, list[tuple[int, Any]]] = {}
+    for worker, copies in plan.items():
+        for copy in copies:
+            by_name.setdefault(copy.hf_name, []).append((worker, copy))
+    for name in names:
+        for worker, copy in by_name.get(name, []):
+            yield worker, copy, owner_of(copy)
