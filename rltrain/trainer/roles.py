@@ -204,8 +204,7 @@ class PolicyRole(_DataParallelRole):
         """Send the actor's weights after ``step`` to the engines (the step numbers the sync for the
         sampled verification); ``version`` (partial rollouts): the policy version they are, given to
         separate engines that may have batches in flight."""
-        args = () if version is None else (version,)
-        receiving = self.separate.submit("receive_weights", *args) if self.separate else None
+        receiving = self.separate.submit("receive_weights", step, version) if self.separate else None
         metrics: dict[str, float] = {}
         for rank_metrics in self.group.call("sync_weights", step):
             for key, value in rank_metrics.items():

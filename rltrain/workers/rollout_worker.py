@@ -19,7 +19,8 @@ from rltrain.logging import metrics as mk
 if TYPE_CHECKING:
     from rltrain.rollout.protocol import EngineSettings, RolloutEngine
 
-from rltrain.workers.rank_base import RankInfo
+from rltrain.weight_sync.verify import EngineCheck
+from rltrain.workers.rank_base import RankInfo, params_dtype_of
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,14 @@ class RolloutWorker:
         self.receiver: Any = None
         """This engine's end of the weights' group (``rltrain.weight_sync.shard_to_shard`` or
         ``broadcast``)."""
+        sync = config.rollout.weight_sync
+        self.check = EngineCheck(
+            verify=sync.verify_checksums,
+            every=sync.verify_every,
+            dtype=params_dtype_of(config.model.dtype),
+            where=f"separate engine {self.rank}",
+        )
+        """This engine's verification after each sync (``rltrain.weight_sync.verify``)."""
         self.batches: Any = None
         """The pipeline's queued batches with ``rollout.partial_rollout`` (built at the first)."""
 
@@ -87,18 +96,38 @@ class RolloutWorker:
         else:
             self.receiver = ShardToShardReceiver(group=group, bucket_bytes=bucket_bytes, device=device)
 
-    def receive_weights(self, version: int | None = None) -> dict[str, float]:
-        """Load the trainer's weights as they arrive. ``version`` (the pipeline with ``rollout.partial_rollout``): the
-        policy version they are, loaded through the asynchronous engine's ``weight_update`` so that batches
-        in flight pause (or finish) around the load and label their tokens; equal to the engine's
-        version (the run's first send) it is a plain load, nothing being in flight."""
+    def receive_weights(self, step: int | None = None, version: int | None = None) -> dict[str, float]:
+        """Load the trainer's weights as they arrive, then check them (``rollout.weight_sync.
+        verify_checksums``: what this engine was handed, digested on its way in, against what its
+        workers read back; ``step`` numbers the sync, as on the trainer's side, and the first is
+        checked whole). A mismatch raises :class:`~rltrain.errors.WeightSyncMismatchError` naming
+        the tensor, the engine rank and the trainer rank that sent it. ``version`` (the pipeline
+        with ``rollout.partial_rollout``): the policy version they are, loaded through the
+        asynchronous engine's ``weight_update`` so that batches in flight pause (or finish) around
+        the load and label their tokens; equal to the engine's version (the run's first send) it
+        is a plain load, nothing being in flight."""
+        from rltrain.errors import WeightSyncMismatchError
         from rltrain.rollout.partial import load_as_version
+        from rltrain.weight_sync.verify import TappedEngine
 
-        stats = load_as_version(self.engine, version, lambda: self.receiver.receive(self.engine))
-        return {
+        digester = self.check.digester(step)
+        tapped = TappedEngine(self.engine, digester)
+        stats = load_as_version(self.engine, version, lambda: self.receiver.receive(tapped))
+        metrics = {
             mk.WEIGHT_SYNC_RECEIVE_SECONDS: stats.seconds,
             mk.WEIGHT_SYNC_BUCKETS: float(stats.num_buckets),
         }
+        if digester is not None:
+            started = time.perf_counter()
+            problems, num_verified = self.check.compare(self.engine, digester)
+            self.check.num_syncs += 1
+            if problems:
+                more = f" (and {len(problems) - 1} more mismatches)" if len(problems) > 1 else ""
+                raise WeightSyncMismatchError(problems[0] + more)
+            metrics[mk.WEIGHT_SYNC_CHECKSUM_MISMATCHES] = 0.0
+            metrics[mk.WEIGHT_SYNC_VERIFY_SECONDS] = time.perf_counter() - started
+            metrics[mk.WEIGHT_SYNC_VERIFIED_TENSORS] = float(num_verified)
+        return metrics
 
     def generate(self, prompts: list[list[int]], sampling) -> Any:
         return run_engine(self.engine, self.config, prompts, sampling) if prompts else None

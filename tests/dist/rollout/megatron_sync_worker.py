@@ -68,15 +68,17 @@ def syncs_until_planted(sender, engine, name: str, *, worker: int) -> dict:
     from rltrain.logging import metrics as m
     from rltrain.weight_sync.sampling import ModuleRotation, sample_columns
 
-    every = sender.verify_every
+    every = sender.check.every
     rotation = ModuleRotation()  # the product's: a tensor's module, numbered in export order
     position = {n: rotation.position(n) for n in sender.source.shapes}[name]
     target = next(k for k in range(1, every + 1) if k % every == position % every)
-    sender.num_syncs = 0  # the earlier syncs of this test went around the sender
+    sender.check.num_syncs = 0  # the earlier syncs of this test went around the sender
     verified = []
     for _ in range(target):
         metrics = sender.sync()
-        verified.append((metrics.get(m.WEIGHT_SYNC_CHECKSUM_MISMATCHES), metrics.get(m.WEIGHT_SYNC_VERIFIED_TENSORS)))
+        verified.append(
+            (metrics.get(m.WEIGHT_SYNC_CHECKSUM_MISMATCHES), metrics.get(m.WEIGHT_SYNC_VERIFIED_TENSORS))
+        )
     planted_at = None
     if engine is not None and sender.rank == 0:
         real_receive = engine.receive
@@ -89,7 +91,9 @@ def syncs_until_planted(sender, engine, name: str, *, worker: int) -> dict:
             lo = min(s[-1].start for s, _ in regions)
             width = max(s[-1].stop for s, _ in regions) - lo
             slices, values = regions[0]
-            column = next(c for c in sample_columns(name, target, width) if slices[-1].start <= c + lo < slices[-1].stop)
+            column = next(
+                c for c in sample_columns(name, target, width) if slices[-1].start <= c + lo < slices[-1].stop
+            )
             wrong = values.clone()
             wrong[0, column + lo - slices[-1].start] += 1.0
             update.regions = {**update.regions, worker: [(slices, wrong), *regions[1:]]}
@@ -239,7 +243,9 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
     second = {**sync(), **rollout_and_compare("after_step_and_sync")}
     planted = None
     if layout in ("tp2", "tp2_engine_tp2"):
-        planted = syncs_until_planted(sender, engine, "model.layers.0.mlp.down_proj.weight", worker=engine_tp - 1)
+        planted = syncs_until_planted(
+            sender, engine, "model.layers.0.mlp.down_proj.weight", worker=engine_tp - 1
+        )
     if ctx.rank == 0:
         mask = first["batch"].response_mask.bool()
         itemsize = 4  # fp32
@@ -257,7 +263,9 @@ def main(engine_dir: str, actor_dir: str, out_path: str, layout: str, length: st
             "planted": planted,
             "step_skipped": bool(step.skipped),
             "step_logprob_change": float((moved - first["trainer"])[mask].abs().max()),
-            "mtp": {} if not bridge.num_mtp_layers else {
+            "mtp": {}
+            if not bridge.num_mtp_layers
+            else {
                 "num_params": len(mtp_before),
                 "trainable": sum(p.requires_grad for p in mtp_after.values()),
                 "max_change_after_step": mtp_change,

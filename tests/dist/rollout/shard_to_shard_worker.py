@@ -12,7 +12,9 @@ transport), then stream the colocated path's planned regions for an engine of TP
 largest its buffers grew; rank 0 also the simulator's bytes for each trainer GPU
 (``megatron_bridge.sync_plan.shard_to_shard``) and the reference digests. An engine reports the
 digests of the regions it was handed per worker, its workers' effective weights read back, its
-buffer peak and greedy tokens before and after.
+buffer peak and greedy tokens before and after; then it takes a second sync checked as a separate
+engine checks itself (``weight_sync.verify``), the last engine with a wrong value planted in one
+worker's region of ``PLANTED``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ LAYOUTS = {
     "ep2": {"expert_model_parallel_size": 2},
 }
 BUCKET_BYTES = 64 << 10  # small: many buckets, so receives overlap loads
+PLANTED = "model.layers.0.self_attn.o_proj.weight"
+"""Split on its input (last) dimension: engine worker 1's half comes from trainer TP rank 1."""
 
 
 def trainer(layout: str, num_engines: int, port: int, actor_dir: str, out: str) -> None:
@@ -47,7 +51,9 @@ def trainer(layout: str, num_engines: int, port: int, actor_dir: str, out: str) 
 
     ctx = ParallelContext.initialize(ParallelConfig(**LAYOUTS[layout]))
     hf_config = load_hf_config(actor_dir)
-    actor = MegatronWorker(hf_config, ctx=ctx, role="actor", optim=OptimConfig(lr=1e-3), params_dtype=torch.float32)
+    actor = MegatronWorker(
+        hf_config, ctx=ctx, role="actor", optim=OptimConfig(lr=1e-3), params_dtype=torch.float32
+    )
     bridge = bridge_for_chunks(hf_config, actor.chunks, ctx)
     load_hf_weights(actor.chunks, ctx, bridge, HFCheckpointReader(actor_dir))
     planned = PlannedExport(actor.chunks, ctx, bridge)
@@ -67,6 +73,7 @@ def trainer(layout: str, num_engines: int, port: int, actor_dir: str, out: str) 
     )
     sender.transport.bucket_bytes = BUCKET_BYTES
     metrics = sender.sync(0)
+    sender.sync(1)  # the second sync, in which the last engine finds a planted wrong slice
     schedule = planned.schedule(EngineLayout(tp=2), bucket_bytes=BUCKET_BYTES)
     mine = {
         "rank": ctx.rank,
@@ -113,6 +120,7 @@ def engine(index: int, num_trainer: int, num_engines: int, port: int, engine_dir
     from rltrain.weight_sync.broadcast import join_broadcast_group
     from rltrain.weight_sync.sampling import DigestRequest
     from rltrain.weight_sync.shard_to_shard import ShardToShardReceiver
+    from rltrain.weight_sync.verify import EngineCheck, TappedEngine
 
     settings = EngineSettings(
         max_model_len=128, tensor_model_parallel_size=2, options=VllmOptions(kv_cache_space_gb=0.1)
@@ -121,7 +129,10 @@ def engine(index: int, num_trainer: int, num_engines: int, port: int, engine_dir
     greedy = SamplingConfig(temperature=0.0, response_length=8)
     before = vllm.generate([[5, 17, 42]], greedy).response_ids
     group, device = join_broadcast_group(
-        ("127.0.0.1", port), group_rank=num_trainer + index, world_size=num_trainer + num_engines, timeout_s=300
+        ("127.0.0.1", port),
+        group_rank=num_trainer + index,
+        world_size=num_trainer + num_engines,
+        timeout_s=300,
     )
     receiver = ShardToShardReceiver(group=group, bucket_bytes=BUCKET_BYTES, device=device)
     handed: dict[str, dict[str, str]] = {"0": {}, "1": {}}
@@ -136,17 +147,37 @@ def engine(index: int, num_trainer: int, num_engines: int, port: int, engine_dir
     vllm.receive = lambda updates, **kw: real_receive(tapped(updates), **kw)
     stats = receiver.receive(vllm)
     after = vllm.generate([[5, 17, 42]], greedy).response_ids
+    # every tensor whole; fused MoE experts, which a CPU engine cannot read back, skipped
+    read_back = vllm.all_weights_digests(
+        DigestRequest(0, dict.fromkeys(handed["0"], False), skip_unsupported=True)
+    )
+    # the second sync, checked as a separate engine checks itself: the last engine is handed
+    # a wrong value in worker 1's region of o_proj, which the check must name with its sender
+    check = EngineCheck(verify="sampled", every=32, dtype=None, where=f"separate engine {index}")
+    digester = check.digester(1)  # the check's first sync: every tensor whole (fused MoE skipped)
+    plant = index == num_engines - 1
+
+    def planting(updates):
+        for update in updates:
+            if plant and update.name == PLANTED:
+                (slices, values), *rest = update.regions[1]
+                wrong = values.clone()
+                wrong.view(-1)[0] += 1.0
+                update.regions = {**update.regions, 1: [(slices, wrong), *rest]}
+            yield update
+
+    vllm.receive = lambda updates, **kw: real_receive(planting(updates), **kw)
+    receiver.receive(TappedEngine(vllm, digester))
+    problems, num_verified = check.compare(vllm, digester)
     result = {
         "handed": handed,
-        # every tensor whole; fused MoE experts, which a CPU engine cannot read back, skipped
-        "read_back": vllm.all_weights_digests(
-            DigestRequest(0, dict.fromkeys(handed["0"], False), skip_unsupported=True)
-        ),
+        "read_back": read_back,
         "num_buckets": stats.num_buckets,
         "num_bytes": stats.num_bytes,
         "peak_extra_bytes": receiver.peak_extra_bytes,
         "extra_bound": receiver.schedule.extra_bytes("engine"),
         "greedy_changed": before != after,
+        "second_sync": {"problems": problems, "verified": num_verified, "planted": plant},
     }
     with open(out, "w") as f:
         json.dump(result, f, indent=1)

@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("shard_to_shard_worker.py")
 
 
-def run_members(tmp_path: Path, layout: str, *, trainers: int, engines: int, actor: Path, engine: Path) -> tuple:
+def run_members(
+    tmp_path: Path, layout: str, *, trainers: int, engines: int, actor: Path, engine: Path
+) -> tuple:
     """Launch ``trainers`` trainer ranks and ``engines`` engines; return (trainer rank 0's result,
     each engine's result). Each member logs to a file of its own (a pipe nobody reads while
     another member is waited for fills up and blocks the engine's workers mid-load)."""
@@ -36,13 +38,22 @@ def run_members(tmp_path: Path, layout: str, *, trainers: int, engines: int, act
             if role == "trainer":
                 env = {**base, "RANK": str(i), "LOCAL_RANK": str(i), "WORLD_SIZE": str(trainers)}
                 env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master.port)}
-                args = [role, layout, str(engines), str(weights.port), str(actor), str(tmp_path / "trainer.json")]
+                args = [
+                    role,
+                    layout,
+                    str(engines),
+                    str(weights.port),
+                    str(actor),
+                    str(tmp_path / "trainer.json"),
+                ]
             else:
                 env = base
                 out = tmp_path / f"engine{i}.json"
                 args = [role, str(i), str(trainers), str(engines), str(weights.port), str(engine), str(out)]
             with open(log, "w") as f:
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=f, stderr=f))
+                procs.append(
+                    subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=f, stderr=f)
+                )
         try:
             for p in procs:
                 p.wait(timeout=600)
@@ -61,7 +72,9 @@ def run_members(tmp_path: Path, layout: str, *, trainers: int, engines: int, act
     return result, [json.loads((tmp_path / f"engine{e}.json").read_text()) for e in range(engines)]
 
 
-def check(result: dict, engines: list[dict], *, num_tensors: int, read_back_experts: bool) -> None:
+def check(
+    result: dict, engines: list[dict], *, num_tensors: int, read_back_experts: bool, planted_sender: int
+) -> None:
     reference = result["reference"]
     assert sorted(reference) == ["0", "1"] and len(reference["0"]) == len(reference["1"]) == num_tensors
     for e, got in enumerate(engines):
@@ -74,6 +87,19 @@ def check(result: dict, engines: list[dict], *, num_tensors: int, read_back_expe
             # a CPU engine reads fused MoE experts back only for GPT-OSS (``checksum``)
             assert missing == set() if read_back_experts else all(".experts." in n for n in missing)
         assert got["greedy_changed"]
+        second = got["second_sync"]
+        # every tensor read back whole at the second sync; a wrong value planted in the last
+        # engine's load is named with the trainer rank that sent that region
+        assert second["verified"] == len(got["read_back"][0]) + len(got["read_back"][1])
+        assert second["problems"] == (
+            [
+                "weight sync verification failed: model.layers.0.self_attn.o_proj.weight on engine rank 1 "
+                f"(separate engine {e}) differs from what trainer rank {planted_sender} sent (sha256 of its "
+                "whole shard, sync 1)"
+            ]
+            if second["planted"]
+            else []
+        )
         assert got["num_buckets"] == result["num_buckets"] >= 4
         assert 0 < got["peak_extra_bytes"] <= got["extra_bound"]
     for rank in result["ranks"]:
@@ -81,6 +107,7 @@ def check(result: dict, engines: list[dict], *, num_tensors: int, read_back_expe
         # simulator counts the same bytes for its GPU
         assert rank["sent_bytes"] == rank["scheduled_bytes"] == result["simulated_sent"][rank["rank"]] > 0
         assert 0 < rank["peak_extra_bytes"] <= rank["extra_bound"]
+    assert engines[-1]["second_sync"]["planted"]
     assert result["metrics"]["weight_sync/gbytes"] * 1e9 == pytest.approx(
         sum(r["sent_bytes"] for r in result["ranks"]), rel=1e-9
     )
@@ -93,7 +120,7 @@ def test_dense_tp2_pp2_into_two_engines_of_tp2(tmp_path):
     engine = save_tp2_model(tmp_path / "engine", seed=0)
     actor = save_tp2_model(tmp_path / "actor", seed=1)
     result, engines = run_members(tmp_path, "tp2_pp2", trainers=4, engines=2, actor=actor, engine=engine)
-    check(result, engines, num_tensors=21, read_back_experts=True)
+    check(result, engines, num_tensors=21, read_back_experts=True, planted_sender=1)
     # no rank holds more than its own: each of the four sends a part, none all
     sent = [r["sent_bytes"] for r in result["ranks"]]
     assert all(s < sum(sent) / 2 for s in sent)
@@ -106,4 +133,4 @@ def test_moe_ep2_into_an_engine_of_tp2(tmp_path):
     engine = save_tiny_model(tmp_path / "engine", "mixtral", seed=0)
     actor = save_tiny_model(tmp_path / "actor", "mixtral", seed=1)
     result, engines = run_members(tmp_path, "ep2", trainers=2, engines=1, actor=actor, engine=engine)
-    check(result, engines, num_tensors=41, read_back_experts=False)
+    check(result, engines, num_tensors=41, read_back_experts=False, planted_sender=0)

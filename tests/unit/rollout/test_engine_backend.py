@@ -161,7 +161,14 @@ def test_the_rollout_worker_builds_and_drives_a_registered_backend(scripted_back
     weights = {"w.a": torch.tensor([1.0, 2.0]), "w.b": torch.tensor([[4.0]])}  # sum 7
     worker.receiver = TransportOnThisProcess(weights)
     metrics = worker.receive_weights()
-    assert metrics == {mk.WEIGHT_SYNC_RECEIVE_SECONDS: 0.25, mk.WEIGHT_SYNC_BUCKETS: 1.0}
+    assert metrics.pop(mk.WEIGHT_SYNC_VERIFY_SECONDS) > 0
+    assert metrics == {
+        mk.WEIGHT_SYNC_RECEIVE_SECONDS: 0.25,
+        mk.WEIGHT_SYNC_BUCKETS: 1.0,
+        # checked by default (sampled): the first sync into an engine, every tensor whole
+        mk.WEIGHT_SYNC_CHECKSUM_MISMATCHES: 0.0,
+        mk.WEIGHT_SYNC_VERIFIED_TENSORS: 2.0,
+    }
     assert {n: t.tolist() for n, t in engine.weights.items()} == {"w.a": [1.0, 2.0], "w.b": [[4.0]]}
 
     out = worker.generate([[5, 7], [9]], SamplingConfig(n=2, response_length=3))
@@ -202,3 +209,34 @@ def test_the_registry_knows_a_backend_only_while_registered(scripted_backend):
         register_backend(EngineBackend(name="scripted", build=lambda *a, **k: None))
     with pytest.raises(ValueError, match="rollout engine 'vllm' is already registered"):
         register_backend(EngineBackend(name="vllm", build=lambda *a, **k: None))
+
+
+def test_a_separate_engine_checks_what_it_was_handed_and_stops_on_a_wrong_slice(scripted_backend):
+    """A separate engine verifies itself on receipt (``RolloutWorker.receive_weights``): the digests
+    of the regions it was handed against what it reads back. A value changed in the engine after
+    the load (a load that left a wrong slice) stops the sync in one line naming the tensor, the
+    engine rank, the engine and the trainer rank that sent it."""
+    from rltrain.errors import WeightSyncMismatchError
+
+    config = load_config(QUICKSTART, ["rollout.name=scripted", "rollout.weight_sync.verify_every=2"])
+    worker = RolloutWorker(config, "/models/scripted", RankInfo(3, 4, "127.0.0.1", 29500))
+    weights = {"model.norm.weight": torch.tensor([1.0, 2.0]), "lm_head.weight": torch.tensor([[4.0]])}
+    worker.receiver = TransportOnThisProcess(weights)
+    engine = worker.engine
+    real_receive = engine.receive
+
+    def corrupting(updates, **kw):
+        stats = real_receive(updates, **kw)
+        engine.weights["lm_head.weight"][0, 0] += 1.0  # the engine took in something else
+        return stats
+
+    assert worker.receive_weights(step=0)[mk.WEIGHT_SYNC_VERIFIED_TENSORS] == 2.0
+    # step 2: module 0 of 2 (the norm) is checked, the head is not: it passes
+    engine.receive = corrupting
+    assert worker.receive_weights(step=2)[mk.WEIGHT_SYNC_VERIFIED_TENSORS] == 1.0
+    with pytest.raises(WeightSyncMismatchError) as stopped:
+        worker.receive_weights(step=3)  # module 1: the head
+    assert str(stopped.value) == (
+        "weight sync verification failed: lm_head.weight on engine rank 0 (separate engine 3) differs "
+        "from what trainer rank 0 sent (sha256 of its sampled columns, sync 3)"
+    )

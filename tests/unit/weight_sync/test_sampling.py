@@ -225,9 +225,7 @@ def test_the_trainer_digests_the_regions_of_each_worker_it_streamed():
     update.senders = {0: [0], 1: [1]}
     engine = _Engine()
     sender = _sender({}, engine, every=8)
-    from rltrain.weight_sync.sender import _Digester
-
-    digester = _Digester(sender, "sampled")
+    digester = sender.check.digester(None)
     assert list(digester.tap([update])) == [update]
     assert digester.expected == {0: {"w": tensor_digest(t[:2])}, 1: {"w": tensor_digest(t[2:])}}
     assert digester.senders == {("w", 0): [0], ("w", 1): [1]}
