@@ -17,7 +17,10 @@ scales are not synced.
 ``rank-0`` is today's broadcast transport, phase after phase (gather to trainer rank 0, pack,
 broadcast to one receiver per engine, hand-off to each engine's workers); ``s2s direct`` sends every
 planned slice from its owner to every replica; ``s2s relay`` sends it to replica 0, which forwards
-along a chain of replicas. The planner (``reshard.plan_weight_sync``) runs for every engine rank
+along a chain of replicas; ``s2s engine`` is what rltrain's ``shard_to_shard`` transport runs
+today: every owner sends straight to each replica's receiver (its engine process, on the replica's
+first GPU), which hands every worker its regions (per-worker receive, ``s2s direct``, is the next
+step). The planner (``reshard.plan_weight_sync``) runs for every engine rank
 of one replica (the replicas are identical up to GPU numbering): every number is exact for the
 stated layouts, nothing is sampled or scaled.
 
@@ -202,6 +205,7 @@ def simulate(case: Case, bw: st.Bandwidths) -> tuple[list[str], dict]:
         "rank-0": sp.rank0(layouts, place, plan=plan),
         "s2s direct": sp.shard_to_shard(layouts, place, fanout="direct", plan=plan),
         "s2s relay": sp.shard_to_shard(layouts, place, fanout="relay", plan=plan),
+        "s2s engine": sp.shard_to_engine(layouts, place, plan=plan),
     }
     bound = st.lower_bound_seconds(plans["s2s relay"], bw)
     floor = st.node_floor_seconds(plans["s2s relay"], place, bw)
@@ -463,13 +467,14 @@ def main() -> None:
     lines += ["", "Summary (predicted s; ratio to the lower bound):"]
     lines.append(
         "  case                                          bound s  node floor s  rank-0 s (ratio)  "
-        "s2s relay       s2s direct      peers"
+        "s2s relay       s2s direct      s2s engine (runs now)  peers"
     )
     for r in rows:
         lines.append(
             f"  {r['case']:<45} {r['bound']:>7.3f} {r['floor']:>13.3f} {r['rank-0']:>8.2f} "
             f"({r['rank-0'] / r['bound']:>4.0f}x)  {r['s2s relay']:>6.3f} ({r['s2s relay'] / r['bound']:.2f}x)  "
-            f"{r['s2s direct']:>6.3f} ({r['s2s direct'] / r['bound']:.2f}x)  {r['peers']}"
+            f"{r['s2s direct']:>6.3f} ({r['s2s direct'] / r['bound']:.2f}x)  "
+            f"{r['s2s engine']:>8.3f} ({r['s2s engine'] / r['bound']:>5.1f}x)      {r['peers']}"
         )
     if not args.skip_calibration:
         lines += ["", *calibrate()]

@@ -1,14 +1,18 @@
 """Where the bytes of one live weight sync go, GPU by GPU: the reshard planner's copies placed on a
 cluster, for separate trainer and engine nodes, and what each GPU sends, receives and holds.
 
-Pure arithmetic over ``megatron_bridge.reshard`` (no torch, no process groups). Two plans:
+Pure arithmetic over ``megatron_bridge.reshard`` (no torch, no process groups). Three plans:
 
 - ``shard_to_shard``: every planned slice goes from the trainer GPU that owns it straight to each
   engine GPU that needs it. Engine data-parallel replicas each need a copy, in one of two ways
   (``fanout``): ``"direct"`` (the owner sends its slice once per replica) or ``"relay"`` (the owner
   sends to replica 0; replica ``k`` forwards what it received to the same position of replica
-  ``k + 1``, a chain over the replicas).
-- ``rank0``: today's broadcast transport (``rltrain.weight_sync.broadcast``), phase by phase, as its
+  ``k + 1``, a chain over the replicas). Each vLLM worker receives its own slices: the plan
+  rltrain's transport is meant to reach (its receive today is ``shard_to_engine``).
+- ``shard_to_engine``: what rltrain's ``shard_to_shard`` transport runs: the owners send straight
+  to each engine replica's receiver (its process, on the replica's first GPU), which hands every
+  worker its regions; replicas receive directly from the owners (no relay).
+- ``rank0``: the broadcast transport (``rltrain.weight_sync.broadcast``), phase by phase, as its
   code runs them one after the other: *gather* (each owner sends trainer rank 0 its whole-tensor
   slices, one point-to-point message per slice, ``PlannedExport.regions`` at engine TP 1);
   *pack* (rank 0 copies every tensor into ``bucket_bytes`` buckets); *broadcast* (per bucket three
@@ -257,6 +261,59 @@ def shard_to_shard(
         phase.pipeline_fill_bytes = (place.engine_replicas - 1) * min(bucket, max(need.values()))
         phase.pipeline_fill_link = place.link(place.engine_gpu(0, 0, 0), place.engine_gpu(1, 0, 0))
     return SyncPlan(phase.name, [phase], need, position)
+
+
+def shard_to_engine(
+    tensors: list[TensorLayout],
+    place: Placement,
+    *,
+    plan: dict[tuple[int, int], list[SliceCopy]] | None = None,
+) -> SyncPlan:
+    """What rltrain's ``shard_to_shard`` transport runs today: every owner sends its planned slices
+    for all workers of a replica to that replica's receiver (its engine process, on the replica's
+    first GPU), once per replica; the receiver hands each worker its regions (CUDA IPC within a
+    node). Extra memory: a sender one message (at most ``bucket_bytes`` or its largest slice), a
+    receiver two buckets (one loading, the next arriving), a worker its share of a bucket."""
+    place.check()
+    layouts = {t.hf_name: t for t in tensors}
+    plan = plan if plan is not None else replica_plan(tensors, place)
+    flows: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # owner -> [bytes, largest slice]
+    need_by_position: dict[tuple[int, int], int] = {}
+    for position, copies in plan.items():
+        need_by_position[position] = 0
+        for c in copies:
+            nbytes = copy_bytes(c, place.dtype_bytes)
+            flow = flows[place.owner(c, is_expert(layouts[c.hf_name]))]
+            flow[0] += nbytes
+            flow[1] = max(flow[1], nbytes)
+            need_by_position[position] += nbytes
+    total = sum(need_by_position.values())
+    bucket = place.bucket_bytes
+    send, handoff = Phase("shard-to-engine"), Phase("hand-off to engine workers")
+    need: dict[int, int] = {}
+    position_of: dict[int, tuple[int, int]] = {}
+    for replica in range(place.engine_replicas):
+        receiver = place.engine_gpu(replica, 0, 0)
+        for owner, (nbytes, largest) in flows.items():
+            send.move(
+                owner,
+                receiver,
+                nbytes,
+                place.link(owner, receiver),
+                messages=_messages(nbytes, largest, bucket),
+            )
+            send.gpus[owner].extra = max(send.gpus[owner].extra, min(nbytes, max(bucket, largest)))
+            send.gpus[owner].packed += nbytes
+        send.gpus[receiver].extra = min(total, 2 * bucket)
+        for (stage, rank), nbytes in need_by_position.items():
+            gpu = place.engine_gpu(replica, stage, rank)
+            need[gpu], position_of[gpu] = nbytes, (stage, rank)
+            handoff.gpus[receiver].packed += nbytes
+            handoff.gpus[gpu].extra = max(handoff.gpus[gpu].extra, -(-min(total, bucket) * nbytes // total))
+            if gpu != receiver:
+                msgs = max(1, -(-total // bucket))
+                handoff.move(receiver, gpu, nbytes, place.link(receiver, gpu), messages=msgs)
+    return SyncPlan("shard-to-engine", [send, handoff], need, position_of)
 
 
 def bucket_sizes(sizes: Iterable[int], bucket_bytes: int) -> list[int]:

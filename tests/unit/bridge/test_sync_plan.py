@@ -78,6 +78,27 @@ def test_relay_fanout_forwards_within_the_engine_node():
     assert summary.max_extra == NEED  # one message, smaller than a bucket
 
 
+def test_shard_to_engine_sends_each_replica_receiver_both_workers_slices():
+    """What the shard_to_shard transport runs: owners send to each replica's receiver (GPUs 4 and
+    6), which hands its second worker (GPUs 5, 7) that worker's 5456 B over NVLink."""
+    plan = sp.shard_to_engine(tiny(), placement())
+    assert plan.need == {4: NEED, 5: NEED, 6: NEED, 7: NEED}
+    send, handoff = plan.phases
+    for owner in (0, 1):
+        assert send.gpus[owner].sent == {
+            "nvlink": 0,
+            "net": 2 * NEED,
+        }  # its worker's slices, once per replica
+    for receiver in (4, 6):
+        assert send.gpus[receiver].received == {"nvlink": 0, "net": 2 * NEED}
+        assert send.gpus[receiver].extra == 2 * NEED  # the whole model is smaller than two buckets
+        assert handoff.gpus[receiver].sent == {"nvlink": NEED, "net": 0}
+    assert handoff.gpus[5].received == handoff.gpus[7].received == {"nvlink": NEED, "net": 0}
+    # send: an owner's 10,912 B on the network (109.12 s), 2 calls, packs 10,912 B (1.0912 s);
+    # hand-off: the receiver sends 5456 B over NVLink (5.456 s), 1 call, unpacks both workers' 10,912 B
+    assert st.predicted_seconds(plan, BW) == pytest.approx(109.12 + 1.0 + 1.0912 + 5.456 + 0.5 + 1.0912)
+
+
 def test_rank0_plan_phase_by_phase():
     plan = sp.rank0(tiny(), placement())
     gather, pack, broadcast, handoff = plan.phases
