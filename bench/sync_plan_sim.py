@@ -18,9 +18,10 @@ scales are not synced.
 broadcast to one receiver per engine, hand-off to each engine's workers); ``s2s direct`` sends every
 planned slice from its owner to every replica; ``s2s relay`` sends it to replica 0, which forwards
 along a chain of replicas; ``s2s engine`` is what rltrain's ``shard_to_shard`` transport runs
-today: every owner sends straight to each replica's receiver (its engine process, on the replica's
-first GPU), which hands every worker its regions (per-worker receive, ``s2s direct``, is the next
-step). The planner (``reshard.plan_weight_sync``) runs for every engine rank
+today with its default relay fan-out: every owner sends straight to replica 0's receiver (its
+engine process, on the replica's first GPU), each receiver passes every message on to the next
+replica's, and each hands its workers their regions (a receive in every worker, ``s2s relay``, is
+the next step). The planner (``reshard.plan_weight_sync``) runs for every engine rank
 of one replica (the replicas are identical up to GPU numbering): every number is exact for the
 stated layouts, nothing is sampled or scaled.
 
@@ -205,7 +206,7 @@ def simulate(case: Case, bw: st.Bandwidths) -> tuple[list[str], dict]:
         "rank-0": sp.rank0(layouts, place, plan=plan),
         "s2s direct": sp.shard_to_shard(layouts, place, fanout="direct", plan=plan),
         "s2s relay": sp.shard_to_shard(layouts, place, fanout="relay", plan=plan),
-        "s2s engine": sp.shard_to_engine(layouts, place, plan=plan),
+        "s2s engine": sp.shard_to_engine(layouts, place, fanout="relay", plan=plan),
     }
     bound = st.lower_bound_seconds(plans["s2s relay"], bw)
     floor = st.node_floor_seconds(plans["s2s relay"], place, bw)

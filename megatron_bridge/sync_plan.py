@@ -10,8 +10,8 @@ Pure arithmetic over ``megatron_bridge.reshard`` (no torch, no process groups). 
   ``k + 1``, a chain over the replicas). Each vLLM worker receives its own slices: the plan
   rltrain's transport is meant to reach (its receive today is ``shard_to_engine``).
 - ``shard_to_engine``: what rltrain's ``shard_to_shard`` transport runs: the owners send straight
-  to each engine replica's receiver (its process, on the replica's first GPU), which hands every
-  worker its regions; replicas receive directly from the owners (no relay).
+  to an engine replica's receiver (its process, on the replica's first GPU), which hands every
+  worker its regions; the replicas fed direct or by relay as above, receiver to receiver.
 - ``rank0``: the broadcast transport (``rltrain.weight_sync.broadcast``), phase by phase, as its
   code runs them one after the other: *gather* (each owner sends trainer rank 0 its whole-tensor
   slices, one point-to-point message per slice, ``PlannedExport.regions`` at engine TP 1);
@@ -267,13 +267,18 @@ def shard_to_engine(
     tensors: list[TensorLayout],
     place: Placement,
     *,
+    fanout: str = "relay",
     plan: dict[tuple[int, int], list[SliceCopy]] | None = None,
 ) -> SyncPlan:
     """What rltrain's ``shard_to_shard`` transport runs today: every owner sends its planned slices
     for all workers of a replica to that replica's receiver (its engine process, on the replica's
-    first GPU), once per replica; the receiver hands each worker its regions (CUDA IPC within a
-    node). Extra memory: a sender one message (at most ``bucket_bytes`` or its largest slice), a
-    receiver two buckets (one loading, the next arriving), a worker its share of a bucket."""
+    first GPU): to every replica's (``fanout="direct"``), or to replica 0's, each receiver passing
+    every message on to the next replica's (``"relay"``); the receiver hands each worker its
+    regions (CUDA IPC within a node). Extra memory: a sender one message (at most ``bucket_bytes``
+    or its largest slice), a receiver two buckets (one loading or passed on, the next arriving), a
+    worker its share of a bucket."""
+    if fanout not in ("direct", "relay"):
+        raise ValueError(f"fanout must be 'direct' or 'relay', got {fanout!r}")
     place.check()
     layouts = {t.hf_name: t for t in tensors}
     plan = plan if plan is not None else replica_plan(tensors, place)
@@ -295,15 +300,14 @@ def shard_to_engine(
     for replica in range(place.engine_replicas):
         receiver = place.engine_gpu(replica, 0, 0)
         for owner, (nbytes, largest) in flows.items():
-            send.move(
-                owner,
-                receiver,
-                nbytes,
-                place.link(owner, receiver),
-                messages=_messages(nbytes, largest, bucket),
-            )
-            send.gpus[owner].extra = max(send.gpus[owner].extra, min(nbytes, max(bucket, largest)))
-            send.gpus[owner].packed += nbytes
+            msgs = _messages(nbytes, largest, bucket)
+            if fanout == "direct" or replica == 0:
+                send.move(owner, receiver, nbytes, place.link(owner, receiver), messages=msgs)
+                send.gpus[owner].extra = max(send.gpus[owner].extra, min(nbytes, max(bucket, largest)))
+                send.gpus[owner].packed += nbytes
+            else:  # the previous replica's receiver passes each owner's messages on
+                previous = place.engine_gpu(replica - 1, 0, 0)
+                send.move(previous, receiver, nbytes, place.link(previous, receiver), messages=msgs)
         send.gpus[receiver].extra = min(total, 2 * bucket)
         for (stage, rank), nbytes in need_by_position.items():
             gpu = place.engine_gpu(replica, stage, rank)
@@ -313,7 +317,10 @@ def shard_to_engine(
             if gpu != receiver:
                 msgs = max(1, -(-total // bucket))
                 handoff.move(receiver, gpu, nbytes, place.link(receiver, gpu), messages=msgs)
-    return SyncPlan("shard-to-engine", [send, handoff], need, position_of)
+    if fanout == "relay" and place.engine_replicas > 1:
+        send.pipeline_fill_bytes = (place.engine_replicas - 1) * min(bucket, total)
+        send.pipeline_fill_link = place.link(place.engine_gpu(0, 0, 0), place.engine_gpu(1, 0, 0))
+    return SyncPlan(f"shard-to-engine ({fanout})", [send, handoff], need, position_of)
 
 
 def bucket_sizes(sizes: Iterable[int], bucket_bytes: int) -> list[int]:

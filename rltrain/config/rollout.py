@@ -34,6 +34,12 @@ class WeightSyncConfig:
     may reach the engines); ``auto`` picks by ``rollout.mode`` (colocated: in_process, separate:
     shard_to_shard)."""
 
+    fanout: Literal["relay", "direct"] = "relay"
+    """With ``transport: shard_to_shard`` and several separate engines: ``relay`` has the trainer
+    ranks send to engine 0 and each engine pass every bucket on to the next (the owners' links
+    carry one copy whatever the number of engines); ``direct`` has them send to every engine (no
+    chain; each owner's links carry one copy per engine). ``bench/sync_plan_sim.py`` compares them."""
+
     bucket_size_mb: PositiveInt = 512
     """Buckets of about this many MiB: what a separate engine receives at once (and loads while the
     next one arrives), and what an engine whose workers run in other processes hands them in one

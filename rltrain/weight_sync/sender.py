@@ -158,6 +158,7 @@ def build_sender(
         group=group,
         device=device,
         num_engines=num_engines,
+        fanout=sync_config.fanout,
     )
     return WeightSender(
         source,

@@ -9,15 +9,16 @@ the reshard plan (``PlannedExport.schedule``): the engine layout's planned slice
 cut into buckets that never split a fused module (``buckets.iter_buckets``), and in each bucket
 one message per owning trainer rank holding its slices packed in order. Trainer rank 0 sends the
 schedule (pickled) to each engine before its first sync; after that only weights travel: per
-bucket, each owner packs its slices once into a reused buffer and sends it to every engine (the
-replicas receive at once), and each engine receives the bucket's messages from their owners, then
-hands the bucket (every worker its own regions) to the same ``engine.receive`` as every transport.
-An engine posts the receives of the next bucket before it loads the current one, so the network
-and the load overlap.
+bucket, each owner packs its slices once into a reused buffer and sends it to engine 0 (``fanout:
+relay``, the default: engine k passes each message on to engine k + 1 as it arrives, a chain) or
+to every engine (``direct``: the owners' links carry one copy per engine); each engine receives
+the bucket's messages, then hands the bucket (every worker its own regions) to the same
+``engine.receive`` as every transport. An engine posts the receives of the next bucket before it
+loads the current one, so the network and the load overlap.
 
 Memory beyond the weights (``Schedule.extra_bytes``, the bound the tests hold each rank to): a
 trainer rank one packed message (its largest in any bucket); an engine two buckets (the one being
-loaded and the one arriving).
+loaded, or passed on, and the one arriving).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ import torch
 
 from rltrain.weight_sync.buckets import BufferPool, iter_buckets
 from rltrain.weight_sync.types import EngineReceiver, SyncStats, TensorRegions
+
+FANOUTS = ("relay", "direct")
+"""How the engines' copies leave the trainer: ``relay`` (owners send to engine 0, engine k passes
+each message on to engine k + 1) or ``direct`` (owners send to every engine)."""
 
 _SCHEDULE_TAG = 1
 """Tag of the schedule messages; each bucket's messages are tagged by their bucket index + 2."""
@@ -144,20 +149,32 @@ class ShardToShardSender:
     """The trainer end (every trainer rank; ``group`` spans trainer ranks and engines)."""
 
     def __init__(
-        self, *, group: Any, rank: int, num_engines: int, engine: Any, bucket_bytes: int, device: Any = "cpu"
+        self,
+        *,
+        group: Any,
+        rank: int,
+        num_engines: int,
+        engine: Any,
+        bucket_bytes: int,
+        device: Any = "cpu",
+        fanout: str = "relay",
     ) -> None:
-        self.group, self.rank, self.num_engines = group, rank, num_engines
+        if fanout not in FANOUTS:
+            raise ValueError(f"rollout.weight_sync.fanout={fanout!r} is not one of {', '.join(FANOUTS)}")
+        self.group, self.rank, self.num_engines, self.fanout = group, rank, num_engines, fanout
         self.engine_layout, self.bucket_bytes = engine, bucket_bytes
         self.device = torch.device(device)
         self._pool = _Pool(device=self.device)
         self._sent_schedule = False
         self.last_sent_bytes = 0
-        """Bytes this rank sent at the last sync (all engines together)."""
+        """Bytes this rank sent at the last sync (to every engine it sends to)."""
         self.peak_extra_bytes = 0
         """The largest its send buffer grew (``Schedule.extra_bytes("trainer", rank)`` bounds it)."""
 
     def send(self, source: Any) -> SyncStats | None:
-        """Collective over the trainer's ranks; the stats (the whole sync's bytes) on rank 0."""
+        """Collective over the trainer's ranks; the stats on rank 0 (``num_bytes``: what every
+        trainer rank sent, together: one copy of the planned bytes with relay, one per engine with
+        direct fan-out)."""
         start = time.perf_counter()
         schedule = source.schedule(self.engine_layout, bucket_bytes=self.bucket_bytes)
         if self.group is None:
@@ -165,8 +182,10 @@ class ShardToShardSender:
                 f"trainer rank {self.rank} is not in the weights' group of the separate engines"
             )
         engines = [schedule.num_trainer_ranks + e for e in range(self.num_engines)]
+        targets = engines if self.fanout == "direct" else engines[:1]  # relay: engine 0 passes it on
         if not self._sent_schedule and self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(schedule)), dtype=torch.uint8)
+            message = (schedule, self.fanout, self.num_engines)
+            payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
             length = torch.tensor([payload.numel()], dtype=torch.int64)
             for dst in engines:
                 self.group.send([length.to(self.device)], dst, _SCHEDULE_TAG).wait()
@@ -181,17 +200,17 @@ class ShardToShardSender:
             flat = self._pool.take(bucket.message_bytes(self.rank))
             for view, value in zip(_views(flat, slots, dtypes), values):
                 view.copy_(value)
-            works = [self.group.send([flat], dst, index + 2) for dst in engines]
+            works = [self.group.send([flat], dst, index + 2) for dst in targets]
             for work in works:
                 work.wait()
-            sent += flat.numel() * len(engines)
+            sent += flat.numel() * len(targets)
             self.peak_extra_bytes = max(self.peak_extra_bytes, self._pool.held_bytes())
         self.last_sent_bytes = sent
         if self.rank != 0:
             return None
         return SyncStats(
             num_tensors=sum(len(b.tensors) for b in schedule.buckets),
-            num_bytes=schedule.num_bytes * len(engines),
+            num_bytes=schedule.num_bytes * len(targets),  # what the trainer ranks sent, together
             num_buckets=len(schedule.buckets),
             seconds=time.perf_counter() - start,
         )
@@ -204,7 +223,11 @@ class ShardToShardReceiver:
         self.group, self.bucket_bytes = group, bucket_bytes
         self.device = torch.device(device)
         self.schedule: Schedule | None = None
+        self.fanout, self.num_engines = "direct", 1
+        """Set with the schedule (trainer rank 0 sends both)."""
         self._pools = (_Pool(device=self.device), _Pool(device=self.device))
+        self._forwards: tuple[list[Any], list[Any]] = ([], [])
+        """Relay: the sends passing each pool's bucket on to the next engine (done before reuse)."""
         self.peak_extra_bytes = 0
         """What its two bucket buffers grew to (``Schedule.extra_bytes("engine")`` bounds it)."""
 
@@ -213,17 +236,31 @@ class ShardToShardReceiver:
         self.group.recv([length], 0, _SCHEDULE_TAG).wait()
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.group.recv([payload], 0, _SCHEDULE_TAG).wait()
-        return pickle.loads(payload.cpu().numpy().tobytes())
+        schedule, self.fanout, self.num_engines = pickle.loads(payload.cpu().numpy().tobytes())
+        return schedule
+
+    def _relay(self) -> tuple[int | None, int | None]:
+        """(whom this engine receives from instead of the owners, whom it forwards to); (None, None)
+        with direct fan-out."""
+        if self.fanout == "direct" or self.schedule is None:
+            return None, None
+        me, first = self.group.rank(), self.schedule.num_trainer_ranks
+        last = first + self.num_engines - 1
+        return (me - 1 if me > first else None), (me + 1 if me < last else None)
 
     def _post(self, index: int, bucket: Bucket) -> tuple[list[Any], dict[int, torch.Tensor]]:
         """Post the receives of bucket ``index`` into one of the two pools' buffer (one per owner)."""
         pool = self._pools[index % 2]
+        for work in self._forwards[index % 2]:  # the bucket before last has left for the next engine
+            work.wait()
+        self._forwards[index % 2].clear()
         flat = pool.take(bucket.num_bytes)
+        source = self._relay()[0]
         messages, works, offset = {}, [], 0
         for owner in bucket.slots:
             nbytes = bucket.message_bytes(owner)
             messages[owner] = flat[offset : offset + nbytes]
-            works.append(self.group.recv([messages[owner]], owner, index + 2))
+            works.append(self.group.recv([messages[owner]], owner if source is None else source, index + 2))
             offset += nbytes
         self.peak_extra_bytes = max(self.peak_extra_bytes, sum(p.held_bytes() for p in self._pools))
         return works, messages
@@ -237,10 +274,15 @@ class ShardToShardReceiver:
         if not buckets:
             return
         pending = self._post(0, buckets[0])
+        forward_to = self._relay()[1]
         for index, bucket in enumerate(buckets):
             works, messages = pending
             for work in works:
                 work.wait()
+            if forward_to is not None:  # relay: pass each owner's message on, as it came
+                self._forwards[index % 2].extend(
+                    self.group.send([messages[owner]], forward_to, index + 2) for owner in bucket.slots
+                )
             if index + 1 < len(buckets):  # the next bucket arrives while this one loads
                 pending = self._post(index + 1, buckets[index + 1])
             yield self._regions(bucket, messages)
@@ -259,9 +301,13 @@ class ShardToShardReceiver:
         return list(updates.values())
 
     def receive(self, engine: EngineReceiver) -> SyncStats:
-        """Load every bucket into ``engine`` as it arrives."""
+        """Load every bucket into ``engine`` as it arrives (relay: and pass it on to the next engine)."""
         start = time.perf_counter()
         loads = [engine.receive(updates, bucket_bytes=self.bucket_bytes) for updates in self.buckets()]
+        for forwards in self._forwards:
+            for work in forwards:
+                work.wait()
+            forwards.clear()
         return SyncStats(
             num_tensors=sum(s.num_tensors for s in loads),
             num_bytes=sum(s.num_bytes for s in loads),

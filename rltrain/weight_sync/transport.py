@@ -77,6 +77,7 @@ def make_transport(
     group: Any = None,
     device: Any = "cpu",
     num_engines: int = 1,
+    fanout: str = "relay",
 ) -> WeightTransport:
     """The trainer-side transport ``rollout.weight_sync.transport`` names for ``rollout.mode``.
 
@@ -84,7 +85,7 @@ def make_transport(
     other pairings are refused (the config refuses them too). ``group`` (separate mode): the
     weights' group of ``weight_sync.broadcast.join_broadcast_group`` (every trainer rank for
     ``shard_to_shard``, rank 0 alone for ``broadcast``; None on the others); ``num_engines``: the
-    separate engines.
+    separate engines; ``fanout``: ``rollout.weight_sync.fanout``.
     """
     if kind not in TRANSPORTS:
         raise ValueError(f"rollout.weight_sync.transport={kind!r} is not one of {', '.join(TRANSPORTS)}")
@@ -118,6 +119,7 @@ def make_transport(
             engine=EngineLayout(tp=engine_tp),
             bucket_bytes=bucket_bytes,
             device=device,
+            fanout=fanout,
         )
     from rltrain.weight_sync.broadcast import BroadcastTransport
 

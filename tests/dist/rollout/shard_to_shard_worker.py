@@ -78,7 +78,8 @@ def trainer(layout: str, num_engines: int, port: int, actor_dir: str, out: str) 
     mine = {
         "rank": ctx.rank,
         "sent_bytes": sender.transport.last_sent_bytes,
-        "scheduled_bytes": schedule.sent_bytes(ctx.rank) * num_engines,
+        # relay (the default): one copy, to engine 0; direct: one per engine
+        "scheduled_bytes": schedule.sent_bytes(ctx.rank) * (num_engines if sender.transport.fanout == "direct" else 1),
         "peak_extra_bytes": sender.transport.peak_extra_bytes,
         "extra_bound": schedule.extra_bytes("trainer", ctx.rank),
     }
@@ -96,7 +97,8 @@ def trainer(layout: str, num_engines: int, port: int, actor_dir: str, out: str) 
             engine_replicas=num_engines,
             dtype_bytes=4,
         )
-        simulated = sync_plan.shard_to_shard(list(planned.layouts.values()), place, fanout="direct")
+        # what the transport runs, with its default fan-out (relay: the owners send to engine 0)
+        simulated = sync_plan.shard_to_engine(list(planned.layouts.values()), place, fanout="relay")
         sent_by_gpu = {g: sum(t.sent.values()) for g, t in simulated.phases[0].gpus.items()}
         result = {
             "metrics": metrics,

@@ -81,7 +81,7 @@ def test_relay_fanout_forwards_within_the_engine_node():
 def test_shard_to_engine_sends_each_replica_receiver_both_workers_slices():
     """What the shard_to_shard transport runs: owners send to each replica's receiver (GPUs 4 and
     6), which hands its second worker (GPUs 5, 7) that worker's 5456 B over NVLink."""
-    plan = sp.shard_to_engine(tiny(), placement())
+    plan = sp.shard_to_engine(tiny(), placement(), fanout="direct")
     assert plan.need == {4: NEED, 5: NEED, 6: NEED, 7: NEED}
     send, handoff = plan.phases
     for owner in (0, 1):
@@ -97,6 +97,19 @@ def test_shard_to_engine_sends_each_replica_receiver_both_workers_slices():
     # send: an owner's 10,912 B on the network (109.12 s), 2 calls, packs 10,912 B (1.0912 s);
     # hand-off: the receiver sends 5456 B over NVLink (5.456 s), 1 call, unpacks both workers' 10,912 B
     assert st.predicted_seconds(plan, BW) == pytest.approx(109.12 + 1.0 + 1.0912 + 5.456 + 0.5 + 1.0912)
+
+
+def test_shard_to_engine_relay_passes_each_message_on_receiver_to_receiver():
+    plan = sp.shard_to_engine(tiny(), placement(), fanout="relay")
+    send, _ = plan.phases
+    for owner in (0, 1):
+        assert send.gpus[owner].sent == {"nvlink": 0, "net": NEED}  # replica 0's copy only
+    assert send.gpus[4].received == {"nvlink": 0, "net": 2 * NEED}
+    assert send.gpus[4].sent == send.gpus[6].received == {"nvlink": 2 * NEED, "net": 0}
+    assert send.pipeline_fill_bytes == 2 * NEED and send.pipeline_fill_link == "nvlink"
+    # send: GPU 4 receives 10,912 B on the network (109.12 s; its NVLink send overlaps), 4 calls (2 in,
+    # 2 out); the chain's fill: 10,912 B over NVLink (10.912 s); the hand-off as with direct fan-out
+    assert st.predicted_seconds(plan, BW) == pytest.approx(109.12 + 2.0 + 10.912 + 5.456 + 0.5 + 1.0912)
 
 
 def test_rank0_plan_phase_by_phase():

@@ -186,10 +186,12 @@ class RegionEngine:
         return SyncStats(len(bucket), 0, 1, 0.0, "reload")
 
 
-def test_shard_to_shard_sends_each_owner_slice_to_every_engine_bit_exact():
+@pytest.mark.parametrize("fanout", ["direct", "relay"])
+def test_shard_to_shard_sends_each_owner_slice_to_every_engine_bit_exact(fanout):
     """Two trainer ranks and two engines (threads, one real gloo group of four): every engine
-    worker gets exactly its rows from their owner, each owner sends only its own slices to each
-    engine, and the buffers stay within the schedule's bound (all derived by hand below)."""
+    worker gets exactly its rows from their owner, each owner sends only its own slices (to each
+    engine, or with relay to engine 0, which passes them on to engine 1), and the buffers stay
+    within the schedule's bound (all derived by hand below)."""
     from rltrain.weight_sync.shard_to_shard import ShardToShardReceiver, ShardToShardSender
 
     with socket.socket() as s:
@@ -204,7 +206,12 @@ def test_shard_to_shard_sends_each_owner_slice_to_every_engine_bit_exact():
         group = standalone_group(host="127.0.0.1", port=port, rank=r, world_size=4, timeout_s=60)
         if r < 2:
             sender = ShardToShardSender(
-                group=group, rank=r, num_engines=2, engine=EngineLayout(tp=2), bucket_bytes=bucket_bytes
+                group=group,
+                rank=r,
+                num_engines=2,
+                engine=EngineLayout(tp=2),
+                bucket_bytes=bucket_bytes,
+                fanout=fanout,
             )
             stats = [sender.send(TwoOwnerSource(r, step)) for step in (1, 2)]
             results[r] = (stats, sender.last_sent_bytes, sender.peak_extra_bytes)
@@ -222,9 +229,10 @@ def test_shard_to_shard_sends_each_owner_slice_to_every_engine_bit_exact():
     assert sorted(results) == [0, 1, 2, 3]
     # per engine: rank 0 sends 3 × 64 bytes of rows + the norm twice (16 + 16); rank 1 3 × 64 + bias twice (12 + 12)
     (stats0, sent0, extra0), (stats1, sent1, extra1) = results[0], results[1]
-    assert sent0 == 2 * (3 * 64 + 32) and sent1 == 2 * (3 * 64 + 24)
-    assert stats1 == [None, None]  # the sync's stats come from rank 0: both engines' bytes
-    assert [s.num_bytes for s in stats0] == [2 * (3 * 64 * 2 + 32 + 24)] * 2
+    copies = 2 if fanout == "direct" else 1  # relay: engine 0's copy only
+    assert sent0 == copies * (3 * 64 + 32) and sent1 == copies * (3 * 64 + 24)
+    assert stats1 == [None, None]  # the sync's stats come from rank 0
+    assert [s.num_bytes for s in stats0] == [copies * (3 * 64 * 2 + 32 + 24)] * 2  # the trainer's, together
     assert [s.num_buckets for s in stats0] == [2, 2] and stats0[0].num_tensors == 5
     # a trainer rank packs one message at a time: its largest is its half of two layers (128 bytes)
     assert extra0 == extra1 == 128
