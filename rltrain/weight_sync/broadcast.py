@@ -157,13 +157,7 @@ def load_buckets(engine: EngineReceiver, buckets: Iterable[PackedBucket], *, buc
         )
         for packed in buckets
     ]
-    return SyncStats(
-        num_tensors=sum(s.num_tensors for s in loads),
-        num_bytes=sum(s.num_bytes for s in loads),
-        num_buckets=len(loads),
-        seconds=time.perf_counter() - start,
-        path=loads[0].path if loads else "",
-    )
+    return SyncStats.of_loads(loads, time.perf_counter() - start)
 
 
 def join_broadcast_group(

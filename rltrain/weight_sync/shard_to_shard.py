@@ -308,13 +308,7 @@ class ShardToShardReceiver:
             for work in forwards:
                 work.wait()
             forwards.clear()
-        return SyncStats(
-            num_tensors=sum(s.num_tensors for s in loads),
-            num_bytes=sum(s.num_bytes for s in loads),
-            num_buckets=len(loads),
-            seconds=time.perf_counter() - start,
-            path=loads[0].path if loads else "",
-        )
+        return SyncStats.of_loads(loads, time.perf_counter() - start)
 
 
 def slots_in_order(

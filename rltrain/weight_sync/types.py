@@ -95,6 +95,17 @@ class SyncStats:
     path: str = ""
     """How the engine (its worker rank 0) took the weights in: ``direct`` or ``reload``."""
 
+    @classmethod
+    def of_loads(cls, loads: list[SyncStats], seconds: float) -> SyncStats:
+        """Several engine loads (one per bucket) as one sync that took ``seconds``."""
+        return cls(
+            num_tensors=sum(s.num_tensors for s in loads),
+            num_bytes=sum(s.num_bytes for s in loads),
+            num_buckets=len(loads),
+            seconds=seconds,
+            path=loads[0].path if loads else "",
+        )
+
     @property
     def gb_per_s(self) -> float:
         return self.num_bytes / max(self.seconds, 1e-12) / 1e9
