@@ -43,6 +43,15 @@ _SCHEDULE_TAG = 1
 """Tag of the schedule messages; each bucket's messages are tagged by their bucket index + 2."""
 
 
+def _wait(work: Any, what: str) -> None:
+    """Wait for one send or receive of the weights' group; its timeout (``trainer.timeouts.
+    collective_s``) or a lost peer is raised naming what was waited for."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise RuntimeError(f"weight sync (shard_to_shard): {what} failed: {str(e).splitlines()[0]}") from e
+
+
 @dataclass(frozen=True)
 class Slot:
     """One planned slice: trainer rank ``owner``'s piece of HF tensor ``name`` at ``src``, which
@@ -188,8 +197,9 @@ class ShardToShardSender:
             payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
             length = torch.tensor([payload.numel()], dtype=torch.int64)
             for dst in engines:
-                self.group.send([length.to(self.device)], dst, _SCHEDULE_TAG).wait()
-                self.group.send([payload.to(self.device)], dst, _SCHEDULE_TAG).wait()
+                what = f"trainer rank 0 sending the schedule to group rank {dst} (an engine)"
+                _wait(self.group.send([length.to(self.device)], dst, _SCHEDULE_TAG), what)
+                _wait(self.group.send([payload.to(self.device)], dst, _SCHEDULE_TAG), what)
         self._sent_schedule = True
         dtypes = {name: dtype for b in schedule.buckets for name, _, dtype in b.tensors}
         sent = 0
@@ -200,9 +210,11 @@ class ShardToShardSender:
             flat = self._pool.take(bucket.message_bytes(self.rank))
             for view, value in zip(_views(flat, slots, dtypes), values):
                 view.copy_(value)
-            works = [self.group.send([flat], dst, index + 2) for dst in targets]
-            for work in works:
-                work.wait()
+            works = [(dst, self.group.send([flat], dst, index + 2)) for dst in targets]
+            for dst, work in works:
+                _wait(
+                    work, f"trainer rank {self.rank} sending bucket {index} to group rank {dst} (an engine)"
+                )
             sent += flat.numel() * len(targets)
             self.peak_extra_bytes = max(self.peak_extra_bytes, self._pool.held_bytes())
         self.last_sent_bytes = sent
@@ -233,9 +245,10 @@ class ShardToShardReceiver:
 
     def _receive_schedule(self) -> Schedule:
         length = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.group.recv([length], 0, _SCHEDULE_TAG).wait()
+        what = f"group rank {self.group.rank()} (an engine) waiting for the schedule from trainer rank 0"
+        _wait(self.group.recv([length], 0, _SCHEDULE_TAG), what)
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self.group.recv([payload], 0, _SCHEDULE_TAG).wait()
+        _wait(self.group.recv([payload], 0, _SCHEDULE_TAG), what)
         schedule, self.fanout, self.num_engines = pickle.loads(payload.cpu().numpy().tobytes())
         return schedule
 
@@ -252,7 +265,7 @@ class ShardToShardReceiver:
         """Post the receives of bucket ``index`` into one of the two pools' buffer (one per owner)."""
         pool = self._pools[index % 2]
         for work in self._forwards[index % 2]:  # the bucket before last has left for the next engine
-            work.wait()
+            _wait(work, f"group rank {self.group.rank()} (an engine) passing bucket {index - 2} on")
         self._forwards[index % 2].clear()
         flat = pool.take(bucket.num_bytes)
         source = self._relay()[0]
@@ -260,7 +273,8 @@ class ShardToShardReceiver:
         for owner in bucket.slots:
             nbytes = bucket.message_bytes(owner)
             messages[owner] = flat[offset : offset + nbytes]
-            works.append(self.group.recv([messages[owner]], owner if source is None else source, index + 2))
+            sender = owner if source is None else source
+            works.append((sender, self.group.recv([messages[owner]], sender, index + 2)))
             offset += nbytes
         self.peak_extra_bytes = max(self.peak_extra_bytes, sum(p.held_bytes() for p in self._pools))
         return works, messages
@@ -277,8 +291,11 @@ class ShardToShardReceiver:
         forward_to = self._relay()[1]
         for index, bucket in enumerate(buckets):
             works, messages = pending
-            for work in works:
-                work.wait()
+            for source, work in works:
+                _wait(
+                    work,
+                    f"group rank {self.group.rank()} (an engine) waiting for bucket {index} from group rank {source}",
+                )
             if forward_to is not None:  # relay: pass each owner's message on, as it came
                 self._forwards[index % 2].extend(
                     self.group.send([messages[owner]], forward_to, index + 2) for owner in bucket.slots
@@ -306,7 +323,7 @@ class ShardToShardReceiver:
         loads = [engine.receive(updates, bucket_bytes=self.bucket_bytes) for updates in self.buckets()]
         for forwards in self._forwards:
             for work in forwards:
-                work.wait()
+                _wait(work, f"group rank {self.group.rank()} (an engine) passing its last buckets on")
             forwards.clear()
         return SyncStats.of_loads(loads, time.perf_counter() - start)
 

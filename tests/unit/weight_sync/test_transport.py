@@ -248,3 +248,38 @@ def test_shard_to_shard_sends_each_owner_slice_to_every_engine_bit_exact(fanout)
             for (name, worker), values in got.items():
                 want = full[name] if full[name].dim() == 1 else full[name][4 * worker : 4 * worker + 4]
                 assert values.dtype == want.dtype and torch.equal(values, want), (name, worker)
+
+
+def test_a_shard_to_shard_wait_that_times_out_names_what_it_waited_for():
+    """An engine whose trainer never sends (a frozen rank 0): the group's timeout ends its wait in
+    one line naming the wait, not gloo's bare message."""
+    from rltrain.weight_sync.shard_to_shard import ShardToShardReceiver
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    errors: dict[int, BaseException] = {}
+    ready = threading.Event()
+
+    def member(r: int) -> None:
+        group = standalone_group(host="127.0.0.1", port=port, rank=r, world_size=2, timeout_s=1)
+        if r == 0:  # the trainer: joins, then sends nothing
+            ready.wait(30)
+            return
+        try:
+            ShardToShardReceiver(group=group, bucket_bytes=1024).receive(RegionEngine())
+        except RuntimeError as e:
+            errors[r] = e
+        finally:
+            ready.set()
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    message = str(errors[1])
+    assert message.startswith(
+        "weight sync (shard_to_shard): group rank 1 (an engine) waiting for the schedule from trainer rank 0 failed: "
+    )
+    assert "\n" not in message
