@@ -147,6 +147,3 @@ class TappedEngine:
     def receive(self, updates: Iterable[TensorRegions], *, bucket_bytes: int) -> SyncStats:
         stream = self.digester.tap(updates) if self.digester is not None else updates
         return self.engine.receive(stream, bucket_bytes=bucket_bytes)
-
-    def all_weights_digests(self, request=None):
-        return self.engine.all_weights_digests(request)
