@@ -28,14 +28,19 @@ reads it (the checkpoint's own class is remote code: Kimi-K2 ships DeepSeek-V3's
 def config_value(config: Any, *names: str, default: Any = None) -> Any:
     """The first of ``names`` that ``config`` sets to a non-None value, as transformers reads it.
 
-    ``config``: a ``PretrainedConfig`` (its attributes), or the dict of a ``config.json``: its keys,
-    and where the dict leaves out every one of ``names``, the transformers default that the family of
+    ``config``: a ``PretrainedConfig`` (its attributes), or the dict of a ``config.json``: its keys;
+    where the dict or the instance has none of ``names``, the transformers default that the family of
     its ``model_type`` declares (``ModelFamily.hf_defaults``); a key set to null stays null. ``default``
     where none of ``names`` has a value (keys the transformers class does not define, dicts of no
     registered ``model_type``).
     """
     if not isinstance(config, Mapping):
-        values = [getattr(config, name, None) for name in names]
+        values = [getattr(config, name) for name in names if hasattr(config, name)]
+        if not values:
+            # a key this transformers release's class does not define yet (it hard-codes the value
+            # in the model: GPT-OSS's swiglu_alpha before 5.19) reads as the family's default
+            defaults = _hf_defaults(getattr(config, "model_type", None))
+            values = [defaults.get(name) for name in names]
     else:
         # Every name present first: an alias in the file (num_local_experts) beats a default of its key.
         defaults = _hf_defaults(config.get("model_type"))

@@ -145,3 +145,24 @@ def test_a_key_set_to_null_stays_null_and_an_alias_counts_as_its_key():
     assert config_value({**v3, "num_local_experts": 16}, "n_routed_experts", "num_local_experts") == 16
     assert config_value({"num_experts_per_tok": 2}, "num_experts_per_tok") == 2  # no model_type: as is
     assert config_value({}, "num_experts_per_tok", default=3) == 3
+
+
+def test_a_key_an_older_transformers_class_lacks_reads_as_the_familys_default():
+    """transformers 5.16–5.18's ``GptOssConfig`` has no ``swiglu_alpha``/``swiglu_limit`` (the model
+    hard-codes 1.702 and 7.0; 5.19 made them config keys): an instance without them reads as the family's
+    defaults, as transformers computes, where it used to stop the actor's start-up with
+    ``float(None)``. A key the instance sets to None stays None."""
+    from types import SimpleNamespace
+
+    from megatron_bridge.models.gpt_oss import gpt_oss_facts
+
+    # what a 5.18 instance holds: every attribute of today's but those two
+    attributes = tiny_hf_config("gpt_oss", vocab_size=448).to_dict()
+    config = SimpleNamespace(
+        **{k: v for k, v in attributes.items() if k not in ("swiglu_alpha", "swiglu_limit")}
+    )
+    assert config.model_type == "gpt_oss"
+    assert gpt_oss_facts(config).clamped_glu_limit == 7.0
+    assert config_value(config, "swiglu_alpha") == 1.702
+    config.swiglu_limit = None
+    assert config_value(config, "swiglu_limit") is None
