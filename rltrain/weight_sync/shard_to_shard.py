@@ -23,6 +23,7 @@ loaded, or passed on, and the one arriving).
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import time
@@ -77,9 +78,12 @@ class Bucket:
     slots: dict[int, list[Slot]] = field(default_factory=dict)
     """``{owner: its slots}`` in the order its message packs them."""
 
+    @functools.cached_property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        return {name: dtype for name, _, dtype in self.tensors}
+
     def message_bytes(self, owner: int) -> int:
-        dtypes = {name: dtype for name, _, dtype in self.tensors}
-        return sum(math.prod(s.shape) * dtypes[s.name].itemsize for s in self.slots.get(owner, ()))
+        return sum(math.prod(s.shape) * self.dtypes[s.name].itemsize for s in self.slots.get(owner, ()))
 
     @property
     def num_bytes(self) -> int:
@@ -306,10 +310,9 @@ class ShardToShardReceiver:
 
     @staticmethod
     def _regions(bucket: Bucket, messages: dict[int, torch.Tensor]) -> list[TensorRegions]:
-        dtypes = {name: dtype for name, _, dtype in bucket.tensors}
         updates = {name: TensorRegions(name, shape, {}) for name, shape, _ in bucket.tensors}
         for owner, slots in bucket.slots.items():
-            for slot, view in zip(slots, _views(messages[owner], slots, dtypes)):
+            for slot, view in zip(slots, _views(messages[owner], slots, bucket.dtypes)):
                 update = updates[slot.name]
                 update.regions.setdefault(slot.worker, []).append((slot.dst, view))
                 senders = update.senders.setdefault(slot.worker, [])
